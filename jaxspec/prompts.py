@@ -1,0 +1,120 @@
+"""Turning user prompts into fixed-shape device inputs, with validation at the boundary.
+
+Every engine (autoregressive, speculative, pipelined) takes prompts through `prepare`, so they all
+accept the same inputs, reject the same mistakes with the same messages, and share shape buckets:
+prompt lengths, batch sizes and generation lengths are rounded up to a few sizes so a new batch
+usually reuses an already compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+MIN_LENGTH_BUCKET = 16
+
+
+def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
+    """Next power of two >= n (at least `minimum`)."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def bucket_batch(n: int) -> int:
+    """1, 2, 4, 8, then multiples of 8: few programs, little padding waste."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 8) * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """Right-padded prompts of a batch (padded rows have max_new = 0 and never run).
+
+    Attributes:
+      tokens_bp: int32 [b, p] prompt ids, right-padded with 0.
+      lengths_b: int32 [b] prompt lengths (1 for padding rows).
+      max_new_b: int32 [b] token budget of each row (0 for padding rows).
+      request_ids_b: int32 [b] index of each row's prompt in the caller's list (seeds its RNG).
+      num_prompts: how many rows are real.
+      out_len: static size of the output buffer (bucketed max of max_new).
+    """
+
+    tokens_bp: np.ndarray
+    lengths_b: np.ndarray
+    max_new_b: np.ndarray
+    request_ids_b: np.ndarray
+    num_prompts: int
+    out_len: int
+
+
+def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Validates prompts (token-id lists, or strings with a tokenizer) and returns id lists."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+        raise ValueError("prompts must be a list of prompts (token-id lists or strings), "
+                         f"got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"prompts[{i}] is a string but the model has no tokenizer; "
+                                 "pass token-id lists or load a model with a tokenizer")
+            ids = list(tokenizer(prompt)["input_ids"])
+        else:
+            array = np.asarray(prompt)
+            if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+                raise ValueError(f"prompts[{i}] must be a 1-D list of int token ids or a string")
+            ids = [int(t) for t in array]
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] contains token id {bad[0]}, outside [0, {vocab_size}) "
+                             f"(vocab_size={vocab_size})")
+        encoded.append(ids)
+    return encoded
+
+
+def check_max_new_tokens(max_new_tokens, num_prompts: int) -> list[int]:
+    """An int (shared) or one int per prompt; each >= 1."""
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        values = [int(v) for v in max_new_tokens]
+        if len(values) != num_prompts:
+            raise ValueError(f"max_new_tokens has {len(values)} entries for {num_prompts} prompts")
+    else:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        values = [int(max_new_tokens)] * num_prompts
+    for v in values:
+        if v < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {v}")
+    return values
+
+
+def prepare(prompts, tokenizer, *, vocab_size: int, max_positions: int, max_new_tokens) -> PromptBatch:
+    """Validates, encodes, buckets and pads a list of prompts."""
+    ids = encode_prompts(prompts, tokenizer, vocab_size)
+    max_new = check_max_new_tokens(max_new_tokens, len(ids))
+    for i, (p, n) in enumerate(zip(ids, max_new)):
+        if len(p) + n > max_positions:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={n} that is "
+                             f"{len(p) + n} positions, more than max_position_embeddings={max_positions}")
+    batch = bucket_batch(len(ids))
+    p_len = bucket_length(max(len(p) for p in ids))
+    tokens = np.zeros((batch, p_len), np.int32)
+    lengths = np.ones((batch,), np.int32)
+    budgets = np.zeros((batch,), np.int32)
+    for i, (p, n) in enumerate(zip(ids, max_new)):
+        tokens[i, :len(p)] = p
+        lengths[i] = len(p)
+        budgets[i] = n
+    return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets,
+                       request_ids_b=np.arange(batch, dtype=np.int32), num_prompts=len(ids),
+                       out_len=bucket_length(max(max_new)))

@@ -1,0 +1,59 @@
+"""Shared fixtures. Eight virtual CPU devices are requested before JAX starts its backend."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jaxspec  # noqa: E402
+from jaxspec.models.loading import smollm2_gguf_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    return jaxspec.load(smollm2_path)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (jax.monitoring events)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+@pytest.fixture
+def compile_counter():
+    return CompileCounter
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
