@@ -1,0 +1,166 @@
+"""Loading real weights (GGUF, HF safetensors, jaxspec/orbax) against transformers' own models."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.models.convert import params_to_hf
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN_DRAFT = REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more temperate: "
+        "Rough winds do shake the darling buds of May, And summer's lease hath all too short a date; "
+        "Sometime too hot the eye of heaven shines, And often is his gold complexion dimm'd; "
+        "def fibonacci(n: int) -> int:\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n")
+TOKENIZER_SAMPLES = ["Hello world, how are you?", "  leading spaces and\ttabs\n\nnewlines",
+                     "numbers 1234567 and 3.14159", "unicode: café, naïve, 日本語, emoji 🤖",
+                     "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x**2  # square", ""]
+
+
+def hf_gguf_model(path):
+    """transformers' own model and tokenizer, built from the same GGUF file (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def check_gguf_parity(ours, path):
+    import torch
+    ref, ref_tok = hf_gguf_model(path)
+    for text in TOKENIZER_SAMPLES:
+        assert ours.tokenizer(text)["input_ids"] == ref_tok(text)["input_ids"], text
+    ids = ours.tokenizer(TEXT)["input_ids"][:64]
+    assert len(ids) == 64
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(ours.logits([ids]))[0]
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"{os.path.basename(path)}: relative L2 error of logits {rel:.2e}")
+    assert rel < 1e-3
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    prompt = ours.tokenizer("The quick brown fox")["input_ids"]
+    with torch.no_grad():
+        ref_out = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ours_out = jaxspec.generate(ours, [prompt], max_new_tokens=32)
+    assert ours_out.tokens[0] == ref_out[0, len(prompt):].tolist()
+    return rel
+
+
+def test_smollm2_gguf_matches_transformers(smollm2, smollm2_path):
+    check_gguf_parity(smollm2, smollm2_path)
+
+
+@pytest.mark.slow
+def test_qwen_coder_0_5b_gguf_matches_transformers():
+    assert QWEN_DRAFT.exists(), f"{QWEN_DRAFT} is missing: run `make models-qwen`"
+    check_gguf_parity(jaxspec.load(QWEN_DRAFT), str(QWEN_DRAFT))
+
+
+def test_orbax_round_trip_keeps_logits_and_tokenizer(smollm2, tmp_path):
+    smollm2.save(tmp_path / "smol")
+    again = jaxspec.load(tmp_path / "smol")
+    assert again.config == smollm2.config
+    tokens = np.asarray([smollm2.tokenizer(TEXT)["input_ids"][:24]])
+    np.testing.assert_array_equal(np.asarray(again.logits(tokens)), np.asarray(smollm2.logits(tokens)))
+    assert again.tokenizer(TEXT)["input_ids"] == smollm2.tokenizer(TEXT)["input_ids"]
+
+
+def test_float32_checkpoint_loads_as_bfloat16(tiny_model, tmp_path):
+    import jax
+    tiny_model.save(tmp_path / "f32")
+    loaded = jaxspec.load(tmp_path / "f32", dtype="bfloat16")
+    assert loaded.dtype.name == "bfloat16"
+    assert all(x.dtype.name == "bfloat16" for x in jax.tree.leaves(loaded.params))
+    for ours, ref in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(tiny_model.params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref.astype("bfloat16")))
+
+
+def hf_reference(kind, tie, seed=0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=6,
+                  num_key_value_heads=2, intermediate_size=80, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tie)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=5000.0, **common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=20000.0, **common))
+    with torch.no_grad():  # transformers zero-inits biases; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind, tie, shard", [("llama", False, False), ("llama", True, True),
+                                              ("qwen2", True, False), ("qwen2", False, True)])
+def test_hf_safetensors_folder_matches_transformers(tmp_path, kind, tie, shard):
+    import torch
+    ref = hf_reference(kind, tie)
+    ref.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB" if shard else "5GB")
+    if shard:
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    ours = jaxspec.load(tmp_path)
+    assert ours.config.architecture == kind and ours.config.tie_word_embeddings == tie
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 30))
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours.logits(tokens)), want, rtol=2e-4, atol=2e-4)
+
+
+def write_hf_folder(folder, model, tensors=None):
+    from safetensors.numpy import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf_config()))
+    tensors = tensors if tensors is not None else params_to_hf(model.config, model.params)
+    save_file({k: np.asarray(v, np.float32) for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_hf_export_round_trip(tiny_model, tmp_path):
+    loaded = jaxspec.load(write_hf_folder(tmp_path / "m", tiny_model))
+    tokens = [[1, 2, 3, 4, 5]]
+    np.testing.assert_array_equal(np.asarray(loaded.logits(tokens)), np.asarray(tiny_model.logits(tokens)))
+
+
+def test_missing_tensor_is_named(tiny_model, tmp_path):
+    tensors = params_to_hf(tiny_model.config, tiny_model.params)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight' \(expected shape \(128, 64\)\)"):
+        jaxspec.load(write_hf_folder(tmp_path / "m", tiny_model, tensors))
+
+
+def test_unexpected_tensor_is_named(tiny_model, tmp_path):
+    tensors = params_to_hf(tiny_model.config, tiny_model.params)
+    tensors["model.layers.0.self_attn.extra.weight"] = np.zeros((2, 2), np.float32)
+    with pytest.raises(ValueError, match="unexpected tensor.*model.layers.0.self_attn.extra.weight"):
+        jaxspec.load(write_hf_folder(tmp_path / "m", tiny_model, tensors))
+
+
+def test_misshapen_tensor_names_both_shapes(tiny_model, tmp_path):
+    tensors = params_to_hf(tiny_model.config, tiny_model.params)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(16, 64\), but the config needs \(32, 64\)"):
+        jaxspec.load(write_hf_folder(tmp_path / "m", tiny_model, tensors))
+
+
+def test_unsupported_architecture_and_bad_paths(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
+    with pytest.raises(ValueError, match="gpt_neox.*supported: llama, qwen2"):
+        jaxspec.load(tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        jaxspec.load(tmp_path / "nope")
+    (tmp_path / "x.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        jaxspec.load(tmp_path / "x.bin")
+    with pytest.raises(ValueError, match="dtype"):
+        jaxspec.load(tmp_path, dtype="int8")

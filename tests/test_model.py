@@ -1,0 +1,116 @@
+"""The decoder and its ragged KV cache against the uncached forward (an independent path)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from conftest import random_prompts
+
+
+def naive_greedy(model, prompt, n, width=64):
+    """Greedy decoding by re-running the uncached forward on the whole growing sequence.
+
+    The sequence is right-padded to a fixed width (one compilation); causal attention makes the
+    logits at position len - 1 independent of the padding after it.
+    """
+    seq, out = list(prompt), []
+    for _ in range(n):
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(seq)] = seq
+        token = int(np.asarray(model.logits(padded))[0, len(seq) - 1].argmax())
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+def test_cached_generation_equals_naive_loop_on_ragged_batch(tiny_model):
+    rng = np.random.default_rng(0)
+    prompts = random_prompts(rng, range(1, 21), tiny_model.config.vocab_size)
+    result = jaxspec.generate(tiny_model, prompts, max_new_tokens=10)
+    for prompt, tokens in zip(prompts, result.tokens):
+        assert tokens == naive_greedy(tiny_model, prompt, 10)
+
+
+def test_multi_token_decode_at_per_row_positions_matches_uncached_logits(tiny_model):
+    """Prefill ragged prompts, then feed T = 4 tokens per row at each row's own position."""
+    m, rng = tiny_model, np.random.default_rng(1)
+    lengths = np.array([3, 9, 1, 14])
+    seqs = rng.integers(0, m.config.vocab_size, (4, 20))
+    prefill = np.where(np.arange(16)[None] < lengths[:, None], seqs[:, :16], 0)
+    cache = m.init_cache(4, 64)
+    _, cache = m.forward(m.params, jnp.asarray(prefill), cache)
+    cache = cache.commit(jnp.asarray(lengths))
+    window = np.stack([seqs[b, lengths[b]:lengths[b] + 4] for b in range(4)])
+    logits, _ = m.forward(m.params, jnp.asarray(window), cache)
+    for b in range(4):
+        full = np.asarray(m.logits(seqs[b:b + 1, :lengths[b] + 4]))[0, lengths[b]:]
+        np.testing.assert_allclose(np.asarray(logits[b]), full, rtol=1e-4, atol=1e-4)
+
+
+def test_rolling_back_is_only_lowering_lengths(tiny_model):
+    """Write a window of junk, roll back, write the real tokens: same logits as never writing junk."""
+    m, rng = tiny_model, np.random.default_rng(2)
+    seq = rng.integers(0, m.config.vocab_size, (2, 12))
+    cache = m.init_cache(2, 32)
+    _, cache = m.forward(m.params, jnp.asarray(seq[:, :8]), cache)
+    cache = cache.commit(jnp.full((2,), 8))
+    junk = rng.integers(0, m.config.vocab_size, (2, 5))
+    _, dirty = m.forward(m.params, jnp.asarray(junk), cache)
+    dirty = dirty.commit(jnp.asarray([9, 8]))  # row 0 keeps one junk token, row 1 none
+    tail = np.stack([np.r_[seq[0, 9:12], 0], seq[1, 8:12]])
+    logits, _ = m.forward(m.params, jnp.asarray(tail), dirty)
+    ref0 = np.asarray(m.logits(np.r_[seq[0, :8], junk[0, :1], seq[0, 9:12]][None]))[0, 9:12]
+    ref1 = np.asarray(m.logits(seq[1:2]))[0, 8:12]
+    np.testing.assert_allclose(np.asarray(logits[0, :3]), ref0, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits[1]), ref1, rtol=1e-4, atol=1e-4)
+
+
+def test_logits_at_selects_the_same_rows_as_full_logits(tiny_model):
+    m = tiny_model
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (3, 7)))
+    full, _ = m.forward(m.params, tokens, m.init_cache(3, 16))
+    picked, _ = m.forward(m.params, tokens, m.init_cache(3, 16), jnp.asarray([[6], [0], [3]]))
+    np.testing.assert_allclose(np.asarray(picked[:, 0]), np.asarray(full)[[0, 1, 2], [6, 0, 3]], rtol=1e-6)
+
+
+def test_qwen2_style_bias_and_untied_head(tiny_model):
+    """A config with q/k/v bias keeps cached == uncached; bias changes the output."""
+    cfg = tiny_model.config.replace(attention_bias=True, architecture="qwen2")
+    m = jaxspec.Model.random(cfg, seed=4)
+    assert "q_bias_nh" in m.params["layers"] and "lm_head_dv" in m.params
+    prompts = random_prompts(np.random.default_rng(4), [5, 12], cfg.vocab_size)
+    result = jaxspec.generate(m, prompts, max_new_tokens=6)
+    for prompt, tokens in zip(prompts, result.tokens):
+        assert tokens == naive_greedy(m, prompt, 6)
+
+
+def test_bfloat16_model_tracks_float32(tiny_model):
+    m16 = jaxspec.Model(tiny_model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params),
+                        dtype="bfloat16")
+    tokens = np.random.default_rng(5).integers(0, 256, (2, 16))
+    l32 = np.asarray(tiny_model.logits(tokens))
+    l16 = np.asarray(m16.logits(tokens))
+    assert l16.dtype == np.float32  # logits stay float32 whatever the compute dtype
+    rel = np.linalg.norm(l16 - l32) / np.linalg.norm(l32)
+    assert rel < 0.05
+    assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.9
+
+
+def test_logits_rejects_bad_tokens(tiny_model):
+    with pytest.raises(ValueError, match="outside \\[0, 256\\)"):
+        tiny_model.logits([[1, 256]])
+    with pytest.raises(ValueError, match="shape"):
+        tiny_model.logits([1, 2, 3])
+
+
+def test_params_carry_logical_axes_for_every_weight(tiny_model):
+    axes = tiny_model.logical_axes
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    flat_params = jax.tree.leaves(tiny_model.params)
+    assert len(flat_axes) == len(flat_params)
+    for names, value in zip(flat_axes, flat_params):
+        assert len(names) == value.ndim
+    assert axes["layers"]["q_dnh"] == ("layers", "embed", "heads", "head_dim")
+    assert axes["embed_vd"] == ("vocab", "embed")

@@ -1,0 +1,138 @@
+"""Sampling transforms against a direct numpy reference, and sampled generation's distribution."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import jaxspec
+from jaxspec.sampling import SamplingConfig, probabilities
+
+
+def reference_probs(logits, temperature, top_k, top_p):
+    """Straight from the definitions, one row at a time, in float64."""
+    z = np.asarray(logits, np.float64) / temperature
+    if 0 < top_k < len(z):
+        kth = np.sort(z)[::-1][top_k - 1]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        kept, mass = [], 0.0
+        for i in order:  # the smallest prefix of the sorted tokens whose mass reaches top_p
+            kept.append(i)
+            mass += p[i]
+            if mass >= top_p:
+                break
+        keep = np.zeros_like(p, bool)
+        keep[kept] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (0.5, 5, 0.6), (2.0, 1, 1.0), (1.0, 0, 0.05)])
+def test_probabilities_match_reference(temperature, top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(50, 12)) * 2
+    got = np.asarray(probabilities(logits, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)))
+    want = np.stack([reference_probs(row, temperature, top_k, top_p) for row in logits])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_greedy_probabilities_are_one_hot_at_argmax():
+    logits = np.random.default_rng(1).normal(size=(7, 9))
+    got = np.asarray(probabilities(logits, SamplingConfig()))
+    np.testing.assert_array_equal(got, np.eye(9)[logits.argmax(-1)])
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_model():
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    return jaxspec.Model.random(cfg, seed=3)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(temperature=1.0),
+    SamplingConfig(temperature=0.7, top_k=3),
+    SamplingConfig(temperature=1.0, top_p=0.7),
+], ids=["t1", "t0.7-topk3", "topp0.7"])
+def test_first_two_sampled_tokens_follow_the_model_distribution(tiny_vocab_model, sampling):
+    """Chi-square of the joint (first, second) token counts over 4000 rows of one prompt."""
+    m, prompt, rows = tiny_vocab_model, [1, 4, 2], 4000
+    result = jaxspec.generate(m, [prompt] * rows, max_new_tokens=2, sampling=sampling, seed=11)
+    counts = np.zeros((6, 6))
+    for a, b in result.tokens:
+        counts[a, b] += 1
+    p1 = reference_probs(np.asarray(m.logits([prompt]))[0, -1], sampling.temperature, sampling.top_k,
+                         sampling.top_p)
+    expected = np.zeros((6, 6))
+    for a in range(6):
+        if p1[a] > 0:
+            p2 = reference_probs(np.asarray(m.logits([prompt + [a]]))[0, -1], sampling.temperature,
+                                 sampling.top_k, sampling.top_p)
+            expected[a] = p1[a] * p2
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token the transforms exclude"
+    merged_obs, merged_exp = _merge_small(counts[support], expected[support] * rows)
+    assert stats.chisquare(merged_obs, merged_exp).pvalue > 1e-3
+
+
+def _merge_small(observed, expected, minimum=5.0):
+    """Pools cells with expected count < minimum so the chi-square approximation holds."""
+    small = expected < minimum
+    if small.any():
+        observed = np.r_[observed[~small], observed[small].sum()]
+        expected = np.r_[expected[~small], expected[small].sum()]
+    return observed, expected
+
+
+def test_temperature_zero_is_deterministic_and_seed_free(tiny_model):
+    prompts = [[5, 6, 7], [9]]
+    a = jaxspec.generate(tiny_model, prompts, max_new_tokens=8, seed=0)
+    b = jaxspec.generate(tiny_model, prompts, max_new_tokens=8, seed=123)
+    assert a.tokens == b.tokens
+
+
+def test_same_seed_reproduces_and_other_seed_differs(tiny_model):
+    s = SamplingConfig(temperature=1.0)
+    prompts = [[5, 6, 7], [9, 1]]
+    a = jaxspec.generate(tiny_model, prompts, max_new_tokens=12, sampling=s, seed=7)
+    b = jaxspec.generate(tiny_model, prompts, max_new_tokens=12, sampling=s, seed=7)
+    c = jaxspec.generate(tiny_model, prompts, max_new_tokens=12, sampling=s, seed=8)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_identical_prompts_in_a_batch_sample_independently(tiny_model):
+    s = SamplingConfig(temperature=1.0)
+    result = jaxspec.generate(tiny_model, [[3, 4, 5]] * 16, max_new_tokens=6, sampling=s, seed=0)
+    distinct = {tuple(t) for t in result.tokens}
+    assert len(distinct) >= 14  # 256-token vocab: collisions of 6-token samples are rare
+
+
+def test_a_request_samples_the_same_alone_or_in_a_batch(tiny_model):
+    s = SamplingConfig(temperature=0.9, top_k=20)
+    prompts = [[1, 2, 3], [200, 100], [7] * 9]
+    batch = jaxspec.generate(tiny_model, prompts, max_new_tokens=10, sampling=s, seed=5)
+    # Request ids follow list positions: put the same prompt at index 0 alone.
+    alone = jaxspec.generate(tiny_model, prompts[:1], max_new_tokens=10, sampling=s, seed=5)
+    assert alone.tokens[0] == batch.tokens[0]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+])
+def test_bad_sampling_configs_name_the_argument(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingConfig(**kwargs)
+
+
+def test_top_p_tiny_keeps_exactly_the_argmax():
+    logits = np.array([[0.1, 2.0, 0.3, 1.9]])
+    got = np.asarray(probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.01)))
+    np.testing.assert_array_equal(got, [[0, 1, 0, 0]])
