@@ -79,7 +79,7 @@ def test_qwen2_style_bias_and_untied_head(tiny_model):
     """A config with q/k/v bias keeps cached == uncached; bias changes the output."""
     cfg = tiny_model.config.replace(attention_bias=True, architecture="qwen2")
     m = jaxspec.Model.random(cfg, seed=4)
-    assert "q_bias_nh" in m.params["layers"] and "lm_head_dv" in m.params
+    assert "q_bias_nh" in m.params["layers"][0] and "lm_head_dv" in m.params
     prompts = random_prompts(np.random.default_rng(4), [5, 12], cfg.vocab_size)
     result = jaxspec.generate(m, prompts, max_new_tokens=6)
     for prompt, tokens in zip(prompts, result.tokens):
@@ -112,5 +112,5 @@ def test_params_carry_logical_axes_for_every_weight(tiny_model):
     assert len(flat_axes) == len(flat_params)
     for names, value in zip(flat_axes, flat_params):
         assert len(names) == value.ndim
-    assert axes["layers"]["q_dnh"] == ("layers", "embed", "heads", "head_dim")
+    assert axes["layers"][0]["q_dnh"] == ("embed", "heads", "head_dim")
     assert axes["embed_vd"] == ("vocab", "embed")
