@@ -1,0 +1,177 @@
+"""Proposers of draft tokens: a draft model, n-gram prompt lookup, a speculative chain.
+
+Shape key: b rows, l sequence-buffer slots, p padded prompt length, k draft tokens, v vocabulary.
+
+Every drafter answers the same two calls inside the compiled step:
+
+- `init(params, tokens_bp, prompt_len_b, cache_len)` -> state, once after the prompts are known;
+- `propose(params, state, seq_bl, pending_b, k, key_b, sampling)` ->
+  (tokens_bk, q_bkv, num_drafts_b, state).
+
+`seq_bl` holds each row's whole sequence so far; `pending_b` is the position of the last emitted
+token (the one the target has not processed yet), so the committed sequence of row b is
+seq[b, :pending_b + 1]. `q_bkv` is the distribution each draft token was drawn from, after the
+same sampling transforms the target uses (one-hot for deterministic proposals): rejection
+sampling needs it to stay lossless. `num_drafts_b` says how many leading proposals are real.
+
+Drafters decide what to propose, never how many tokens to verify (the engine and policy do).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.models.cache import KVCache
+from jaxspec.models.model import Model, forward, init_cache
+from jaxspec.sampling import SamplingConfig, choose, probabilities
+
+
+class Drafter:
+    """Base class: the interface the engine calls (see the module docstring)."""
+
+    #: draft-model forwards per step for k proposals (statistics only)
+    def forwards_per_step(self, k: int) -> int:
+        return 0
+
+    @property
+    def params(self):
+        return ()
+
+    @property
+    def vocab_size(self) -> int | None:
+        return None
+
+    def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        return ()
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        raise NotImplementedError
+
+
+@struct.dataclass
+class _ModelDraftState:
+    cache: KVCache
+
+
+class ModelDrafter(Drafter):
+    """Drafts autoregressively with a smaller model on its own KV cache.
+
+    Catch-up rule: each step rolls the draft cache back to pending - 1 and feeds the last two
+    committed tokens. The draft cache always holds every token before that (after a partial accept
+    its drafts up to the accepted one are already there; after a full accept only the last draft
+    and the bonus token are missing), so two tokens always suffice and the shapes stay static.
+    """
+
+    def __init__(self, model: Model, *, greedy: bool = False):
+        self.model = model
+        self.greedy = greedy
+
+    # Compiled programs are keyed on the drafter: equal structure, equal program.
+    def __eq__(self, other):
+        return (type(other) is ModelDrafter and other.model.graphdef == self.model.graphdef
+                and other.greedy == self.greedy)
+
+    def __hash__(self):
+        return hash((ModelDrafter, self.model.graphdef, self.greedy))
+
+    def forwards_per_step(self, k: int) -> int:
+        return k
+
+    @property
+    def params(self):
+        return self.model.params
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        cache = init_cache(self.model.graphdef, params, tokens_bp.shape[0], cache_len)
+        _, cache = forward(self.model.graphdef, params, tokens_bp, cache, jnp.zeros_like(tokens_bp[:, :1]))
+        return _ModelDraftState(cache=cache.commit(prompt_len_b - 1))
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        graphdef = self.model.graphdef
+        draw = SamplingConfig() if self.greedy else sampling
+        keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
+        cache = state.cache.commit(pending_b - 1)
+        last_two_b2 = jnp.take_along_axis(seq_bl, pending_b[:, None] + jnp.array([[-1, 0]]), axis=1)
+        logits_b1v, cache = forward(graphdef, params, last_two_b2, cache, jnp.ones_like(pending_b)[:, None])
+        cache = cache.commit(pending_b + 1)
+
+        def draw_one(logits_bv, keys_b):
+            return choose(keys_b, logits_bv, draw), probabilities(logits_bv, draw)
+
+        token_b, q_bv = draw_one(logits_b1v[:, 0], keys_bk[:, 0])
+
+        def step(carry, keys_b):
+            cache, token_b = carry
+            logits_b1v, cache = forward(graphdef, params, token_b[:, None], cache)
+            cache = cache.commit(cache.lengths + 1)
+            next_b, q_bv = draw_one(logits_b1v[:, 0], keys_b)
+            return (cache, next_b), (next_b, q_bv)
+
+        (cache, _), (rest_kb, rest_q_kbv) = jax.lax.scan(step, (cache, token_b), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
+        tokens_bk = jnp.concatenate([token_b[:, None], jnp.swapaxes(rest_kb, 0, 1)], axis=1)
+        q_bkv = jnp.concatenate([q_bv[:, None], jnp.swapaxes(rest_q_kbv, 0, 1)], axis=1)
+        num_drafts_b = jnp.full(pending_b.shape, k, jnp.int32)
+        return tokens_bk, q_bkv, num_drafts_b, _ModelDraftState(cache=cache)
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: continue the latest earlier occurrence of the row's last n tokens.
+
+    Tries n = max_ngram down to min_ngram and takes the longest suffix that occurred before in the
+    row's own context (prompt and generated text). Proposals are deterministic (q one-hot); a row
+    with no match, or a continuation that runs into the present, proposes fewer real tokens.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, vocab_size: int | None = None):
+        if not isinstance(max_ngram, int) or not isinstance(min_ngram, int) or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"NgramDrafter needs 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram!r}, "
+                             f"max_ngram={max_ngram!r}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._vocab = vocab_size
+
+    def __repr__(self):
+        return f"NgramDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
+
+    def __eq__(self, other):
+        return type(other) is NgramDrafter and other._key() == self._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def _key(self):
+        return (NgramDrafter, self.max_ngram, self.min_ngram, self._vocab)
+
+    def bind_vocab(self, vocab_size: int) -> NgramDrafter:
+        return NgramDrafter(self.max_ngram, self.min_ngram, vocab_size)
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        b, slots = seq_bl.shape
+        start_i = jnp.arange(slots)
+        best_start_b = jnp.full((b,), -1, jnp.int32)
+        # Longest n first: a row keeps the first n that matched.
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            suffix_bn = jnp.take_along_axis(seq_bl, jnp.clip(pending_b[:, None] - n + 1 + jnp.arange(n), 0), axis=1)
+            match_bl = jnp.ones((b, slots), bool)
+            for j in range(n):
+                shifted_bl = jnp.take(seq_bl, jnp.clip(start_i + j, 0, slots - 1), axis=1)
+                match_bl &= shifted_bl == suffix_bn[:, j:j + 1]
+            # An earlier occurrence ends before the suffix itself does, and the row is long enough.
+            match_bl &= (start_i[None, :] + n <= pending_b[:, None]) & (pending_b[:, None] + 1 >= n)
+            latest_b = jnp.max(jnp.where(match_bl, start_i[None, :], -1), axis=1)
+            continuation_b = jnp.where(latest_b >= 0, latest_b + n, -1)
+            best_start_b = jnp.where(best_start_b >= 0, best_start_b, continuation_b)
+        found_b = best_start_b >= 0
+        # Proposals may only copy tokens that exist: up to and including the pending one.
+        num_drafts_b = jnp.where(found_b, jnp.clip(pending_b + 1 - best_start_b, 0, k), 0).astype(jnp.int32)
+        index_bk = jnp.clip(best_start_b[:, None] + jnp.arange(k), 0, slots - 1)
+        tokens_bk = jnp.take_along_axis(seq_bl, index_bk, axis=1)
+        tokens_bk = jnp.where(jnp.arange(k)[None] < num_drafts_b[:, None], tokens_bk, 0)
+        q_bkv = jax.nn.one_hot(tokens_bk, self._vocab, dtype=jnp.float32)
+        return tokens_bk, q_bkv, num_drafts_b, state

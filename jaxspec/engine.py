@@ -1,0 +1,262 @@
+"""The speculative decode step and loop, and `SpeculativeDecoder`.
+
+Shape key: b rows, p padded prompt length, l sequence-buffer slots, k draft tokens, o output slots,
+v vocabulary.
+
+One step, for every row at its own length, in one fixed-shape function:
+  1. draft: the drafter proposes k tokens (and the distributions they came from);
+  2. verify: the target scores [pending, d_1 .. d_k] in one forward over its cache;
+  3. accept: greedy matching or lossless rejection sampling picks a prefix plus one token;
+  4. bookkeeping: emitted tokens go to the output and sequence buffers (cut at eos and at the
+     row's budget); the target cache commits exactly the tokens it has processed and kept.
+     Rolling back the rest is not writing them: `lengths` simply does not cover them.
+The loop is a `lax.while_loop` on device; statistics are counters in its state, read once.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec import prompts as prompts_lib
+from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
+from jaxspec.generate import check_eos, request_keys
+from jaxspec.models.cache import KVCache
+from jaxspec.models.model import Model, forward, init_cache
+from jaxspec.results import GenerationResult, GenerationStats, decode_texts
+from jaxspec.sampling import SamplingConfig, choose, row_keys
+from jaxspec.spec import SpecConfig
+from jaxspec.verify import accept
+
+_DRAFT_TAG, _ACCEPT_TAG = 1, 2
+
+
+@struct.dataclass
+class Counters:
+    """Per-row statistics accumulated on device."""
+
+    row_steps: jax.Array      # steps in which the row was live
+    drafted: jax.Array        # real draft tokens proposed
+    verified: jax.Array       # draft slots sent to the target
+    accepted: jax.Array       # draft tokens accepted
+    emitted: jax.Array        # tokens emitted
+
+    @classmethod
+    def zeros(cls, b: int) -> Counters:
+        z = jnp.zeros((b,), jnp.int32)
+        return cls(row_steps=z, drafted=z, verified=z, accepted=z, emitted=z)
+
+
+@struct.dataclass
+class DecodeState:
+    target_cache: KVCache
+    draft_state: object
+    seq_bl: jax.Array         # prompt + emitted tokens of each row
+    out_bo: jax.Array         # emitted tokens only
+    n_out_b: jax.Array        # tokens emitted so far
+    done_b: jax.Array
+    counters: Counters
+    steps: jax.Array
+
+
+def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos_id, out_len: int):
+    """Writes each row's first `emit_count_b` window tokens (cut at eos and the budget)."""
+    b, width = window_bk1.shape
+    j = jnp.arange(width)[None, :]
+    live_b = ~state.done_b
+    count_b = jnp.minimum(emit_count_b, max_new_b - state.n_out_b)
+    is_eos_bk = (window_bk1 == eos_id) & (j < count_b[:, None])
+    first_eos_b = jnp.argmax(is_eos_bk, axis=1)
+    count_b = jnp.where(jnp.any(is_eos_bk, axis=1), first_eos_b + 1, count_b)
+    count_b = jnp.where(live_b, count_b, 0).astype(jnp.int32)
+    writes_bk = j < count_b[:, None]
+    rows_bk = jnp.broadcast_to(jnp.arange(b)[:, None], (b, width))
+    out_at = jnp.where(writes_bk, state.n_out_b[:, None] + j, out_len)       # out of range: dropped
+    pending_b = state.target_cache.lengths
+    seq_at = jnp.where(writes_bk, pending_b[:, None] + 1 + j, state.seq_bl.shape[1])
+    out_bo = state.out_bo.at[rows_bk, out_at].set(window_bk1, mode="drop")
+    seq_bl = state.seq_bl.at[rows_bk, seq_at].set(window_bk1, mode="drop")
+    n_out_b = state.n_out_b + count_b
+    hit_eos_b = jnp.any(is_eos_bk & writes_bk, axis=1)
+    done_b = state.done_b | hit_eos_b | (n_out_b >= max_new_b)
+    # The target processed pending and the accepted drafts: keep exactly the emitted ones.
+    cache = state.target_cache.commit(pending_b + count_b)
+    return state.replace(target_cache=cache, seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b, done_b=done_b), count_b
+
+
+def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: SamplingConfig,
+                     target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
+                     out_len: int) -> DecodeState:
+    """One draft -> verify -> accept -> commit step for every row (static shapes)."""
+    b = state.seq_bl.shape[0]
+    pending_b = state.target_cache.lengths
+    pending_tok_b = jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1)[:, 0]
+    step_key_b = row_keys(request_keys_b, state.n_out_b)
+    live_b = ~state.done_b
+    if k > 0:
+        draft_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _DRAFT_TAG)
+        drafts_bk, q_bkv, num_drafts_b, draft_state = drafter.propose(
+            draft_params, state.draft_state, state.seq_bl, pending_b, k, draft_key_b, sampling)
+    else:
+        drafts_bk = jnp.zeros((b, 0), jnp.int32)
+        q_bkv = jnp.zeros((b, 0, 1), jnp.float32)
+        num_drafts_b = jnp.zeros((b,), jnp.int32)
+        draft_state = state.draft_state
+    # Verify: the target scores the pending token and every draft in one pass.
+    window_bk1 = jnp.concatenate([pending_tok_b[:, None], drafts_bk], axis=1)
+    logits_bk1v, target_cache = forward(target_graphdef, target_params, window_bk1, state.target_cache)
+    accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
+    accepted_b, next_b = accept(accept_key_b, drafts_bk, q_bkv, logits_bk1v, num_drafts_b, sampling)
+    # Emitted this step: d_1 .. d_a, then the correction / bonus token.
+    j = jnp.arange(k + 1)[None, :]
+    drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
+    state = state.replace(target_cache=target_cache, draft_state=draft_state)
+    state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len)
+    live = live_b.astype(jnp.int32)
+    c = state.counters
+    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * num_drafts_b,
+                        verified=c.verified + live * k, accepted=c.accepted + live * accepted_b,
+                        emitted=c.emitted + count_b)
+    return state.replace(counters=counters, steps=state.steps + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "k", "sampling", "cache_len",
+                                             "seq_len", "out_len"))
+def _decode_on_device(target_graphdef, drafter: Drafter, k: int, sampling: SamplingConfig,
+                      target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
+                      *, cache_len: int, seq_len: int, out_len: int):
+    b, p = tokens_bp.shape
+    cache = init_cache(target_graphdef, target_params, b, cache_len)
+    logits_b1v, cache = forward(target_graphdef, target_params, tokens_bp, cache, (prompt_len_b - 1)[:, None])
+    cache = cache.commit(prompt_len_b)
+    live_b = max_new_b > 0
+    first_b = choose(row_keys(request_keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], sampling)
+    rows = jnp.arange(b)
+    seq_bl = jnp.zeros((b, seq_len), jnp.int32).at[:, :p].set(tokens_bp)
+    seq_bl = seq_bl.at[rows, prompt_len_b].set(first_b)
+    out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
+    n_out_b = live_b.astype(jnp.int32)
+    draft_state = drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len) if k > 0 else ()
+    state = DecodeState(
+        target_cache=cache, draft_state=draft_state, seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
+        done_b=~live_b | (first_b == eos_id) | (n_out_b >= max_new_b),
+        counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
+
+    def body(state):
+        return speculative_step(target_graphdef, drafter, k, sampling, target_params, draft_params, state,
+                                request_keys_b, max_new_b, eos_id, out_len)
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, state)
+    return state.out_bo, state.n_out_b, state.counters, state.steps
+
+
+class SpeculativeDecoder:
+    """Batched speculative decoding of a target model with a drafter.
+
+    Args:
+      target: the jaxspec.Model whose distribution the output follows exactly.
+      draft: a smaller Model with the same vocabulary, a drafter such as
+        `jaxspec.NgramDrafter(max_ngram=3)`, or another SpeculativeDecoder (a multi-level chain).
+      spec: SpecConfig (k, selection, policy, ...).
+      sampling: SamplingConfig used by target and draft alike.
+      mesh: reserved for MeshConfig placement.
+    """
+
+    def __init__(self, target: Model, draft, spec: SpecConfig | None = None,
+                 sampling: SamplingConfig | None = None, mesh=None):
+        self.spec = spec if spec is not None else SpecConfig()
+        self.sampling = sampling if sampling is not None else SamplingConfig()
+        if not isinstance(self.spec, SpecConfig):
+            raise ValueError(f"spec must be a jaxspec.SpecConfig, got {type(self.spec).__name__}")
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"sampling must be a jaxspec.SamplingConfig, got {type(self.sampling).__name__}")
+        if not isinstance(target, Model):
+            raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
+        for feature, on in (("selection='tetris'", self.spec.selection == "tetris"),
+                            ("policy='goodput'", self.spec.policy == "goodput"),
+                            ("pipeline=True", self.spec.pipeline), ("mesh", mesh is not None)):
+            if on:
+                raise ValueError(f"{feature} is not available in this version of jaxspec")
+        self.target = target
+        self.mesh = mesh
+        self.drafter = _as_drafter(draft, target.config.vocab_size, self.spec)
+        self.draft = draft
+
+    def __repr__(self):
+        return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    def generate(self, prompts, max_new_tokens=64, seed: int = 0, eos_token_id: int | None = None
+                 ) -> GenerationResult:
+        """Speculative generation; same arguments and result as `jaxspec.generate`."""
+        cfg, k = self.target.config, self.spec.k
+        eos = check_eos(eos_token_id, cfg.vocab_size)
+        batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
+                                    max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens)
+        keys = request_keys(seed, batch.request_ids_b)
+        # Slots: prompt, every output token, and a window of k drafts past the last one.
+        cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
+        start = time.perf_counter()
+        out_bo, n_out_b, counters, steps = _decode_on_device(
+            self.target.graphdef, self.drafter, k, self.sampling, self.target.params, self.drafter.params,
+            jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b), jnp.asarray(batch.max_new_b), keys,
+            jnp.int32(eos), cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len)
+        out_bo, n_out_b, counters, steps = jax.device_get((out_bo, n_out_b, counters, steps))
+        seconds = time.perf_counter() - start
+        n = batch.num_prompts
+        tokens = [out_bo[i, :n_out_b[i]].tolist() for i in range(n)]
+        stats = _stats(counters, n, int(steps), seconds, k, self.drafter)
+        return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+
+def _stats(c: Counters, n: int, steps: int, seconds: float, k: int, drafter: Drafter) -> GenerationStats:
+    real = slice(0, n)
+    emitted = int(c.emitted[real].sum())
+    row_steps = int(c.row_steps[real].sum())
+    drafted, verified, accepted = (int(x[real].sum()) for x in (c.drafted, c.verified, c.accepted))
+    # Step emissions exclude the prefill's first token.
+    step_emitted = emitted - int((c.emitted[real] > 0).sum())
+    return GenerationStats(
+        new_tokens=emitted, steps=steps, seconds=seconds,
+        tokens_per_second=emitted / seconds if seconds > 0 else 0.0,
+        per_request_new_tokens=[int(x) for x in c.emitted[real]],
+        target_forwards=steps + 1, draft_forwards=steps * drafter.forwards_per_step(k) + (1 if k else 0),
+        drafted_tokens=drafted, verified_tokens=verified, accepted_tokens=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        vsr=accepted / verified if verified else 0.0,
+        ter=step_emitted / (verified + row_steps) if row_steps else 0.0,
+        mean_accepted_length=step_emitted / row_steps if row_steps else 0.0,
+        mean_draft_length=verified / row_steps if row_steps else 0.0,
+        extra={"per_request_steps": [int(x) for x in c.row_steps[real]],
+               "per_request_accepted": [int(x) for x in c.accepted[real]]})
+
+
+def _as_drafter(draft, vocab_size: int, spec: SpecConfig) -> Drafter:
+    if isinstance(draft, Model):
+        if draft.config.vocab_size != vocab_size:
+            raise ValueError(f"draft vocab_size ({draft.config.vocab_size}) differs from the target's "
+                             f"vocab_size ({vocab_size}); they must share one tokenizer")
+        return ModelDrafter(draft, greedy=spec.greedy_draft)
+    if isinstance(draft, NgramDrafter):
+        return draft.bind_vocab(vocab_size)
+    if isinstance(draft, SpeculativeDecoder):
+        from jaxspec.chain import ChainDrafter
+        if draft.vocab_size != vocab_size:
+            raise ValueError(f"draft chain vocab_size ({draft.vocab_size}) differs from the target's "
+                             f"vocab_size ({vocab_size})")
+        return ChainDrafter(draft)
+    if isinstance(draft, Drafter):
+        if draft.vocab_size not in (None, vocab_size):
+            raise ValueError(f"drafter vocab_size ({draft.vocab_size}) differs from the target's "
+                             f"vocab_size ({vocab_size})")
+        return draft
+    raise ValueError("draft must be a jaxspec.Model, a drafter (e.g. jaxspec.NgramDrafter()) or a "
+                     f"SpeculativeDecoder, got {type(draft).__name__}")

@@ -1,0 +1,58 @@
+"""`SpecConfig`: what a speculative decoder drafts and verifies each step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MAX_K = 16  # the largest draft length a program is compiled for
+
+SELECTIONS = ("standard", "tetris")
+POLICIES = ("fixed", "goodput")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """Attributes:
+      k: draft tokens verified per row per step (0 = plain decoding through the same engine).
+      extra: additional draft tokens per row for TETRIS selection.
+      selection: "standard" (every row verifies k drafts) or "tetris".
+      capacity: TETRIS verification budget C per step (None = batch * k).
+      policy: "fixed" or "goodput".
+      cost_model: a CostModel for policy="goodput".
+      pipeline: pipelined two-batch drafting on a separate device slice.
+      greedy_draft: draft with argmax even when sampling (q is then one-hot; still lossless).
+    """
+
+    k: int = 4
+    extra: int = 0
+    selection: str = "standard"
+    capacity: int | None = None
+    policy: str = "fixed"
+    cost_model: Any = None
+    pipeline: bool = False
+    greedy_draft: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"k must be an int >= 0, got {self.k!r}")
+        if self.k > MAX_K:
+            raise ValueError(f"k={self.k} is larger than the compiled maximum MAX_K={MAX_K}")
+        if isinstance(self.extra, bool) or not isinstance(self.extra, int) or self.extra < 0:
+            raise ValueError(f"extra must be an int >= 0, got {self.extra!r}")
+        if self.k + self.extra > MAX_K:
+            raise ValueError(f"k + extra = {self.k + self.extra} is larger than the compiled maximum MAX_K={MAX_K}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
+                                          or self.capacity < 0):
+            raise ValueError(f"capacity must be None or an int >= 0, got {self.capacity!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy == "goodput" and self.cost_model is None:
+            raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...)")
+
+    @property
+    def draft_len(self) -> int:
+        """Draft tokens proposed per row per step."""
+        return self.k + (self.extra if self.selection == "tetris" else 0)
