@@ -1,0 +1,48 @@
+"""The KV cache: a plain pytree of preallocated buffers plus per-row lengths.
+
+Shape key: b batch rows, s cache slots (= positions), k kv heads, h head dim.
+
+Per layer, one key and one value buffer of shape [b, s, k, h] (tuples indexed by layer): separate
+buffers let each block update its own in place.
+
+Slot j of row b holds the key/value of the token at position j. A forward pass *writes* the new
+tokens at slots `lengths[b] + t` but does not move `lengths`; the caller *commits* how many of them
+to keep (all of a prefill, the accepted prefix of a speculative window). Undoing rejected tokens is
+therefore only lowering `lengths`; entries past a row's length are stale and are never read,
+because attention only looks at slots at or before each query's own position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.models.config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+    k: tuple[jax.Array, ...]  # per layer [b, s, k, h]
+    v: tuple[jax.Array, ...]  # per layer [b, s, k, h]
+    lengths: jax.Array  # int32 [b]: number of committed tokens of each row
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        shape = (batch, max_len, config.num_kv_heads, config.resolved_head_dim)
+        layers = range(config.num_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def commit(self, lengths: jax.Array) -> KVCache:
+        """Sets each row's committed length (advance after a forward, or roll back)."""
+        return self.replace(lengths=lengths.astype(jnp.int32))

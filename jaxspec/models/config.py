@@ -1,0 +1,252 @@
+"""Model configuration: one frozen dataclass for the Llama / Qwen2 / SmolLM family.
+
+Field names follow Hugging Face's (`hidden_size`, `num_kv_heads`, ...) so a config reads the same
+here as in a `config.json`. Construction from HF config dicts and from GGUF metadata lives here too,
+so every loader agrees on what a checkpoint means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Collection, Mapping
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer of the Llama family.
+
+    Attributes:
+      vocab_size: number of token ids.
+      hidden_size: model width (embedding dimension).
+      num_layers: number of decoder blocks.
+      num_heads: query heads per block.
+      num_kv_heads: key/value heads per block (grouped-query attention); divides num_heads.
+      intermediate_size: SwiGLU hidden width.
+      max_position_embeddings: longest sequence (prompt + generated) the model accepts.
+      rope_theta: base of the rotary embedding frequencies.
+      rms_norm_eps: epsilon of every RMSNorm.
+      tie_word_embeddings: the LM head reuses the token embedding matrix.
+      attention_bias: q/k/v projections carry a bias (Qwen2).
+      head_dim: per-head width; None means hidden_size // num_heads.
+      architecture: "llama" or "qwen2"; only affects naming in converted checkpoints.
+      name: a label carried into benchmark reports and cost models.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    head_dim: int | None = None
+    architecture: str = "llama"
+    name: str = "custom"
+
+    def __post_init__(self):
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "intermediate_size", "max_position_embeddings")
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                f"({self.num_heads}) when head_dim is not given")
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"ModelConfig head_dim must be even for rotary embeddings, "
+                             f"got {self.resolved_head_dim}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (the tied head counted once)."""
+        d, h = self.hidden_size, self.resolved_head_dim
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.attention_bias:
+            attn += h * (self.num_heads + 2 * self.num_kv_heads)
+        block = attn + 3 * d * self.intermediate_size + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * block + d + head
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"ModelConfig.from_dict got unknown fields {unknown}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """A named configuration: "tiny", "smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b", ..."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+        return PRESETS[name]
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], *, name: str | None = None) -> ModelConfig:
+        """Builds a config from a Hugging Face `config.json` dict (transformers 4 or 5 layout)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {model_type!r} in config.json; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = hf.get("rope_parameters") or {}
+        rope_scaling = hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope_scaling.get("rope_type", rope_scaling.get("type")))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"config.json asks for rope scaling {rope_type!r}; only plain RoPE "
+                             f"(rope_type 'default') is supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; "
+                             f"only 'silu' (SwiGLU)")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim")
+        if head_dim == hf["hidden_size"] // num_heads:
+            head_dim = None  # the default; keep configs comparable
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            intermediate_size=hf["intermediate_size"],
+            max_position_embeddings=hf["max_position_embeddings"],
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            head_dim=head_dim,
+            architecture=model_type,
+            name=name or hf.get("_name_or_path") or model_type,
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The `config.json` dict transformers expects for this model."""
+        hf = {
+            "model_type": self.architecture,
+            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "head_dim": self.resolved_head_dim,
+            "hidden_act": "silu",
+        }
+        if self.architecture == "llama":
+            hf["attention_bias"] = self.attention_bias
+        elif not self.attention_bias:
+            raise ValueError("a qwen2 config always has attention_bias=True in transformers")
+        return hf
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], tensor_names: Collection[str] = (),
+                           *, name: str | None = None) -> ModelConfig:
+        """Builds a config from GGUF key/values (llama.cpp names) and the file's tensor names.
+
+        Whether the head is tied and whether q/k/v carry a bias are read from which tensors exist,
+        because GGUF metadata does not state them.
+        """
+        arch = metadata.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def key(suffix, default=None):
+            value = metadata.get(f"{arch}.{suffix}", default)
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks {arch}.{suffix}")
+            return value
+
+        if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+            raise ValueError(f"GGUF asks for rope scaling {metadata[f'{arch}.rope.scaling.type']!r}; "
+                             f"only plain RoPE is supported")
+        num_heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        vocab = metadata.get(f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = len(metadata["tokenizer.ggml.tokens"])
+        names = set(tensor_names)
+        head_dim = int(metadata.get(f"{arch}.attention.key_length", 0)) or None
+        if head_dim is None and f"{arch}.rope.dimension_count" in metadata:
+            head_dim = int(metadata[f"{arch}.rope.dimension_count"])
+        if head_dim == hidden // num_heads:
+            head_dim = None
+        return cls(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_layers=int(key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+            intermediate_size=int(key("feed_forward_length")),
+            max_position_embeddings=int(key("context_length")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            tie_word_embeddings=bool(names) and "output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            head_dim=head_dim,
+            architecture=arch,
+            name=name or str(metadata.get("general.name", arch)),
+        )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # A toy model for unit tests: small enough to compile in seconds on a CPU.
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0,
+                        rms_norm_eps=1e-6, name="tiny"),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                                num_kv_heads=3, intermediate_size=1536, max_position_embeddings=8192,
+                                rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                name="smollm2-135m"),
+    "smollm2-360m": ModelConfig(vocab_size=49152, hidden_size=960, num_layers=32, num_heads=15,
+                                num_kv_heads=5, intermediate_size=2560, max_position_embeddings=8192,
+                                rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                name="smollm2-360m"),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                                num_kv_heads=2, intermediate_size=4864, max_position_embeddings=32768,
+                                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                attention_bias=True, architecture="qwen2", name="qwen2.5-0.5b"),
+    "qwen2.5-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                                num_kv_heads=2, intermediate_size=8960, max_position_embeddings=32768,
+                                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                attention_bias=True, architecture="qwen2", name="qwen2.5-1.5b"),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+                              num_kv_heads=4, intermediate_size=18944, max_position_embeddings=32768,
+                              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                              attention_bias=True, architecture="qwen2", name="qwen2.5-7b"),
+}

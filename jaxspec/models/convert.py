@@ -1,0 +1,208 @@
+"""Checkpoint conversion as one declarative table: jaxspec param <-> HF tensor <-> GGUF tensor.
+
+Each row names a jaxspec weight, its tensor name in a transformers checkpoint and in a llama.cpp
+GGUF file (`{i}` = layer index), and how the HF layout ([out, in] matrices, fused head axes)
+maps onto ours (einsum-friendly [in, heads, head_dim] etc.). Loaders and writers walk this table;
+nothing else knows tensor names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+
+# --- layout transforms: HF layout -> ours, and the shape HF uses for a given jaxspec shape ---
+
+
+def _identity(x, cfg):
+    return x
+
+
+def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h]
+    d = x.shape[1]
+    return x.T.reshape(d, -1, cfg.resolved_head_dim)
+
+
+def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]
+    return x.reshape(x.shape[0], -1).T
+
+
+def _out_heads(x, cfg):  # [d, n*h] -> [n, h, d]
+    return x.T.reshape(-1, cfg.resolved_head_dim, x.shape[0])
+
+
+def _out_heads_inv(x, cfg):  # [n, h, d] -> [d, n*h]
+    return x.reshape(-1, x.shape[-1]).T
+
+
+def _bias_heads(x, cfg):  # [heads*h] -> [heads, h]
+    return x.reshape(-1, cfg.resolved_head_dim)
+
+
+def _bias_heads_inv(x, cfg):
+    return x.reshape(-1)
+
+
+def _transpose(x, cfg):
+    return x.T
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightRule:
+    """One weight: where it lives in jaxspec params, in HF and in GGUF checkpoints."""
+
+    ours: tuple[str, ...]  # per-layer rules: ("layers", <name>...) means params["layers"][i][<name>...]
+    hf: str
+    gguf: str
+    to_ours: Callable = _identity
+    to_hf: Callable = _identity
+    per_layer: bool = False
+    present: Callable[[ModelConfig], bool] = lambda cfg: True
+    # llama.cpp stores Llama q/k rows permuted for its rope layout; None = no permutation.
+    gguf_heads: Callable[[ModelConfig], int] | None = None
+
+
+def _has_bias(cfg):
+    return cfg.attention_bias
+
+
+def _untied(cfg):
+    return not cfg.tie_word_embeddings
+
+
+def _q_heads(cfg):
+    return cfg.num_heads
+
+
+def _kv_heads(cfg):
+    return cfg.num_kv_heads
+
+
+_L = "model.layers.{i}."
+RULES: tuple[WeightRule, ...] = (
+    WeightRule(("embed_vd",), "model.embed_tokens.weight", "token_embd.weight"),
+    WeightRule(("final_norm", "scale"), "model.norm.weight", "output_norm.weight"),
+    WeightRule(("lm_head_dv",), "lm_head.weight", "output.weight", _transpose, _transpose, present=_untied),
+    WeightRule(("layers", "attn_norm", "scale"), _L + "input_layernorm.weight", "blk.{i}.attn_norm.weight",
+               per_layer=True),
+    WeightRule(("layers", "q_dnh"), _L + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight",
+               _in_heads, _in_heads_inv, per_layer=True, gguf_heads=_q_heads),
+    WeightRule(("layers", "k_dkh"), _L + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight",
+               _in_heads, _in_heads_inv, per_layer=True, gguf_heads=_kv_heads),
+    WeightRule(("layers", "v_dkh"), _L + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight",
+               _in_heads, _in_heads_inv, per_layer=True),
+    WeightRule(("layers", "q_bias_nh"), _L + "self_attn.q_proj.bias", "blk.{i}.attn_q.bias",
+               _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias, gguf_heads=_q_heads),
+    WeightRule(("layers", "k_bias_kh"), _L + "self_attn.k_proj.bias", "blk.{i}.attn_k.bias",
+               _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias, gguf_heads=_kv_heads),
+    WeightRule(("layers", "v_bias_kh"), _L + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias",
+               _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias),
+    WeightRule(("layers", "o_nhd"), _L + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
+               _out_heads, _out_heads_inv, per_layer=True),
+    WeightRule(("layers", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight",
+               "blk.{i}.ffn_norm.weight", per_layer=True),
+    WeightRule(("layers", "gate_df"), _L + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight",
+               _transpose, _transpose, per_layer=True),
+    WeightRule(("layers", "up_df"), _L + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight",
+               _transpose, _transpose, per_layer=True),
+    WeightRule(("layers", "down_fd"), _L + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight",
+               _transpose, _transpose, per_layer=True),
+)
+
+# Tensors some checkpoints carry that hold nothing jaxspec needs.
+_HARMLESS_HF = ("rotary_emb.inv_freq",)
+
+
+def _unpermute_gguf(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation (its rope pairs interleaved, ours rotate-half)."""
+    half = x.shape[0] // n_head // 2
+    return x.reshape(n_head, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _hf_shape(rule: WeightRule, cfg: ModelConfig, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(rule.to_hf(np.empty(our_shape, np.int8), cfg).shape)
+
+
+def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.ndarray],
+                    names: Collection[str], *, source: str, convert_leaf: Callable) -> dict:
+    """Builds jaxspec params from named checkpoint tensors.
+
+    Args:
+      cfg: the model config (decides which weights exist).
+      our_shapes: nested dict of the expected jaxspec params (anything with `.shape`).
+      get: reads one tensor (float numpy, HF layout) by name.
+      names: every tensor name in the checkpoint (to report unexpected ones).
+      source: "hf" or "gguf" (which name column to use).
+      convert_leaf: turns one finished numpy weight into the stored array (dtype, device).
+
+    Raises:
+      ValueError: a tensor is missing, unexpected, or of the wrong shape (named, both shapes).
+    """
+    names = set(names)
+    used: set[str] = set()
+    params: dict = {}
+    for rule in RULES:
+        if not rule.present(cfg):
+            continue
+        template = rule.gguf if source == "gguf" else rule.hf
+        for i in range(cfg.num_layers if rule.per_layer else 1):
+            path = _path(rule, i)
+            expected = _hf_shape(rule, cfg, tuple(_lookup(our_shapes, path).shape))
+            name = template.format(i=i)
+            if name not in names:
+                raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {expected})")
+            tensor = np.asarray(get(name))
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but the config "
+                                 f"needs {expected}")
+            if source == "gguf" and rule.gguf_heads is not None and cfg.architecture == "llama":
+                tensor = _unpermute_gguf(tensor, rule.gguf_heads(cfg))
+            _assign(params, path, convert_leaf(rule.to_ours(tensor, cfg)))
+            used.add(name)
+    leftover = sorted(n for n in names - used if not _harmless(n, cfg, source))
+    if leftover:
+        shown = ", ".join(repr(n) for n in leftover[:8])
+        raise ValueError(f"checkpoint has {len(leftover)} unexpected tensor(s) for a "
+                         f"{cfg.architecture} model with this config: {shown}")
+    return params
+
+
+def params_to_hf(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """jaxspec params -> HF-named numpy tensors (for writing safetensors checkpoints)."""
+    out = {}
+    for rule in RULES:
+        if not rule.present(cfg):
+            continue
+        for i in range(cfg.num_layers if rule.per_layer else 1):
+            value = np.asarray(_lookup(params, _path(rule, i)), np.float32)
+            out[rule.hf.format(i=i)] = np.ascontiguousarray(rule.to_hf(value, cfg))
+    return out
+
+
+def _harmless(name: str, cfg: ModelConfig, source: str) -> bool:
+    if source == "hf":
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return True  # some tied checkpoints store the shared matrix twice
+        return name.endswith(_HARMLESS_HF)
+    return False
+
+
+def _path(rule: WeightRule, layer: int) -> tuple:
+    """Where the weight sits in the params: per-layer weights under params["layers"][i]."""
+    return (rule.ours[0], layer, *rule.ours[1:]) if rule.per_layer else rule.ours
+
+
+def _lookup(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _assign(tree, path, value):
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value

