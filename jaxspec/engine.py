@@ -28,7 +28,7 @@ from jaxspec.generate import check_eos, request_keys
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import Model, forward, init_cache
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
-from jaxspec.sampling import SamplingConfig, choose, row_keys
+from jaxspec.sampling import SamplingConfig, choose, probabilities, row_keys
 from jaxspec.spec import SpecConfig
 from jaxspec.verify import accept
 
@@ -61,9 +61,13 @@ class DecodeState:
     done_b: jax.Array
     counters: Counters
     steps: jax.Array
+    # Only when this decoder drafts for a higher level (a chain): the distribution each emitted
+    # token was drawn from, which the level above needs for rejection sampling.
+    probs_bov: jax.Array | None = None
 
 
-def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos_id, out_len: int):
+def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos_id, out_len: int,
+                    window_probs_bk1v=None):
     """Writes each row's first `emit_count_b` window tokens (cut at eos and the budget)."""
     b, width = window_bk1.shape
     j = jnp.arange(width)[None, :]
@@ -80,6 +84,8 @@ def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos
     seq_at = jnp.where(writes_bk, pending_b[:, None] + 1 + j, state.seq_bl.shape[1])
     out_bo = state.out_bo.at[rows_bk, out_at].set(window_bk1, mode="drop")
     seq_bl = state.seq_bl.at[rows_bk, seq_at].set(window_bk1, mode="drop")
+    if state.probs_bov is not None:
+        state = state.replace(probs_bov=state.probs_bov.at[rows_bk, out_at].set(window_probs_bk1v, mode="drop"))
     n_out_b = state.n_out_b + count_b
     hit_eos_b = jnp.any(is_eos_bk & writes_bk, axis=1)
     done_b = state.done_b | hit_eos_b | (n_out_b >= max_new_b)
@@ -116,7 +122,10 @@ def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: Sampli
     drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
     state = state.replace(target_cache=target_cache, draft_state=draft_state)
-    state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len)
+    # Emitted token j (accepted draft or final token) follows the target's p_j exactly.
+    window_probs = probabilities(logits_bk1v, sampling) if state.probs_bov is not None else None
+    state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len,
+                                     window_probs)
     live = live_b.astype(jnp.int32)
     c = state.counters
     counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * num_drafts_b,

@@ -1,0 +1,96 @@
+"""Multi-level speculation: a speculative decoder used as the drafter of a larger target.
+
+A chain M1 -> M2 -> target: M1 drafts for M2, and M2's verified output (k tokens per row) is the
+draft the target verifies. Each level runs the same `speculative_step` as the outermost one.
+
+Exactness. Greedy chains reproduce the target's greedy output (every level is greedy-exact).
+With sampling, every level is lossless for its own model, so the tokens a level emits follow its
+model's (transformed) distribution exactly; that distribution is what the level reports as q to
+the level above, whose rejection sampling is then lossless too. The final output follows the
+target's distribution exactly; only the acceptance rates depend on how close the levels are.
+
+Bookkeeping. Each propose first re-feeds the committed token before the pending one to the middle
+model (its cache may miss it after a fully accepted window), then runs inner steps until every row
+has k tokens. The middle model's cache is never cleared: lowering its lengths rolls back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec.drafters import Drafter
+from jaxspec.models.cache import KVCache
+from jaxspec.models.model import forward, init_cache
+from jaxspec.sampling import SamplingConfig
+
+_NO_EOS = -1
+
+
+@struct.dataclass
+class _ChainState:
+    cache: KVCache        # the middle model's cache
+    inner_state: object   # the state of the middle model's own drafter
+
+
+class ChainDrafter(Drafter):
+    """Adapts a SpeculativeDecoder (target M2, its own drafter) into a drafter for a larger model."""
+
+    def __init__(self, decoder):
+        if decoder.spec.k < 1:
+            raise ValueError(f"a chain level needs k >= 1 for its own drafting, got k={decoder.spec.k}")
+        self.decoder = decoder
+        self.model = decoder.target
+        self.inner = decoder.drafter
+        self.inner_k = decoder.spec.k
+
+    def __eq__(self, other):
+        return (type(other) is ChainDrafter and other.model.graphdef == self.model.graphdef
+                and other.inner == self.inner and other.inner_k == self.inner_k)
+
+    def __hash__(self):
+        return hash((ChainDrafter, self.model.graphdef, self.inner, self.inner_k))
+
+    @property
+    def params(self):
+        return (self.model.params, self.inner.params)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        model_params, inner_params = params
+        graphdef = self.model.graphdef
+        cache = init_cache(graphdef, model_params, tokens_bp.shape[0], cache_len)
+        _, cache = forward(graphdef, model_params, tokens_bp, cache, jnp.zeros_like(tokens_bp[:, :1]))
+        inner_state = self.inner.init(inner_params, tokens_bp, prompt_len_b, cache_len)
+        return _ChainState(cache=cache.commit(prompt_len_b - 1), inner_state=inner_state)
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        from jaxspec.engine import Counters, DecodeState, speculative_step
+
+        model_params, inner_params = params
+        graphdef = self.model.graphdef
+        b = seq_bl.shape[0]
+        # Catch up: the token before the pending one may be missing after a full accept.
+        cache = state.cache.commit(pending_b - 1)
+        before_b1 = jnp.take_along_axis(seq_bl, pending_b[:, None] - 1, axis=1)
+        _, cache = forward(graphdef, model_params, before_b1, cache, jnp.zeros_like(before_b1))
+        cache = cache.commit(pending_b)
+        inner = DecodeState(
+            target_cache=cache, draft_state=state.inner_state, seq_bl=seq_bl,
+            out_bo=jnp.zeros((b, k), jnp.int32), n_out_b=jnp.zeros((b,), jnp.int32),
+            done_b=jnp.zeros((b,), bool), counters=Counters.zeros(b), steps=jnp.int32(0),
+            probs_bov=jnp.zeros((b, k, self.vocab_size), jnp.float32))
+        budget_b = jnp.full((b,), k, jnp.int32)
+
+        def body(inner):
+            return speculative_step(graphdef, self.inner, self.inner_k, sampling, model_params, inner_params,
+                                    inner, key_b, budget_b, jnp.int32(_NO_EOS), k)
+
+        inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, inner)
+        num_drafts_b = jnp.full((b,), k, jnp.int32)
+        return inner.out_bo, inner.probs_bov, num_drafts_b, _ChainState(cache=inner.target_cache,
+                                                                        inner_state=inner.draft_state)

@@ -1,0 +1,236 @@
+"""Speculative decoding: lossless against the target's own generation, for every drafter."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import jaxspec
+from conftest import random_prompts
+from jaxspec.sampling import SamplingConfig, probabilities
+
+SMALL_VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A target, an unrelated draft and a 3-level chain's middle model, vocabulary 16."""
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=SMALL_VOCAB, name="tiny-v16")
+    target = jaxspec.Model.random(cfg, seed=0)
+    draft = jaxspec.Model.random(cfg.replace(num_layers=1, name="draft"), seed=3)
+    smallest = jaxspec.Model.random(cfg.replace(num_layers=1, hidden_size=32, intermediate_size=64,
+                                                name="smallest"), seed=2)
+    return target, draft, smallest
+
+
+def ragged_prompts(vocab, seed=0):
+    return random_prompts(np.random.default_rng(seed), [1, 4, 9, 17, 6, 12], vocab)
+
+
+def eos_hit_by_some_rows(model, prompts, max_new):
+    """A token that some, not all, rows of the target's greedy output emit mid-way."""
+    free = jaxspec.generate(model, prompts, max_new_tokens=max_new).tokens
+    for token, _ in Counter(t for row in free for t in row[2:]).most_common():
+        rows = sum(token in row[1:-2] for row in free)
+        if 0 < rows < len(prompts):
+            return token
+    raise AssertionError("no suitable eos token")
+
+
+def check_greedy_lossless(target, draft, ks, prompts, max_new=20):
+    eos = eos_hit_by_some_rows(target, prompts, max_new)
+    want = jaxspec.generate(target, prompts, max_new_tokens=max_new, eos_token_id=eos).tokens
+    assert any(len(row) < max_new for row in want) and any(len(row) == max_new for row in want)
+    results = {}
+    for k in ks:
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k))
+        got = decoder.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+        assert got.tokens == want, f"k={k}"
+        results[k] = got.stats
+    return results
+
+
+def test_greedy_lossless_draft_equals_target(small):
+    target = small[0]
+    stats_by_k = check_greedy_lossless(target, target, range(1, 7), ragged_prompts(SMALL_VOCAB))
+    for k, s in stats_by_k.items():
+        assert s.acceptance_rate == 1.0, k
+
+
+def test_greedy_lossless_unrelated_draft(small):
+    target, draft, _ = small
+    stats_by_k = check_greedy_lossless(target, draft, range(1, 7), ragged_prompts(SMALL_VOCAB, 1))
+    rates = [s.acceptance_rate for s in stats_by_k.values()]
+    assert np.mean(rates) > 0.01 and max(rates) < 0.6, rates
+
+
+def test_greedy_lossless_three_level_chain(small):
+    target, middle, smallest = small
+    prompts = ragged_prompts(SMALL_VOCAB, 2)
+    for inner_k in (1, 3):
+        chain = jaxspec.SpeculativeDecoder(middle, smallest, spec=jaxspec.SpecConfig(k=inner_k))
+        check_greedy_lossless(target, chain, range(1, 7), prompts)
+
+
+def test_greedy_lossless_ngram_on_smollm2(smollm2):
+    text = ("Roses are red, violets are blue. Roses are red, violets are blue. Roses are red, "
+            "violets are")
+    prompts = [smollm2.tokenizer(text)["input_ids"], smollm2.tokenizer("1, 2, 3, 4, 5, 6,")["input_ids"],
+               smollm2.tokenizer("The cat sat on the mat. The cat sat on the")["input_ids"]]
+    stats_by_k = check_greedy_lossless(smollm2, jaxspec.NgramDrafter(max_ngram=3), range(1, 7), prompts,
+                                       max_new=24)
+    assert all(s.acceptance_rate > 0.2 for s in stats_by_k.values())
+
+
+def test_k_zero_is_plain_decoding(small):
+    target, draft, _ = small
+    prompts = ragged_prompts(SMALL_VOCAB, 3)
+    got = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=0)).generate(prompts, max_new_tokens=9)
+    assert got.tokens == jaxspec.generate(target, prompts, max_new_tokens=9).tokens
+    assert got.stats.drafted_tokens == 0 and got.stats.mean_accepted_length == 1.0
+
+
+# --- sampling: the exact distribution of the first three tokens on a 6-token vocabulary ---
+
+VOCAB6_PROMPT = [1, 4, 2]
+
+
+@pytest.fixture(scope="module")
+def vocab6():
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    return (jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4),
+            jaxspec.Model.random(cfg.replace(num_layers=1, hidden_size=32, intermediate_size=64), seed=5))
+
+
+def exact_joint(model, prompt, depth, sampling):
+    """P(first `depth` tokens) by enumeration over model.logits with the same transforms."""
+    table = {}
+
+    def walk(prefix, prob):
+        if len(prefix) == depth:
+            table[tuple(prefix)] = prob
+            return
+        p = np.asarray(probabilities(np.asarray(model.logits([prompt + prefix]))[0, -1], sampling), np.float64)
+        for token in np.nonzero(p > 0)[0]:
+            walk(prefix + [int(token)], prob * p[token])
+
+    walk([], 1.0)
+    return table
+
+
+def assert_matches_distribution(tokens, table, rows):
+    counts = Counter(tuple(t) for t in tokens)
+    assert set(counts) <= set(table), "sampled a sequence the transforms exclude"
+    keys = sorted(table)
+    observed = np.array([counts.get(key, 0) for key in keys], float)
+    expected = np.array([table[key] for key in keys]) * rows
+    small = expected < 5
+    if small.any():  # pool rare cells so the chi-square approximation holds
+        observed = np.r_[observed[~small], observed[small].sum()]
+        expected = np.r_[expected[~small], expected[small].sum()]
+    expected *= observed.sum() / expected.sum()
+    assert stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
+             SamplingConfig(temperature=1.0, top_p=0.8)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk3", "topp0.8"])
+@pytest.mark.parametrize("greedy_draft", [False, True], ids=["sampled-draft", "greedy-draft"])
+def test_sampling_lossless(vocab6, sampling, greedy_draft):
+    target, draft, _ = vocab6
+    rows = 4000
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, greedy_draft=greedy_draft),
+                                         sampling=sampling)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=17)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    assert 0 < result.stats.acceptance_rate < 1
+
+
+def test_sampling_lossless_ngram_and_chain(vocab6):
+    target, middle, smallest = vocab6
+    sampling, rows = SamplingConfig(temperature=1.0), 4000
+    table = exact_joint(target, VOCAB6_PROMPT, 3, sampling)
+    chain = jaxspec.SpeculativeDecoder(middle, smallest, spec=jaxspec.SpecConfig(k=2), sampling=sampling)
+    for draft in (jaxspec.NgramDrafter(max_ngram=2), chain):
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2), sampling=sampling)
+        result = decoder.generate([VOCAB6_PROMPT + [1, 4, 2, 5, 1, 4]] * rows, max_new_tokens=3, seed=23)
+        table = exact_joint(target, VOCAB6_PROMPT + [1, 4, 2, 5, 1, 4], 3, sampling)
+        assert_matches_distribution(result.tokens, table, rows)
+
+
+# --- statistics and compilation ---
+
+def test_statistics_when_draft_equals_target(small):
+    target = small[0]
+    prompts = ragged_prompts(SMALL_VOCAB, 4)
+    for k in (2, 5):
+        steps = 4
+        result = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(k=k)).generate(
+            prompts, max_new_tokens=1 + steps * (k + 1))
+        s = result.stats
+        n = len(prompts)
+        assert s.acceptance_rate == 1.0 and s.vsr == 1.0 and s.ter == 1.0
+        assert s.mean_accepted_length == k + 1
+        assert s.steps == steps and s.target_forwards == steps + 1
+        assert s.drafted_tokens == s.verified_tokens == s.accepted_tokens == n * steps * k
+        assert s.new_tokens == sum(map(len, result.tokens)) == n * (1 + steps * (k + 1))
+        assert s.mean_draft_length == k
+
+
+def test_counts_add_up(small):
+    target, draft, _ = small
+    prompts = ragged_prompts(SMALL_VOCAB, 5)
+    result = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3)).generate(prompts, max_new_tokens=15)
+    s = result.stats
+    accepted = s.extra["per_request_accepted"]
+    steps = s.extra["per_request_steps"]
+    for tokens, a, st in zip(result.tokens, accepted, steps):
+        # emitted = first token + accepted drafts + one correction/bonus per step, minus what the
+        # budget cut off in the last step (at most k).
+        assert 0 <= 1 + a + st - len(tokens) <= 3
+    assert s.accepted_tokens == sum(accepted)
+    assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
+
+
+def test_no_recompilation_after_warmup(small, compile_counter):
+    target, draft, _ = small
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3),
+                                         sampling=SamplingConfig(temperature=0.9))
+    decoder.generate(ragged_prompts(SMALL_VOCAB, 6), max_new_tokens=20, seed=0)
+    with compile_counter() as counter:
+        decoder.generate(ragged_prompts(SMALL_VOCAB, 7), max_new_tokens=18, seed=1, eos_token_id=3)
+    assert counter.count == 0
+
+
+# --- bad input ---
+
+def test_vocabulary_mismatch_names_both_sizes(small, tiny_model):
+    with pytest.raises(ValueError, match=r"draft vocab_size \(256\) differs from the target's vocab_size \(16\)"):
+        jaxspec.SpeculativeDecoder(small[0], tiny_model)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(k=-1), "k must be an int >= 0"),
+    (dict(k=17), "larger than the compiled maximum"),
+    (dict(capacity=-2), "capacity"),
+    (dict(selection="best"), "selection"),
+    (dict(policy="goodput"), "cost_model"),
+])
+def test_bad_spec_config(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        jaxspec.SpecConfig(**kwargs)
+
+
+def test_bad_prompts_are_rejected_like_generate(small):
+    decoder = jaxspec.SpeculativeDecoder(small[0], small[1], spec=jaxspec.SpecConfig(k=2))
+    with pytest.raises(ValueError, match="prompts is empty"):
+        decoder.generate([])
+    with pytest.raises(ValueError, match="token id 16, outside"):
+        decoder.generate([[16]])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        decoder.generate([[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="draft must be"):
+        jaxspec.SpeculativeDecoder(small[0], "ngram")
