@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative clean
 
 .venv: $(STAMP)
 
@@ -31,6 +31,10 @@ models-qwen: $(STAMP)
 
 bench-decode: $(STAMP)
 	$(BIN)/python scripts/bench_decode.py
+
+bench-speculative: $(STAMP)
+	$(BIN)/python scripts/bench_speculative.py --part sonnet --name bench_speculative_sonnet
+	$(BIN)/python scripts/bench_speculative.py --part qwen --name bench_speculative_qwen
 
 clean:
 	rm -rf $(VENV) .pytest_cache

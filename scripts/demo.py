@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import jaxspec
 from jaxspec.models.loading import smollm2_gguf_path
 
-DEFAULT_PROMPTS = [
-    "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog.",
-    "Rewrite this list in reverse order: apples, bananas, cherries, dates, elderberries, figs, grapes.",
-    "What is the capital of France?",
-    "Correct the spelling: Teh weather is beautifull today and the sun is shinning brightly.",
-]
+SONNET = (Path(__file__).resolve().parents[1] / "data" / "sonnet18.txt").read_text().strip()
+# The TETRIS paper's "sonnet" task: answers that copy from the prompt, where lookup drafting shines.
+DEFAULT_PROMPTS = [f"Here is a sonnet:\n{SONNET}\n\nRepeat lines {a} to {a + 5} of the sonnet exactly."
+                   for a in (1, 3, 5, 7)]
 
 
 def main() -> None:
@@ -47,7 +46,7 @@ def main() -> None:
     result = decoder.generate(chats, **kwargs)
 
     for prompt, text in zip(args.prompts, result.texts):
-        print(f"\n> {prompt}\n{text.replace(tok.eos_token, '').strip()}")
+        print(f"\n> {prompt.splitlines()[-1]}\n{text.replace(tok.eos_token, '').strip()}")
     s, p = result.stats, plain.stats
     print(f"\nbatch {len(chats)}, greedy, same output as plain decoding: {result.tokens == plain.tokens}")
     print(f"autoregressive:          {p.tokens_per_second:6.1f} tokens/s")
