@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.drafters import Drafter
+from jaxspec.drafters import Drafter, prefill_cache
 from jaxspec.models.cache import KVCache
-from jaxspec.models.model import forward, init_cache
+from jaxspec.models.model import forward
 from jaxspec.sampling import SamplingConfig
 
 _NO_EOS = -1
@@ -62,11 +62,9 @@ class ChainDrafter(Drafter):
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
         model_params, inner_params = params
-        graphdef = self.model.graphdef
-        cache = init_cache(graphdef, model_params, tokens_bp.shape[0], cache_len)
-        _, cache = forward(graphdef, model_params, tokens_bp, cache, jnp.zeros_like(tokens_bp[:, :1]))
+        cache = prefill_cache(self.model.graphdef, model_params, tokens_bp, prompt_len_b, cache_len)
         inner_state = self.inner.init(inner_params, tokens_bp, prompt_len_b, cache_len)
-        return _ChainState(cache=cache.commit(prompt_len_b - 1), inner_state=inner_state)
+        return _ChainState(cache=cache, inner_state=inner_state)
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         from jaxspec.engine import Counters, DecodeState, speculative_step

@@ -50,6 +50,14 @@ class Drafter:
         raise NotImplementedError
 
 
+def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> KVCache:
+    """A drafter model's cache after the prompts, committed to all but the last prompt token
+    (each propose re-feeds the last two committed tokens)."""
+    cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
+    _, cache = forward(graphdef, params, tokens_bp, cache, jnp.zeros_like(tokens_bp[:, :1]))
+    return cache.commit(prompt_len_b - 1)
+
+
 @struct.dataclass
 class _ModelDraftState:
     cache: KVCache
@@ -88,9 +96,7 @@ class ModelDrafter(Drafter):
         return self.model.config.vocab_size
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
-        cache = init_cache(self.model.graphdef, params, tokens_bp.shape[0], cache_len)
-        _, cache = forward(self.model.graphdef, params, tokens_bp, cache, jnp.zeros_like(tokens_bp[:, :1]))
-        return _ModelDraftState(cache=cache.commit(prompt_len_b - 1))
+        return _ModelDraftState(cache=prefill_cache(self.model.graphdef, params, tokens_bp, prompt_len_b, cache_len))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef = self.model.graphdef

@@ -24,11 +24,11 @@ from flax import struct
 
 from jaxspec import prompts as prompts_lib
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
-from jaxspec.generate import check_eos, request_keys
+from jaxspec.generate import check_eos, prefill, request_keys
 from jaxspec.models.cache import KVCache
-from jaxspec.models.model import Model, forward, init_cache
+from jaxspec.models.model import Model, forward
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
-from jaxspec.sampling import SamplingConfig, choose, probabilities, row_keys
+from jaxspec.sampling import SamplingConfig, probabilities, row_keys
 from jaxspec.spec import SpecConfig
 from jaxspec.verify import accept
 
@@ -140,21 +140,16 @@ def _decode_on_device(target_graphdef, drafter: Drafter, k: int, sampling: Sampl
                       target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
                       *, cache_len: int, seq_len: int, out_len: int):
     b, p = tokens_bp.shape
-    cache = init_cache(target_graphdef, target_params, b, cache_len)
-    logits_b1v, cache = forward(target_graphdef, target_params, tokens_bp, cache, (prompt_len_b - 1)[:, None])
-    cache = cache.commit(prompt_len_b)
-    live_b = max_new_b > 0
-    first_b = choose(row_keys(request_keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], sampling)
+    cache, first_b, n_out_b, done_b = prefill(target_graphdef, target_params, tokens_bp, prompt_len_b, max_new_b,
+                                              request_keys_b, eos_id, sampling, cache_len)
     rows = jnp.arange(b)
     seq_bl = jnp.zeros((b, seq_len), jnp.int32).at[:, :p].set(tokens_bp)
     seq_bl = seq_bl.at[rows, prompt_len_b].set(first_b)
     out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
-    n_out_b = live_b.astype(jnp.int32)
     draft_state = drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len) if k > 0 else ()
     state = DecodeState(
         target_cache=cache, draft_state=draft_state, seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
-        done_b=~live_b | (first_b == eos_id) | (n_out_b >= max_new_b),
-        counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
+        done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
 
     def body(state):
         return speculative_step(target_graphdef, drafter, k, sampling, target_params, draft_params, state,

@@ -24,19 +24,31 @@ from jaxspec.sampling import SamplingConfig, choose, row_keys
 NO_EOS = -1
 
 
+def prefill(graphdef, params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
+            sampling: SamplingConfig, cache_len: int):
+    """Ragged prefill and the first token, shared by every engine.
+
+    Returns the cache (committed to the prompt lengths), the first token of each row, the count
+    of tokens emitted (1, or 0 for padding rows) and the done flags.
+    """
+    cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
+    logits_b1v, cache = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None])
+    cache = cache.commit(prompt_len_b)
+    live_b = max_new_b > 0
+    first_b = choose(row_keys(request_keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], sampling)
+    n_out_b = live_b.astype(jnp.int32)
+    done_b = ~live_b | (first_b == eos_id) | (n_out_b >= max_new_b)
+    return cache, first_b, n_out_b, done_b
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "out_len"))
 def _generate_on_device(graphdef, params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
                         *, sampling: SamplingConfig, cache_len: int, out_len: int):
     b = tokens_bp.shape[0]
     rows = jnp.arange(b)
-    cache = init_cache(graphdef, params, b, cache_len)
-    logits_b1v, cache = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None])
-    cache = cache.commit(prompt_len_b)
-    live_b = max_new_b > 0
-    first_b = choose(row_keys(request_keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], sampling)
+    cache, first_b, n_out_b, done_b = prefill(graphdef, params, tokens_bp, prompt_len_b, max_new_b,
+                                              request_keys_b, eos_id, sampling, cache_len)
     out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
-    n_out_b = live_b.astype(jnp.int32)
-    done_b = ~live_b | (first_b == eos_id) | (n_out_b >= max_new_b)
 
     def cond(state):
         return ~jnp.all(state[4])

@@ -147,9 +147,6 @@ class Model:
         from jaxspec.models.loading import save_model
         save_model(self, path)
 
-    def with_params(self, params) -> Model:
-        return Model(self.config, params, dtype=self.dtype, tokenizer=self.tokenizer)
-
 
 def check_token_range(tokens: np.ndarray, vocab_size: int, name: str) -> None:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
