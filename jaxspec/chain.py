@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.drafters import Drafter, prefill_cache
+from jaxspec import tetris
+from jaxspec.drafters import Drafter, Proposal, prefill_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward
 from jaxspec.sampling import SamplingConfig
@@ -43,14 +44,19 @@ class ChainDrafter(Drafter):
         self.decoder = decoder
         self.model = decoder.target
         self.inner = decoder.drafter
-        self.inner_k = decoder.spec.k
+        self.inner_k = decoder.spec.draft_len
+        self.inner_tetris = decoder.spec.selection == "tetris"
+        self.inner_capacity = decoder.spec.capacity
 
     def __eq__(self, other):
         return (type(other) is ChainDrafter and other.model.graphdef == self.model.graphdef
-                and other.inner == self.inner and other.inner_k == self.inner_k)
+                and other._key() == self._key())
 
     def __hash__(self):
-        return hash((ChainDrafter, self.model.graphdef, self.inner, self.inner_k))
+        return hash(self._key())
+
+    def _key(self):
+        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_k, self.inner_tetris, self.inner_capacity)
 
     @property
     def params(self):
@@ -81,14 +87,20 @@ class ChainDrafter(Drafter):
             target_cache=cache, draft_state=state.inner_state, seq_bl=seq_bl,
             out_bo=jnp.zeros((b, k), jnp.int32), n_out_b=jnp.zeros((b,), jnp.int32),
             done_b=jnp.zeros((b,), bool), counters=Counters.zeros(b), steps=jnp.int32(0),
-            probs_bov=jnp.zeros((b, k, self.vocab_size), jnp.float32))
+            probs_bov=jnp.zeros((b, k, self.vocab_size), jnp.float32), logprob_bo=jnp.zeros((b, k), jnp.float32))
         budget_b = jnp.full((b,), k, jnp.int32)
+        capacity = budget = None
+        if self.inner_tetris:
+            # The inner level's own TETRIS budget, over this batch's rows.
+            budget = min(self.inner_capacity if self.inner_capacity is not None else b * self.decoder.spec.k,
+                         b * self.inner_k)
+            capacity = tetris.capacity_bucket(budget, b, self.inner_k)
 
         def body(inner):
             return speculative_step(graphdef, self.inner, self.inner_k, sampling, model_params, inner_params,
-                                    inner, key_b, budget_b, jnp.int32(_NO_EOS), k)
+                                    inner, key_b, budget_b, jnp.int32(_NO_EOS), k, capacity, budget)
 
         inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, inner)
-        num_drafts_b = jnp.full((b,), k, jnp.int32)
-        return inner.out_bo, inner.probs_bov, num_drafts_b, _ChainState(cache=inner.target_cache,
-                                                                        inner_state=inner.draft_state)
+        proposal = Proposal(tokens_bk=inner.out_bo, q_bkv=inner.probs_bov, logprob_bk=inner.logprob_bo,
+                            num_drafts_b=jnp.full((b,), k, jnp.int32))
+        return proposal, _ChainState(cache=inner.target_cache, inner_state=inner.draft_state)

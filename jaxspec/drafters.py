@@ -5,14 +5,13 @@ Shape key: b rows, l sequence-buffer slots, p padded prompt length, k draft toke
 Every drafter answers the same two calls inside the compiled step:
 
 - `init(params, tokens_bp, prompt_len_b, cache_len)` -> state, once after the prompts are known;
-- `propose(params, state, seq_bl, pending_b, k, key_b, sampling)` ->
-  (tokens_bk, q_bkv, num_drafts_b, state).
+- `propose(params, state, seq_bl, pending_b, k, key_b, sampling)` -> (Proposal, state).
 
 `seq_bl` holds each row's whole sequence so far; `pending_b` is the position of the last emitted
 token (the one the target has not processed yet), so the committed sequence of row b is
-seq[b, :pending_b + 1]. `q_bkv` is the distribution each draft token was drawn from, after the
-same sampling transforms the target uses (one-hot for deterministic proposals): rejection
-sampling needs it to stay lossless. `num_drafts_b` says how many leading proposals are real.
+seq[b, :pending_b + 1]. A `Proposal` carries the tokens, the distribution each was drawn from (q,
+after the same sampling transforms the target uses; one-hot for deterministic proposals), how many
+leading proposals are real, and a confidence per token that TETRIS ranks.
 
 Drafters decide what to propose, never how many tokens to verify (the engine and policy do).
 """
@@ -26,6 +25,45 @@ from flax import struct
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import Model, forward, init_cache
 from jaxspec.sampling import SamplingConfig, choose, probabilities
+
+_F32 = jnp.float32
+
+
+@struct.dataclass
+class Proposal:
+    """What a drafter proposes for every row.
+
+    Attributes:
+      tokens_bk: int [b, k] draft tokens (zeros past num_drafts_b).
+      q_bkv: float [b, k, v] the distribution each token was drawn from; rejection sampling needs
+        it to stay lossless.
+      num_drafts_b: int [b] how many leading tokens are real proposals.
+      logprob_bk: float [b, k] log of the estimated probability that draft j is accepted given
+        drafts 1..j-1 (TETRIS ranks cumulative sums of it). It may depend on the drawn token only
+        when the draw is deterministic given the prefix; for a random draw it is the expectation
+        over the draw (see `draft_logprob`), which keeps TETRIS lossless under sampling.
+    """
+
+    tokens_bk: jax.Array
+    q_bkv: jax.Array
+    num_drafts_b: jax.Array
+    logprob_bk: jax.Array
+
+
+def draft_logprob(logits_bv, token_b, q_bv, sampling: SamplingConfig, deterministic: bool):
+    """The default acceptance surrogate of one draft position (the paper's draft probability).
+
+    A deterministic draw (greedy drafting, n-gram) may be scored by its own token: the draft model's
+    probability of it (at temperature 1 when verification is greedy, else under the sampling
+    transforms). A random draw must not be: if whether slot j is verified depended on the token
+    drawn there, the verified tokens would be a biased sample and rejection sampling would no
+    longer reproduce the target's distribution. It is scored by E_{x~q}[q(x)] = sum q^2, the
+    expectation of the paper's score over the draw, which is a function of the prefix alone.
+    """
+    if not deterministic:
+        return jnp.log(jnp.sum(q_bv * q_bv, axis=-1))
+    dist_bv = jax.nn.softmax(logits_bv.astype(_F32), axis=-1) if sampling.greedy else probabilities(logits_bv, sampling)
+    return jnp.log(jnp.take_along_axis(dist_bv, token_b[:, None], axis=-1)[:, 0])
 
 
 class Drafter:
@@ -108,22 +146,24 @@ class ModelDrafter(Drafter):
         cache = cache.commit(pending_b + 1)
 
         def draw_one(logits_bv, keys_b):
-            return choose(keys_b, logits_bv, draw), probabilities(logits_bv, draw)
+            token_b, q_bv = choose(keys_b, logits_bv, draw), probabilities(logits_bv, draw)
+            return token_b, q_bv, draft_logprob(logits_bv, token_b, q_bv, sampling, draw.greedy)
 
-        token_b, q_bv = draw_one(logits_b1v[:, 0], keys_bk[:, 0])
+        first = draw_one(logits_b1v[:, 0], keys_bk[:, 0])
 
         def step(carry, keys_b):
             cache, token_b = carry
             logits_b1v, cache = forward(graphdef, params, token_b[:, None], cache)
             cache = cache.commit(cache.lengths + 1)
-            next_b, q_bv = draw_one(logits_b1v[:, 0], keys_b)
-            return (cache, next_b), (next_b, q_bv)
+            drawn = draw_one(logits_b1v[:, 0], keys_b)
+            return (cache, drawn[0]), drawn
 
-        (cache, _), (rest_kb, rest_q_kbv) = jax.lax.scan(step, (cache, token_b), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
-        tokens_bk = jnp.concatenate([token_b[:, None], jnp.swapaxes(rest_kb, 0, 1)], axis=1)
-        q_bkv = jnp.concatenate([q_bv[:, None], jnp.swapaxes(rest_q_kbv, 0, 1)], axis=1)
-        num_drafts_b = jnp.full(pending_b.shape, k, jnp.int32)
-        return tokens_bk, q_bkv, num_drafts_b, _ModelDraftState(cache=cache)
+        (cache, _), rest = jax.lax.scan(step, (cache, first[0]), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
+        tokens_bk, q_bkv, logprob_bk = (jnp.concatenate([a[:, None], jnp.swapaxes(r, 0, 1)], axis=1)
+                                        for a, r in zip(first, rest))
+        proposal = Proposal(tokens_bk=tokens_bk, q_bkv=q_bkv, logprob_bk=logprob_bk,
+                            num_drafts_b=jnp.full(pending_b.shape, k, jnp.int32))
+        return proposal, _ModelDraftState(cache=cache)
 
 
 class NgramDrafter(Drafter):
@@ -179,5 +219,8 @@ class NgramDrafter(Drafter):
         index_bk = jnp.clip(best_start_b[:, None] + jnp.arange(k), 0, slots - 1)
         tokens_bk = jnp.take_along_axis(seq_bl, index_bk, axis=1)
         tokens_bk = jnp.where(jnp.arange(k)[None] < num_drafts_b[:, None], tokens_bk, 0)
-        q_bkv = jax.nn.one_hot(tokens_bk, self._vocab, dtype=jnp.float32)
-        return tokens_bk, q_bkv, num_drafts_b, state
+        q_bkv = jax.nn.one_hot(tokens_bk, self._vocab, dtype=_F32)
+        # No model, no confidence: equal scores, so TETRIS splits its budget evenly.
+        proposal = Proposal(tokens_bk=tokens_bk, q_bkv=q_bkv, num_drafts_b=num_drafts_b,
+                            logprob_bk=jnp.zeros(tokens_bk.shape, _F32))
+        return proposal, state

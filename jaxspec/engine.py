@@ -23,10 +23,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import prompts as prompts_lib
-from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
+from jaxspec import tetris
+from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, draft_logprob
 from jaxspec.generate import check_eos, prefill, request_keys
 from jaxspec.models.cache import KVCache
-from jaxspec.models.model import Model, forward
+from jaxspec.models.model import Model, forward, forward_packed
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
 from jaxspec.sampling import SamplingConfig, probabilities, row_keys
 from jaxspec.spec import SpecConfig
@@ -62,12 +63,14 @@ class DecodeState:
     counters: Counters
     steps: jax.Array
     # Only when this decoder drafts for a higher level (a chain): the distribution each emitted
-    # token was drawn from, which the level above needs for rejection sampling.
+    # token was drawn from, which the level above needs for rejection sampling, and its
+    # acceptance surrogate for TETRIS.
     probs_bov: jax.Array | None = None
+    logprob_bo: jax.Array | None = None
 
 
 def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos_id, out_len: int,
-                    window_probs_bk1v=None):
+                    record=None):
     """Writes each row's first `emit_count_b` window tokens (cut at eos and the budget)."""
     b, width = window_bk1.shape
     j = jnp.arange(width)[None, :]
@@ -84,8 +87,10 @@ def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos
     seq_at = jnp.where(writes_bk, pending_b[:, None] + 1 + j, state.seq_bl.shape[1])
     out_bo = state.out_bo.at[rows_bk, out_at].set(window_bk1, mode="drop")
     seq_bl = state.seq_bl.at[rows_bk, seq_at].set(window_bk1, mode="drop")
-    if state.probs_bov is not None:
-        state = state.replace(probs_bov=state.probs_bov.at[rows_bk, out_at].set(window_probs_bk1v, mode="drop"))
+    if record is not None:
+        probs_bk1v, logprob_bk1 = record
+        state = state.replace(probs_bov=state.probs_bov.at[rows_bk, out_at].set(probs_bk1v, mode="drop"),
+                              logprob_bo=state.logprob_bo.at[rows_bk, out_at].set(logprob_bk1, mode="drop"))
     n_out_b = state.n_out_b + count_b
     hit_eos_b = jnp.any(is_eos_bk & writes_bk, axis=1)
     done_b = state.done_b | hit_eos_b | (n_out_b >= max_new_b)
@@ -96,8 +101,17 @@ def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos
 
 def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: SamplingConfig,
                      target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
-                     out_len: int) -> DecodeState:
-    """One draft -> verify -> accept -> commit step for every row (static shapes)."""
+                     out_len: int, capacity: int | None = None, budget=None,
+                     estimate=tetris.acceptance_logprobs) -> DecodeState:
+    """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
+
+    Args:
+      k: draft tokens proposed per row (k + extra under TETRIS).
+      capacity: None for standard selection (every row verifies all its drafts in a padded
+        [b, k + 1] pass); else TETRIS with a packed verification of b + capacity tokens.
+      budget: traced number of drafts TETRIS may select (<= capacity; default capacity).
+      estimate: (proposal, usable_bk) -> log acceptance estimates TETRIS ranks.
+    """
     b = state.seq_bl.shape[0]
     pending_b = state.target_cache.lengths
     pending_tok_b = jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1)[:, 0]
@@ -105,40 +119,60 @@ def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: Sampli
     live_b = ~state.done_b
     if k > 0:
         draft_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _DRAFT_TAG)
-        drafts_bk, q_bkv, num_drafts_b, draft_state = drafter.propose(
-            draft_params, state.draft_state, state.seq_bl, pending_b, k, draft_key_b, sampling)
+        proposal, draft_state = drafter.propose(draft_params, state.draft_state, state.seq_bl, pending_b, k,
+                                                draft_key_b, sampling)
     else:
-        drafts_bk = jnp.zeros((b, 0), jnp.int32)
-        q_bkv = jnp.zeros((b, 0, 1), jnp.float32)
-        num_drafts_b = jnp.zeros((b,), jnp.int32)
+        proposal = Proposal(tokens_bk=jnp.zeros((b, 0), jnp.int32), q_bkv=jnp.zeros((b, 0, 1), jnp.float32),
+                            num_drafts_b=jnp.zeros((b,), jnp.int32), logprob_bk=jnp.zeros((b, 0), jnp.float32))
         draft_state = state.draft_state
-    # Verify: the target scores the pending token and every draft in one pass.
+    drafts_bk = proposal.tokens_bk
     window_bk1 = jnp.concatenate([pending_tok_b[:, None], drafts_bk], axis=1)
-    logits_bk1v, target_cache = forward(target_graphdef, target_params, window_bk1, state.target_cache)
+    if capacity is None:
+        # Standard: the target scores the pending token and every draft in one padded pass.
+        verify_b = proposal.num_drafts_b
+        logits_bk1v, target_cache = forward(target_graphdef, target_params, window_bk1, state.target_cache)
+        verified_b = jnp.full((b,), k, jnp.int32)
+    else:
+        # TETRIS: the batch's best drafts under the budget; a slot is usable if it is real, its row
+        # is live, and what it could emit fits in the row's remaining token budget.
+        j = jnp.arange(k)[None, :]
+        remaining_b = max_new_b - state.n_out_b
+        usable_bk = (j < proposal.num_drafts_b[:, None]) & live_b[:, None] & (j + 2 <= remaining_b[:, None])
+        verify_b = tetris.select(estimate(proposal, usable_bk), capacity, budget)
+        logits_bk1v, target_cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1,
+                                                   state.target_cache, b + capacity)
+        verified_b = verify_b
     accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
-    accepted_b, next_b = accept(accept_key_b, drafts_bk, q_bkv, logits_bk1v, num_drafts_b, sampling)
+    accepted_b, next_b = accept(accept_key_b, drafts_bk, proposal.q_bkv, logits_bk1v, verify_b, sampling)
     # Emitted this step: d_1 .. d_a, then the correction / bonus token.
     j = jnp.arange(k + 1)[None, :]
     drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
     state = state.replace(target_cache=target_cache, draft_state=draft_state)
-    # Emitted token j (accepted draft or final token) follows the target's p_j exactly.
-    window_probs = probabilities(logits_bk1v, sampling) if state.probs_bov is not None else None
-    state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len,
-                                     window_probs)
+    record = _record_for_level_above(logits_bk1v, emitted_bk1, sampling) if state.probs_bov is not None else None
+    state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len, record)
     live = live_b.astype(jnp.int32)
     c = state.counters
-    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * num_drafts_b,
-                        verified=c.verified + live * k, accepted=c.accepted + live * accepted_b,
+    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * proposal.num_drafts_b,
+                        verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
                         emitted=c.emitted + count_b)
     return state.replace(counters=counters, steps=state.steps + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "k", "sampling", "cache_len",
-                                             "seq_len", "out_len"))
-def _decode_on_device(target_graphdef, drafter: Drafter, k: int, sampling: SamplingConfig,
+def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
+    """What a chain level reports for each emitted token: the distribution p it follows exactly
+    (the level above's q), and the acceptance surrogate TETRIS ranks (see `draft_logprob`)."""
+    p_bk1v = probabilities(logits_bk1v, sampling)
+    logprob_bk1 = jax.vmap(draft_logprob, (1, 1, 1, None, None), 1)(logits_bk1v, emitted_bk1, p_bk1v, sampling,
+                                                                    sampling.greedy)
+    return p_bk1v, logprob_bk1
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "k", "capacity", "sampling",
+                                             "cache_len", "seq_len", "out_len"))
+def _decode_on_device(target_graphdef, drafter: Drafter, k: int, capacity: int | None, sampling: SamplingConfig,
                       target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
-                      *, cache_len: int, seq_len: int, out_len: int):
+                      budget, *, cache_len: int, seq_len: int, out_len: int):
     b, p = tokens_bp.shape
     cache, first_b, n_out_b, done_b = prefill(target_graphdef, target_params, tokens_bp, prompt_len_b, max_new_b,
                                               request_keys_b, eos_id, sampling, cache_len)
@@ -153,7 +187,7 @@ def _decode_on_device(target_graphdef, drafter: Drafter, k: int, sampling: Sampl
 
     def body(state):
         return speculative_step(target_graphdef, drafter, k, sampling, target_params, draft_params, state,
-                                request_keys_b, max_new_b, eos_id, out_len)
+                                request_keys_b, max_new_b, eos_id, out_len, capacity, budget)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, state)
     return state.out_bo, state.n_out_b, state.counters, state.steps
@@ -181,8 +215,7 @@ class SpeculativeDecoder:
             raise ValueError(f"sampling must be a jaxspec.SamplingConfig, got {type(self.sampling).__name__}")
         if not isinstance(target, Model):
             raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
-        for feature, on in (("selection='tetris'", self.spec.selection == "tetris"),
-                            ("policy='goodput'", self.spec.policy == "goodput"),
+        for feature, on in (("policy='goodput'", self.spec.policy == "goodput"),
                             ("pipeline=True", self.spec.pipeline), ("mesh", mesh is not None)):
             if on:
                 raise ValueError(f"{feature} is not available in this version of jaxspec")
@@ -201,24 +234,41 @@ class SpeculativeDecoder:
     def generate(self, prompts, max_new_tokens=64, seed: int = 0, eos_token_id: int | None = None
                  ) -> GenerationResult:
         """Speculative generation; same arguments and result as `jaxspec.generate`."""
-        cfg, k = self.target.config, self.spec.k
+        cfg, k = self.target.config, self.spec.draft_len
         eos = check_eos(eos_token_id, cfg.vocab_size)
         batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
                                     max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens)
         keys = request_keys(seed, batch.request_ids_b)
+        capacity, budget = self._verification_budget(batch.tokens_bp.shape[0], batch.num_prompts)
         # Slots: prompt, every output token, and a window of k drafts past the last one.
         cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
         start = time.perf_counter()
         out_bo, n_out_b, counters, steps = _decode_on_device(
-            self.target.graphdef, self.drafter, k, self.sampling, self.target.params, self.drafter.params,
-            jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b), jnp.asarray(batch.max_new_b), keys,
-            jnp.int32(eos), cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len)
+            self.target.graphdef, self.drafter, k, capacity, self.sampling, self.target.params,
+            self.drafter.params, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b),
+            jnp.asarray(batch.max_new_b), keys, jnp.int32(eos), jnp.int32(budget), cache_len=cache_len,
+            seq_len=cache_len, out_len=batch.out_len)
         out_bo, n_out_b, counters, steps = jax.device_get((out_bo, n_out_b, counters, steps))
         seconds = time.perf_counter() - start
         n = batch.num_prompts
         tokens = [out_bo[i, :n_out_b[i]].tolist() for i in range(n)]
         stats = _stats(counters, n, int(steps), seconds, k, self.drafter)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+
+    def _verification_budget(self, rows: int, num_prompts: int) -> tuple[int | None, int]:
+        """(compiled capacity, per-step budget C) for TETRIS; (None, 0) for standard selection.
+
+        capacity=None gives C = N * k over the N real requests: the budget standard speculative
+        decoding with k spends, the paper's fair comparison. The program is compiled for C rounded
+        up to a bucket and selects exactly C inside it.
+        """
+        spec = self.spec
+        if spec.selection != "tetris" or spec.draft_len == 0:
+            return None, 0
+        budget = spec.capacity if spec.capacity is not None else num_prompts * spec.k
+        budget = min(budget, rows * spec.draft_len)
+        return tetris.capacity_bucket(budget, rows, spec.draft_len), budget
 
 
 def _stats(c: Counters, n: int, steps: int, seconds: float, k: int, drafter: Drafter) -> GenerationStats:

@@ -29,8 +29,8 @@ def test_ngram_proposals_match_brute_force(max_n, min_n):
     seq = rng.integers(0, 5, (b, slots))  # tiny alphabet: plenty of repeats
     pending = rng.integers(0, slots - 1, b)
     drafter = jaxspec.NgramDrafter(max_ngram=max_n, min_ngram=min_n).bind_vocab(5)
-    tokens, q, num, _ = drafter.propose((), (), jnp.asarray(seq), jnp.asarray(pending), k, None,
-                                        SamplingConfig())
+    proposal, _ = drafter.propose((), (), jnp.asarray(seq), jnp.asarray(pending), k, None, SamplingConfig())
+    tokens, q, num = proposal.tokens_bk, proposal.q_bkv, proposal.num_drafts_b
     for i in range(b):
         want, want_num = brute_force_ngram(seq[i].tolist(), int(pending[i]), k, max_n, min_n)
         assert int(num[i]) == want_num, i

@@ -2,12 +2,14 @@
 
 from collections import Counter
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
 import jaxspec
 from conftest import random_prompts
+from jaxspec.drafters import ModelDrafter
 from jaxspec.sampling import SamplingConfig, probabilities
 
 SMALL_VOCAB = 16
@@ -38,15 +40,19 @@ def eos_hit_by_some_rows(model, prompts, max_new):
     raise AssertionError("no suitable eos token")
 
 
-def check_greedy_lossless(target, draft, ks, prompts, max_new=20):
+def check_greedy_lossless(target, draft, ks, prompts, max_new=20, **spec_kwargs):
+    """Speculative greedy output == the target's own, with an eos some rows hit; stats per spec.
+
+    `ks` are draft lengths, or whole SpecConfigs; `spec_kwargs` go to SpecConfig(k=...)."""
     eos = eos_hit_by_some_rows(target, prompts, max_new)
     want = jaxspec.generate(target, prompts, max_new_tokens=max_new, eos_token_id=eos).tokens
     assert any(len(row) < max_new for row in want) and any(len(row) == max_new for row in want)
     results = {}
     for k in ks:
-        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k))
+        spec = k if isinstance(k, jaxspec.SpecConfig) else jaxspec.SpecConfig(k=k, **spec_kwargs)
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
         got = decoder.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
-        assert got.tokens == want, f"k={k}"
+        assert got.tokens == want, spec
         results[k] = got.stats
     return results
 
@@ -81,6 +87,45 @@ def test_greedy_lossless_ngram_on_smollm2(smollm2):
     stats_by_k = check_greedy_lossless(smollm2, jaxspec.NgramDrafter(max_ngram=3), range(1, 7), prompts,
                                        max_new=24)
     assert all(s.acceptance_rate > 0.2 for s in stats_by_k.values())
+
+
+def tetris_specs():
+    """TETRIS at the standard budget, a tight one, zero and more than the grid."""
+    return [jaxspec.SpecConfig(k=k, extra=extra, selection="tetris", capacity=capacity)
+            for k, extra, capacity in [(1, 1, None), (2, 2, None), (3, 1, None), (4, 3, None), (2, 3, 3),
+                                       (3, 2, 1), (2, 1, 0), (2, 2, 100)]]
+
+
+def test_greedy_lossless_tetris(small):
+    target, draft, _ = small
+    for d, seed in ((target, 1), (draft, 2)):
+        stats_by_spec = check_greedy_lossless(target, d, tetris_specs(), ragged_prompts(SMALL_VOCAB, seed))
+        for spec, s in stats_by_spec.items():
+            rows, k = 6, spec.k
+            budget = rows * k if spec.capacity is None else spec.capacity
+            # Never more drafts verified per step than the budget allows.
+            assert s.verified_tokens <= budget * s.steps, spec
+            if d is target and s.verified_tokens:
+                assert s.vsr == 1.0, spec
+
+
+def test_greedy_lossless_tetris_chains(small):
+    target, middle, smallest = small
+    prompts = ragged_prompts(SMALL_VOCAB, 3)
+    for inner in (jaxspec.SpecConfig(k=2), jaxspec.SpecConfig(k=2, extra=2, selection="tetris", capacity=5)):
+        chain = jaxspec.SpeculativeDecoder(middle, smallest, spec=inner)
+        check_greedy_lossless(target, chain, [tetris_specs()[i] for i in (1, 4, 5)], prompts)
+
+
+def test_greedy_lossless_tetris_ngram_on_smollm2(smollm2):
+    prompts = [smollm2.tokenizer(text)["input_ids"] for text in (
+        "one two three four, one two three four, one two three four, one two",
+        "The cat sat on the mat. The cat sat on the",
+        "Roses are red, violets are blue. Roses are red, violets are")]
+    for capacity in (None, 2):
+        stats_by_k = check_greedy_lossless(smollm2, jaxspec.NgramDrafter(max_ngram=3), [2, 4], prompts, max_new=24,
+                                           selection="tetris", extra=2, capacity=capacity)
+        assert all(s.vsr > 0.2 for s in stats_by_k.values())
 
 
 def test_k_zero_is_plain_decoding(small):
@@ -161,6 +206,67 @@ def test_sampling_lossless_ngram_and_chain(vocab6):
         assert_matches_distribution(result.tokens, table, rows)
 
 
+def first_tokens(tokens, n):
+    return [row[:n] for row in tokens]
+
+
+TETRIS_ROWS = 4000
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk3", "topp0.8"])
+def test_sampling_lossless_tetris(vocab6, sampling):
+    """A tight budget (half a draft per row) makes the selection decide which rows verify."""
+    target, draft, _ = vocab6
+    spec = jaxspec.SpecConfig(k=2, extra=2, selection="tetris", capacity=TETRIS_ROWS // 2)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling)
+    # Six tokens, so windows are not cut by the budget; the first three are compared exactly.
+    result = decoder.generate([VOCAB6_PROMPT] * TETRIS_ROWS, max_new_tokens=6, seed=19)
+    table = exact_joint(target, VOCAB6_PROMPT, 3, sampling)
+    assert_matches_distribution(first_tokens(result.tokens, 3), table, TETRIS_ROWS)
+    assert 0 < result.stats.vsr < 1 and result.stats.mean_draft_length <= 0.5
+
+
+def test_sampling_lossless_tetris_greedy_draft_ngram_and_chain(vocab6):
+    target, middle, smallest = vocab6
+    sampling = SamplingConfig(temperature=1.0)
+    prompt = VOCAB6_PROMPT + [1, 4, 2, 5, 1, 4]
+    table = exact_joint(target, prompt, 3, sampling)
+    tight = dict(k=2, extra=2, selection="tetris", capacity=TETRIS_ROWS // 2)
+    chain = jaxspec.SpeculativeDecoder(middle, smallest, spec=jaxspec.SpecConfig(k=2), sampling=sampling)
+    for draft, greedy_draft in ((middle, True), (jaxspec.NgramDrafter(max_ngram=2), False), (chain, False)):
+        spec = jaxspec.SpecConfig(greedy_draft=greedy_draft, **tight)
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling)
+        result = decoder.generate([prompt] * TETRIS_ROWS, max_new_tokens=5, seed=29)
+        assert_matches_distribution(first_tokens(result.tokens, 3), table, TETRIS_ROWS)
+
+
+class _DrawnTokenScore(ModelDrafter):
+    """The paper's score taken literally under sampling: log q of the token actually drawn."""
+
+    def __eq__(self, other):
+        return type(other) is _DrawnTokenScore and other.model.graphdef == self.model.graphdef
+
+    def __hash__(self):
+        return hash((_DrawnTokenScore, self.model.graphdef))
+
+    def propose(self, *args):
+        proposal, state = super().propose(*args)
+        drawn = jnp.take_along_axis(proposal.q_bkv, proposal.tokens_bk[..., None], axis=-1)[..., 0]
+        return proposal.replace(logprob_bk=jnp.log(drawn)), state
+
+
+def test_scoring_the_drawn_token_would_bias_sampling(vocab6):
+    """Why `draft_logprob` scores a random draw by its expectation: with the drawn token's own
+    probability deciding whether it is verified, the output distribution is measurably wrong."""
+    target, draft, _ = vocab6
+    sampling = SamplingConfig(temperature=1.0)
+    spec = jaxspec.SpecConfig(k=2, extra=2, selection="tetris", capacity=TETRIS_ROWS // 2)
+    decoder = jaxspec.SpeculativeDecoder(target, _DrawnTokenScore(draft), spec=spec, sampling=sampling)
+    result = decoder.generate([VOCAB6_PROMPT] * TETRIS_ROWS, max_new_tokens=3, seed=17)
+    with pytest.raises(AssertionError):
+        assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), TETRIS_ROWS)
+
+
 # --- statistics and compilation ---
 
 def test_statistics_when_draft_equals_target(small):
@@ -195,13 +301,15 @@ def test_counts_add_up(small):
     assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
 
 
-def test_no_recompilation_after_warmup(small, compile_counter):
+@pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, extra=2, selection="tetris")],
+                         ids=["standard", "tetris"])
+def test_no_recompilation_after_warmup(small, compile_counter, spec):
     target, draft, _ = small
-    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3),
-                                         sampling=SamplingConfig(temperature=0.9))
+    # 6 then 7 prompts: one batch bucket, budgets 18 and 21 in one capacity bucket.
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=SamplingConfig(temperature=0.9))
     decoder.generate(ragged_prompts(SMALL_VOCAB, 6), max_new_tokens=20, seed=0)
     with compile_counter() as counter:
-        decoder.generate(ragged_prompts(SMALL_VOCAB, 7), max_new_tokens=18, seed=1, eos_token_id=3)
+        decoder.generate(ragged_prompts(SMALL_VOCAB, 7) + [[1, 2]], max_new_tokens=18, seed=1, eos_token_id=3)
     assert counter.count == 0
 
 

@@ -211,3 +211,34 @@ class Decoder(nnx.Module):
 
         x_md, (ks, vs) = self._run_blocks(self.embed(tokens_bt.reshape(-1)), (cache.k, cache.v), body)
         return x_md.reshape(b, t, -1), cache.replace(k=ks, v=vs)
+
+    def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int):
+        """Final hidden states of ragged windows packed into one flat buffer of m tokens.
+
+        Token m is column col_m of row row_m's window, at position lengths[row] + col; a column of
+        `width` marks an unused slot of the buffer. Token-wise work (projections, MLP) runs on the
+        m packed tokens only; attention alone scatters the queries into a padded [b, width] layout
+        and gathers its outputs back. Keys and values of used slots are written to the cache;
+        `lengths` is unchanged.
+        """
+        b = cache.batch
+        used_m = col_m < width
+        pos_m = cache.lengths[row_m] + col_m
+        write_at_m = jnp.where(used_m, pos_m, cache.max_len)             # past the buffer: dropped
+        q_pos_bw = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
+        slot_pos_bs = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+        read_col_m = jnp.minimum(col_m, width - 1)
+
+        def body(block, x_md, kv, i):
+            ks, vs = kv
+            q_mnh, k_mkh, v_mkh = block.qkv(x_md, pos_m)
+            k_layer = ks[i].at[row_m, write_at_m].set(k_mkh.astype(ks[i].dtype), mode="drop")
+            v_layer = vs[i].at[row_m, write_at_m].set(v_mkh.astype(vs[i].dtype), mode="drop")
+            q_bwnh = jnp.zeros((b, width) + q_mnh.shape[1:], q_mnh.dtype).at[row_m, col_m].set(q_mnh, mode="drop")
+            attn_bwnh = attend(q_bwnh, k_layer.astype(q_mnh.dtype), v_layer.astype(q_mnh.dtype), q_pos_bw,
+                               slot_pos_bs)
+            kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
+            return block.finish(x_md, attn_bwnh[row_m, read_col_m]), kv
+
+        x_md, (ks, vs) = self._run_blocks(self.embed(tokens_m), (cache.k, cache.v), body)
+        return x_md, cache.replace(k=ks, v=vs)

@@ -72,6 +72,35 @@ def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None):
     return decoder.head(hidden_btd), cache
 
 
+def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int):
+    """Runs the first `counts_b` tokens of each row's window through the cache, packed.
+
+    The used tokens of all rows are laid end to end in a buffer of `packed_len` (static) slots, so
+    the embedding, projections, MLP and LM head cost packed_len tokens however the windows are
+    shaped; sum(counts_b) must not exceed it. Logits come back in the padded layout [b, w, v] for
+    the acceptance rules; entries at columns >= counts_b are meaningless.
+
+    Args:
+      graphdef, params: as for `forward`.
+      window_bw: int [b, w] each row's tokens, written at positions cache.lengths[b] + j.
+      counts_b: int [b] leading tokens of each row to run (the rest are not written).
+      cache: the KVCache; its lengths are not advanced.
+      packed_len: static size of the packed buffer.
+    """
+    b, w = window_bw.shape
+    col_w = jnp.arange(w, dtype=jnp.int32)
+    start_b = jnp.cumsum(counts_b) - counts_b
+    index_bw = jnp.where(col_w[None, :] < counts_b[:, None], start_b[:, None] + col_w, packed_len)
+    rows_bw = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
+    tokens_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(window_bw, mode="drop")
+    row_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(rows_bw, mode="drop")
+    col_m = jnp.full((packed_len,), w, jnp.int32).at[index_bw].set(jnp.broadcast_to(col_w, (b, w)), mode="drop")
+    decoder = nnx.merge(graphdef, params)
+    hidden_md, cache = decoder.hidden_packed(tokens_m, row_m, col_m, cache, w)
+    logits_mv = decoder.head(hidden_md)
+    return logits_mv[jnp.minimum(index_bw, packed_len - 1)], cache
+
+
 def init_cache(graphdef, params, batch: int, max_len: int) -> KVCache:
     """An empty cache for this decoder (usable inside a trace)."""
     decoder = nnx.merge(graphdef, params)

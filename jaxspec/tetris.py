@@ -1,0 +1,93 @@
+"""TETRIS: choose which draft tokens the target verifies, across the whole batch, under a budget.
+
+Shape key: n rows, k draft slots per row.
+
+Wu et al. (ACL 2025) verify at most C draft tokens per step over a batch. Draft slot j of a row can
+only be accepted if slots 1..j are, so its value is the probability that the row's first j drafts
+are all accepted; with per-token acceptance estimates a_1, a_2, ... that is the cumulative product
+a_1 * ... * a_j, which never increases along a row. Choosing the C slots with the largest cumulative
+products therefore maximises the expected number of accepted tokens, and always yields a prefix of
+each row (the paper proves it and implements it with a heap, one pop per budget unit).
+
+Here the heap is one `lax.top_k` over the flattened [n, k] grid of cumulative log-probabilities.
+The grid is flattened position-major (slot j of every row before slot j + 1 of any row) because
+`top_k` puts the lower index first among equal values: ties then go to earlier positions, so
+selections stay prefixes even between equal products, and equal confidences (an n-gram drafter)
+split the budget evenly across rows.
+
+The per-token estimate a_j is a surrogate; by default the draft model's own probability (see
+`drafters.Proposal.logprob_bk` for what exactly it is and why it stays lossless under sampling).
+`acceptance_logprobs` is the one place that turns a proposal into the logprobs `select` ranks;
+the goodput policy replaces it with a calibrated estimate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+def cumulative_logprobs(draft_logprobs_nk):
+    """log(a_1 * ... * a_j) per slot, with -inf from the first unusable slot of a row onwards.
+
+    Estimates above probability 1 are clipped to 1 and nan counts as unusable, so the result never
+    increases along a row whatever the surrogate returns.
+    """
+    lp = jnp.asarray(draft_logprobs_nk, jnp.float32)
+    lp = jnp.where(jnp.isnan(lp), _NEG_INF, jnp.minimum(lp, 0.0))
+    return jnp.cumsum(lp, axis=1)
+
+
+def select(draft_logprobs, capacity: int, budget=None) -> jax.Array:
+    """How many leading draft tokens of each row to verify, maximising expected acceptance.
+
+    Args:
+      draft_logprobs: float [n, k]: log of the estimated acceptance probability of each row's
+        j-th draft token given its prefix (the draft model's log q by default); -inf marks slots
+        that must not be verified (finished rows, slots past a row's limit).
+      capacity: static int >= 0, the verification budget C: the number of slots chosen is
+        min(capacity, usable slots).
+      budget: optional traced int <= capacity: choose only this many (a per-step budget inside a
+        program compiled for `capacity`; the goodput policy uses it).
+
+    Returns:
+      int32 [n] window lengths; each row's selected slots are its first `counts[i]` drafts.
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"capacity must be a static int >= 0, got {capacity!r}")
+    lp = jnp.asarray(draft_logprobs)
+    if lp.ndim != 2:
+        raise ValueError(f"draft_logprobs must have shape [rows, slots], got shape {lp.shape}")
+    n, k = lp.shape
+    cum_kn = cumulative_logprobs(lp).T
+    top = min(capacity, n * k)
+    if top == 0:
+        return jnp.zeros((n,), jnp.int32)
+    # Position-major flattening: index j * n + i, so ties prefer earlier positions.
+    values, index = jax.lax.top_k(cum_kn.reshape(-1), top)
+    chosen = values > _NEG_INF
+    if budget is not None:
+        chosen &= jnp.arange(top) < budget
+    return jnp.zeros((n,), jnp.int32).at[index % n].add(chosen.astype(jnp.int32))
+
+
+def expected_accepted(draft_logprobs, counts) -> jax.Array:
+    """Expected accepted drafts of windows `counts` under the surrogate: sum of cumulative products."""
+    cum_nk = cumulative_logprobs(draft_logprobs)
+    k = cum_nk.shape[1]
+    inside = jnp.arange(k)[None, :] < jnp.asarray(counts)[:, None]
+    return jnp.sum(jnp.where(inside, jnp.exp(cum_nk), 0.0))
+
+
+def acceptance_logprobs(proposal, usable_bk) -> jax.Array:
+    """The default surrogate: the proposal's own log-probabilities, -inf where not usable."""
+    return jnp.where(usable_bk, proposal.logprob_bk, _NEG_INF)
+
+
+def capacity_bucket(capacity: int, rows: int, slots: int) -> int:
+    """The compiled size for a budget: a multiple of 8 (a few programs), never more than the grid."""
+    if capacity <= 0:
+        return 0
+    return min(-(-capacity // 8) * 8, rows * slots)
