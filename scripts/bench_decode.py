@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 
-
-
 import jaxspec
 from jaxspec.benchmarking import machine, table, timed, write_results
 from jaxspec.models.loading import smollm2_gguf_path

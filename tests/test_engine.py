@@ -5,10 +5,10 @@ from collections import Counter
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_prompts
 from scipy import stats
 
 import jaxspec
-from conftest import random_prompts
 from jaxspec.drafters import ModelDrafter
 from jaxspec.sampling import SamplingConfig, probabilities
 
@@ -289,7 +289,8 @@ def test_statistics_when_draft_equals_target(small):
 def test_counts_add_up(small):
     target, draft, _ = small
     prompts = ragged_prompts(SMALL_VOCAB, 5)
-    result = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3)).generate(prompts, max_new_tokens=15)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3))
+    result = decoder.generate(prompts, max_new_tokens=15)
     s = result.stats
     accepted = s.extra["per_request_accepted"]
     steps = s.extra["per_request_steps"]

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_prompts
 
 import jaxspec
-from conftest import random_prompts
 
 
 def naive_greedy(model, prompt, n, width=64):
