@@ -1,5 +1,6 @@
 """jaxspec: batch speculative decoding in JAX / Flax NNX."""
 
+from jaxspec import tetris
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
 from jaxspec.generate import generate
@@ -11,4 +12,4 @@ from jaxspec.spec import SpecConfig
 
 __all__ = ["Drafter", "GenerationResult", "GenerationStats", "KVCache", "Model", "ModelConfig",
            "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
-           "generate", "load"]
+           "generate", "load", "tetris"]

@@ -69,3 +69,28 @@ def write_results(name: str, payload: dict[str, Any], markdown: str | None = Non
     if markdown is not None:
         (RESULTS_DIR / f"{name}.md").write_text(markdown + "\n")
     return path
+
+
+def layer_skip_pair(config, *, draft_layers: int, damping: float, sharpness: float = 4.0, seed: int = 0):
+    """A random target and a draft that is its own first `draft_layers` layers (a noisy copy).
+
+    The target's deeper layers write into the residual stream scaled by `damping`, so they act as
+    a perturbation the draft does not see: acceptance is high where the draft's choice is clear and
+    low where its top tokens are close, and so varies across rows and positions as with trained
+    pairs. `sharpness` scales the final norm so the output distributions are peaked rather than
+    nearly flat (random weights). Returns (target, draft) sharing their weights.
+    """
+    from jaxspec.models.model import Model
+
+    base = Model.random(config, seed=seed)
+    params = jax.tree.map(lambda x: x, base.params)
+    params["final_norm"] = {"scale": params["final_norm"]["scale"] * sharpness}
+    for i in range(draft_layers, config.num_layers):
+        layer = dict(params["layers"][i])
+        layer["o_nhd"] = layer["o_nhd"] * damping
+        layer["down_fd"] = layer["down_fd"] * damping
+        params["layers"][i] = layer
+    draft_params = {**params, "layers": {i: params["layers"][i] for i in range(draft_layers)}}
+    target = Model(config, params)
+    draft = Model(config.replace(num_layers=draft_layers, name=f"{config.name}-first{draft_layers}"), draft_params)
+    return target, draft

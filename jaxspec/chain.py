@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import tetris
-from jaxspec.drafters import Drafter, Proposal, prefill_cache
+from jaxspec.drafters import Drafter, Proposal, catch_up, prefill_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward
 from jaxspec.sampling import SamplingConfig
@@ -41,6 +41,9 @@ class ChainDrafter(Drafter):
     def __init__(self, decoder):
         if decoder.spec.k < 1:
             raise ValueError(f"a chain level needs k >= 1 for its own drafting, got k={decoder.spec.k}")
+        if decoder.spec.policy != "fixed":
+            raise ValueError("a chain level runs a fixed draft length: use policy='fixed' for the inner decoder "
+                             f"(got policy={decoder.spec.policy!r}); the outermost decoder may use 'goodput'")
         self.decoder = decoder
         self.model = decoder.target
         self.inner = decoder.drafter
@@ -73,13 +76,14 @@ class ChainDrafter(Drafter):
         return _ChainState(cache=cache, inner_state=inner_state)
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
-        from jaxspec.engine import Counters, DecodeState, speculative_step
+        from jaxspec.engine import Counters, DecodeState, StepPlan, speculative_step
 
         model_params, inner_params = params
         graphdef = self.model.graphdef
         b = seq_bl.shape[0]
-        # Catch up: the token before the pending one may be missing after a full accept.
-        cache = state.cache.commit(pending_b - 1)
+        # Catch up: the token before the pending one may be missing after a full accept (and more
+        # after steps without drafting).
+        cache = catch_up(graphdef, model_params, state.cache, seq_bl, pending_b - 1)
         before_b1 = jnp.take_along_axis(seq_bl, pending_b[:, None] - 1, axis=1)
         _, cache = forward(graphdef, model_params, before_b1, cache, jnp.zeros_like(before_b1))
         cache = cache.commit(pending_b)
@@ -95,10 +99,11 @@ class ChainDrafter(Drafter):
             budget = min(self.inner_capacity if self.inner_capacity is not None else b * self.decoder.spec.k,
                          b * self.inner_k)
             capacity = tetris.capacity_bucket(budget, b, self.inner_k)
+        plan = StepPlan(k=self.inner_k, capacity=capacity)
 
         def body(inner):
-            return speculative_step(graphdef, self.inner, self.inner_k, sampling, model_params, inner_params,
-                                    inner, key_b, budget_b, jnp.int32(_NO_EOS), k, capacity, budget)
+            return speculative_step(graphdef, self.inner, plan, sampling, model_params, inner_params,
+                                    inner, key_b, budget_b, jnp.int32(_NO_EOS), k, budget)
 
         inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, inner)
         proposal = Proposal(tokens_bk=inner.out_bo, q_bkv=inner.probs_bov, logprob_bk=inner.logprob_bo,

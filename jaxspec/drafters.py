@@ -96,6 +96,30 @@ def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> 
     return cache.commit(prompt_len_b - 1)
 
 
+CATCH_UP_CHUNK = 8
+
+
+def catch_up(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATCH_UP_CHUNK) -> KVCache:
+    """Makes a drafter model's cache hold every position below `upto_b`, committed to it.
+
+    The cache is trusted up to min(lengths, upto) (past that it may hold rejected drafts). Usually
+    nothing is missing and the loop does not run; after steps that skipped drafting (the goodput
+    policy's k = 0) each row feeds its missing tokens, `chunk` at a time, at its own position.
+    """
+    cache = cache.commit(jnp.minimum(cache.lengths, upto_b))
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+
+    def feed(cache):
+        n_b = jnp.minimum(upto_b - cache.lengths, chunk)
+        tokens_bc = jnp.take_along_axis(seq_bl, jnp.minimum(cache.lengths[:, None] + offsets, seq_bl.shape[1] - 1),
+                                        axis=1)
+        _, written = forward(graphdef, params, tokens_bc, cache, jnp.zeros_like(tokens_bc[:, :1]))
+        # Rows already caught up wrote only past their committed length: harmless, never read.
+        return written.commit(cache.lengths + n_b)
+
+    return jax.lax.while_loop(lambda c: jnp.any(c.lengths < upto_b), feed, cache)
+
+
 @struct.dataclass
 class _ModelDraftState:
     cache: KVCache
@@ -105,9 +129,10 @@ class ModelDrafter(Drafter):
     """Drafts autoregressively with a smaller model on its own KV cache.
 
     Catch-up rule: each step rolls the draft cache back to pending - 1 and feeds the last two
-    committed tokens. The draft cache always holds every token before that (after a partial accept
-    its drafts up to the accepted one are already there; after a full accept only the last draft
-    and the bonus token are missing), so two tokens always suffice and the shapes stay static.
+    committed tokens. After a drafting step the cache holds every token before that (after a
+    partial accept its drafts up to the accepted one are already there; after a full accept only
+    the last draft and the bonus token are missing), so two tokens suffice and the shapes stay
+    static; after steps without drafting, `catch_up` first feeds what was missed.
     """
 
     def __init__(self, model: Model, *, greedy: bool = False):
@@ -140,7 +165,7 @@ class ModelDrafter(Drafter):
         graphdef = self.model.graphdef
         draw = SamplingConfig() if self.greedy else sampling
         keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
-        cache = state.cache.commit(pending_b - 1)
+        cache = catch_up(graphdef, params, state.cache, seq_bl, pending_b - 1)
         last_two_b2 = jnp.take_along_axis(seq_bl, pending_b[:, None] + jnp.array([[-1, 0]]), axis=1)
         logits_b1v, cache = forward(graphdef, params, last_two_b2, cache, jnp.ones_like(pending_b)[:, None])
         cache = cache.commit(pending_b + 1)

@@ -15,6 +15,7 @@ The loop is a `lax.while_loop` on device; statistics are counters in its state, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
 from jaxspec import tetris
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, draft_logprob
@@ -67,6 +69,8 @@ class DecodeState:
     # acceptance surrogate for TETRIS.
     probs_bov: jax.Array | None = None
     logprob_bo: jax.Array | None = None
+    # Only under the goodput policy: acceptance tracking and the next step's choice.
+    policy: policy_lib.PolicyState | None = None
 
 
 def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos_id, out_len: int,
@@ -99,20 +103,36 @@ def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos
     return state.replace(target_cache=cache, seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b, done_b=done_b), count_b
 
 
-def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: SamplingConfig,
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The static shape of one speculative step (a compiled branch).
+
+    Attributes:
+      k: draft tokens proposed per row (k + extra under TETRIS; 0 = a plain decoding step).
+      capacity: None for standard selection (every row verifies all its drafts in a padded
+        [b, k + 1] pass); else TETRIS, compiled for this many selected drafts at most.
+      capacities: goodput policy with TETRIS: candidate budgets searched every step, each with its
+        own packed verification size (capacity is then their maximum).
+      cache_len: the cache size, for cost predictions.
+    """
+
+    k: int
+    capacity: int | None = None
+    capacities: tuple[int, ...] | None = None
+    cache_len: int = 0
+
+
+def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
                      target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
-                     out_len: int, capacity: int | None = None, budget=None,
-                     estimate=tetris.acceptance_logprobs) -> DecodeState:
+                     out_len: int, budget=None, cost_coef=None) -> DecodeState:
     """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
 
     Args:
-      k: draft tokens proposed per row (k + extra under TETRIS).
-      capacity: None for standard selection (every row verifies all its drafts in a padded
-        [b, k + 1] pass); else TETRIS with a packed verification of b + capacity tokens.
-      budget: traced number of drafts TETRIS may select (<= capacity; default capacity).
-      estimate: (proposal, usable_bk) -> log acceptance estimates TETRIS ranks.
+      plan: the step's static shape (StepPlan).
+      budget: traced number of drafts TETRIS may select (<= plan.capacity; default all of it).
+      cost_coef: `CostModel.as_array()` when the step searches TETRIS budgets by goodput.
     """
-    b = state.seq_bl.shape[0]
+    b, k = state.seq_bl.shape[0], plan.k
     pending_b = state.target_cache.lengths
     pending_tok_b = jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1)[:, 0]
     step_key_b = row_keys(request_keys_b, state.n_out_b)
@@ -127,7 +147,7 @@ def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: Sampli
         draft_state = state.draft_state
     drafts_bk = proposal.tokens_bk
     window_bk1 = jnp.concatenate([pending_tok_b[:, None], drafts_bk], axis=1)
-    if capacity is None:
+    if plan.capacity is None:
         # Standard: the target scores the pending token and every draft in one padded pass.
         verify_b = proposal.num_drafts_b
         logits_bk1v, target_cache = forward(target_graphdef, target_params, window_bk1, state.target_cache)
@@ -138,9 +158,24 @@ def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: Sampli
         j = jnp.arange(k)[None, :]
         remaining_b = max_new_b - state.n_out_b
         usable_bk = (j < proposal.num_drafts_b[:, None]) & live_b[:, None] & (j + 2 <= remaining_b[:, None])
-        verify_b = tetris.select(estimate(proposal, usable_bk), capacity, budget)
-        logits_bk1v, target_cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1,
-                                                   state.target_cache, b + capacity)
+        logprob_bk = tetris.acceptance_logprobs(proposal, usable_bk)
+        if state.policy is not None:
+            logprob_bk = policy_lib.calibrated_logprobs(state.policy, logprob_bk)
+        if plan.capacities is None:
+            verify_b = tetris.select(logprob_bk, plan.capacity, budget)
+            logits_bk1v, target_cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1,
+                                                       state.target_cache, b + plan.capacity)
+        else:
+            # Goodput: the budget whose expected accepted drafts per predicted second is best.
+            cum_flat = tetris.cumulative_logprobs(logprob_bk).reshape(-1)
+            draft_seconds = k * (cost_coef[0] + cost_coef[1] * b)
+            goodput_j = policy_lib.goodput_of_capacities(cum_flat, jnp.sum(live_b), plan.capacities, cost_coef, b,
+                                                         plan.cache_len, draft_seconds)
+            choice = jnp.argmax(goodput_j)
+            verify_b = tetris.select(logprob_bk, plan.capacity, jnp.asarray(plan.capacities)[choice])
+            branches = [functools.partial(_packed_branch, packed_len=b + c) for c in plan.capacities]
+            logits_bk1v, target_cache = jax.lax.switch(choice, branches, target_graphdef, target_params,
+                                                       window_bk1, verify_b + 1, state.target_cache)
         verified_b = verify_b
     accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
     accepted_b, next_b = accept(accept_key_b, drafts_bk, proposal.q_bkv, logits_bk1v, verify_b, sampling)
@@ -149,6 +184,9 @@ def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: Sampli
     drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
     state = state.replace(target_cache=target_cache, draft_state=draft_state)
+    if state.policy is not None:
+        state = state.replace(policy=policy_lib.observe(state.policy, proposal.logprob_bk, verify_b, accepted_b,
+                                                        live_b))
     record = _record_for_level_above(logits_bk1v, emitted_bk1, sampling) if state.probs_bov is not None else None
     state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len, record)
     live = live_b.astype(jnp.int32)
@@ -157,6 +195,10 @@ def speculative_step(target_graphdef, drafter: Drafter, k: int, sampling: Sampli
                         verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
                         emitted=c.emitted + count_b)
     return state.replace(counters=counters, steps=state.steps + 1)
+
+
+def _packed_branch(graphdef, params, window_bw, counts_b, cache, *, packed_len: int):
+    return forward_packed(graphdef, params, window_bw, counts_b, cache, packed_len)
 
 
 def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
@@ -168,11 +210,27 @@ def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
     return p_bk1v, logprob_bk1
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "k", "capacity", "sampling",
-                                             "cache_len", "seq_len", "out_len"))
-def _decode_on_device(target_graphdef, drafter: Drafter, k: int, capacity: int | None, sampling: SamplingConfig,
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which step shapes a decode loop may run.
+
+    One plan: every step runs it (fixed policy). Several: the goodput policy picks one per step by
+    `lax.switch`; `predict_ks` is the draft length each plan stands for in the goodput prediction.
+    """
+
+    plans: tuple[StepPlan, ...]
+    predict_ks: tuple[int, ...] | None = None
+
+    @property
+    def drafts(self) -> bool:
+        return any(plan.k > 0 for plan in self.plans)
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "schedule", "sampling", "cache_len",
+                                             "seq_len", "out_len"))
+def _decode_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig,
                       target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
-                      budget, *, cache_len: int, seq_len: int, out_len: int):
+                      budget, cost_coef, *, cache_len: int, seq_len: int, out_len: int):
     b, p = tokens_bp.shape
     cache, first_b, n_out_b, done_b = prefill(target_graphdef, target_params, tokens_bp, prompt_len_b, max_new_b,
                                               request_keys_b, eos_id, sampling, cache_len)
@@ -180,17 +238,35 @@ def _decode_on_device(target_graphdef, drafter: Drafter, k: int, capacity: int |
     seq_bl = jnp.zeros((b, seq_len), jnp.int32).at[:, :p].set(tokens_bp)
     seq_bl = seq_bl.at[rows, prompt_len_b].set(first_b)
     out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
-    draft_state = drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len) if k > 0 else ()
+    draft_state = drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len) if schedule.drafts else ()
+    policy = None
+    if schedule.predict_ks is not None:
+        policy = policy_lib.PolicyState.init(b, out_len, 0)
+        policy = policy.replace(choice=policy_lib.choose_k(policy, ~done_b, schedule.predict_ks, cost_coef, b,
+                                                           cache_len))
     state = DecodeState(
         target_cache=cache, draft_state=draft_state, seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
-        done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
+        done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0), policy=policy)
+
+    def step(plan, state):
+        return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
+                                request_keys_b, max_new_b, eos_id, out_len, budget, cost_coef)
 
     def body(state):
-        return speculative_step(target_graphdef, drafter, k, sampling, target_params, draft_params, state,
-                                request_keys_b, max_new_b, eos_id, out_len, capacity, budget)
+        if schedule.predict_ks is None:
+            return step(schedule.plans[0], state)
+        # Goodput: run the step chosen at the end of the previous one, then choose the next from
+        # the statistics this step has just updated (on device: no host round trip).
+        choice = state.policy.choice
+        state = jax.lax.switch(choice, [functools.partial(step, plan) for plan in schedule.plans], state)
+        pol = state.policy
+        next_choice = policy_lib.choose_k(pol, ~state.done_b, schedule.predict_ks, cost_coef, b, cache_len)
+        return state.replace(policy=pol.replace(choice=next_choice,
+                                                trace_s=pol.trace_s.at[state.steps - 1].set(choice)))
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, state)
-    return state.out_bo, state.n_out_b, state.counters, state.steps
+    trace = state.policy.trace_s if policy is not None else jnp.zeros((0,), jnp.int32)
+    return state.out_bo, state.n_out_b, state.counters, state.steps, trace
 
 
 class SpeculativeDecoder:
@@ -215,8 +291,7 @@ class SpeculativeDecoder:
             raise ValueError(f"sampling must be a jaxspec.SamplingConfig, got {type(self.sampling).__name__}")
         if not isinstance(target, Model):
             raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
-        for feature, on in (("policy='goodput'", self.spec.policy == "goodput"),
-                            ("pipeline=True", self.spec.pipeline), ("mesh", mesh is not None)):
+        for feature, on in (("pipeline=True", self.spec.pipeline), ("mesh", mesh is not None)):
             if on:
                 raise ValueError(f"{feature} is not available in this version of jaxspec")
         self.target = target
@@ -239,39 +314,53 @@ class SpeculativeDecoder:
         batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
                                     max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens)
         keys = request_keys(seed, batch.request_ids_b)
-        capacity, budget = self._verification_budget(batch.tokens_bp.shape[0], batch.num_prompts)
         # Slots: prompt, every output token, and a window of k drafts past the last one.
         cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
+        schedule, budget = self._schedule(batch.tokens_bp.shape[0], batch.num_prompts, cache_len)
+        cost = self.spec.cost_model.as_array() if self.spec.cost_model is not None else jnp.zeros((5,), jnp.float32)
         start = time.perf_counter()
-        out_bo, n_out_b, counters, steps = _decode_on_device(
-            self.target.graphdef, self.drafter, k, capacity, self.sampling, self.target.params,
+        outputs = _decode_on_device(
+            self.target.graphdef, self.drafter, schedule, self.sampling, self.target.params,
             self.drafter.params, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b),
-            jnp.asarray(batch.max_new_b), keys, jnp.int32(eos), jnp.int32(budget), cache_len=cache_len,
+            jnp.asarray(batch.max_new_b), keys, jnp.int32(eos), jnp.int32(budget), cost, cache_len=cache_len,
             seq_len=cache_len, out_len=batch.out_len)
-        out_bo, n_out_b, counters, steps = jax.device_get((out_bo, n_out_b, counters, steps))
+        out_bo, n_out_b, counters, steps, trace = jax.device_get(outputs)
         seconds = time.perf_counter() - start
         n = batch.num_prompts
         tokens = [out_bo[i, :n_out_b[i]].tolist() for i in range(n)]
-        stats = _stats(counters, n, int(steps), seconds, k, self.drafter)
+        step_ks = ([schedule.plans[int(c)].k for c in trace[:int(steps)]] if schedule.predict_ks is not None
+                   else [schedule.plans[0].k] * int(steps))
+        stats = _stats(counters, n, int(steps), seconds, step_ks, self.drafter)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
+    def _schedule(self, rows: int, num_prompts: int, cache_len: int) -> tuple[Schedule, int]:
+        """The compiled step shapes and the TETRIS per-step budget C (0 for standard selection).
 
-    def _verification_budget(self, rows: int, num_prompts: int) -> tuple[int | None, int]:
-        """(compiled capacity, per-step budget C) for TETRIS; (None, 0) for standard selection.
-
-        capacity=None gives C = N * k over the N real requests: the budget standard speculative
-        decoding with k spends, the paper's fair comparison. The program is compiled for C rounded
-        up to a bucket and selects exactly C inside it.
+        TETRIS with capacity=None spends C = N * k over the N real requests: the budget standard
+        speculative decoding with k spends, the paper's fair comparison. The program is compiled
+        for C rounded up to a bucket and selects exactly C inside it. The goodput policy compiles
+        one branch per candidate: k = 0..k (standard), or plain decoding and TETRIS with a few
+        candidate budgets up to C.
         """
-        spec = self.spec
-        if spec.selection != "tetris" or spec.draft_len == 0:
-            return None, 0
-        budget = spec.capacity if spec.capacity is not None else num_prompts * spec.k
-        budget = min(budget, rows * spec.draft_len)
-        return tetris.capacity_bucket(budget, rows, spec.draft_len), budget
+        spec, big_k = self.spec, self.spec.draft_len
+        tetris_on = spec.selection == "tetris" and big_k > 0
+        budget = 0
+        if tetris_on:
+            budget = min(spec.capacity if spec.capacity is not None else num_prompts * spec.k, rows * big_k)
+        if spec.policy == "fixed":
+            capacity = tetris.capacity_bucket(budget, rows, big_k) if tetris_on else None
+            return Schedule(plans=(StepPlan(k=big_k, capacity=capacity, cache_len=cache_len),)), budget
+        if not tetris_on:
+            ks = tuple(range(spec.k + 1))
+            return Schedule(plans=tuple(StepPlan(k=k, cache_len=cache_len) for k in ks), predict_ks=ks), 0
+        capacities = tuple(sorted({0} | {tetris.capacity_bucket(round(f * budget), rows, big_k)
+                                         for f in (0.25, 0.5, 1.0, 1.5, 2.0)}))
+        plans = (StepPlan(k=0, cache_len=cache_len),
+                 StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len))
+        return Schedule(plans=plans, predict_ks=(0, max(spec.k, 1))), 0
 
 
-def _stats(c: Counters, n: int, steps: int, seconds: float, k: int, drafter: Drafter) -> GenerationStats:
+def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:
     real = slice(0, n)
     emitted = int(c.emitted[real].sum())
     row_steps = int(c.row_steps[real].sum())
@@ -282,7 +371,8 @@ def _stats(c: Counters, n: int, steps: int, seconds: float, k: int, drafter: Dra
         new_tokens=emitted, steps=steps, seconds=seconds,
         tokens_per_second=emitted / seconds if seconds > 0 else 0.0,
         per_request_new_tokens=[int(x) for x in c.emitted[real]],
-        target_forwards=steps + 1, draft_forwards=steps * drafter.forwards_per_step(k) + (1 if k else 0),
+        target_forwards=steps + 1,
+        draft_forwards=sum(drafter.forwards_per_step(k) for k in step_ks) + (1 if any(step_ks) else 0),
         drafted_tokens=drafted, verified_tokens=verified, accepted_tokens=accepted,
         acceptance_rate=accepted / drafted if drafted else 0.0,
         vsr=accepted / verified if verified else 0.0,
@@ -290,7 +380,8 @@ def _stats(c: Counters, n: int, steps: int, seconds: float, k: int, drafter: Dra
         mean_accepted_length=step_emitted / row_steps if row_steps else 0.0,
         mean_draft_length=verified / row_steps if row_steps else 0.0,
         extra={"per_request_steps": [int(x) for x in c.row_steps[real]],
-               "per_request_accepted": [int(x) for x in c.accepted[real]]})
+               "per_request_accepted": [int(x) for x in c.accepted[real]],
+               "k_trace": step_ks})
 
 
 def _as_drafter(draft, vocab_size: int, spec: SpecConfig) -> Drafter:

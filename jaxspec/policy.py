@@ -1,0 +1,153 @@
+"""Goodput control: track acceptance on device and pick how much to speculate each step.
+
+Shape key: b rows, k draft slots, c calibration bins, j candidates.
+
+TurboSpec / SmartSpec's rule: for each candidate (a draft length k, or a TETRIS budget C), predict
+goodput = expected tokens kept / predicted step time, and take the best, k = 0 (plain decoding)
+included. Expected tokens come from acceptance observed so far; step times from a `CostModel`.
+
+Everything here is a pure function over a small `PolicyState` carried in the decode loop, so the
+choice for step s + 1 is made on device at the end of step s from statistics that include step s:
+no host round trip, and the next step's shapes come from a few precompiled branches.
+
+Acceptance is tracked two ways:
+- per row, decayed counts of accepted drafts and of trials (accepts plus the first rejection),
+  giving a per-token acceptance rate alpha for the geometric model of `expected_tokens_per_step`;
+- a calibration of draft confidence to acceptance: confidences (the drafter's per-token estimate,
+  `Proposal.logprob_bk`) are binned, and each bin counts how often a verified slot in it was
+  accepted. `calibrated_logprobs` maps confidences through it, so TETRIS and the capacity search
+  rank slots by observed acceptance rather than by raw draft probabilities.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+CALIBRATION_BINS = 16
+PRIOR_ALPHA = 0.6      # acceptance assumed before anything is observed
+PRIOR_WEIGHT = 2.0     # how many observations the prior is worth
+DECAY = 0.9            # per-step decay of the counts (a moving average over ~10 steps)
+EXPLORE = 0.3          # optimism bonus for rows with little recent evidence (see `planning_alpha_b`)
+
+
+def expected_tokens_per_step(alpha, k):
+    """Tokens a row emits per verification with k drafts, each accepted with probability alpha:
+    (1 - alpha^(k+1)) / (1 - alpha), the bonus/correction token included (k + 1 at alpha = 1)."""
+    alpha = jnp.clip(jnp.asarray(alpha, jnp.float32), 0.0, 1.0)
+    k = jnp.asarray(k, jnp.float32)
+    safe = jnp.where(alpha < 1.0, alpha, 0.5)
+    return jnp.where(alpha < 1.0, (1.0 - safe ** (k + 1.0)) / (1.0 - safe), k + 1.0)
+
+
+@struct.dataclass
+class PolicyState:
+    accepted_b: jax.Array       # decayed accepted drafts per row
+    trials_b: jax.Array         # decayed acceptance trials per row
+    calib_tried_c: jax.Array    # decayed verified slots per confidence bin
+    calib_accepted_c: jax.Array  # decayed accepted slots per confidence bin
+    choice: jax.Array           # candidate index for the next step
+    trace_s: jax.Array          # the candidate index used at each step (-1: no step)
+
+    @classmethod
+    def init(cls, b: int, max_steps: int, first_choice: int, bins: int = CALIBRATION_BINS) -> PolicyState:
+        return cls(accepted_b=jnp.zeros((b,), jnp.float32), trials_b=jnp.zeros((b,), jnp.float32),
+                   calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
+                   choice=jnp.int32(first_choice), trace_s=jnp.full((max_steps,), -1, jnp.int32))
+
+    def alpha_b(self) -> jax.Array:
+        """Per-row acceptance estimate, shrunk toward the prior when little has been seen."""
+        return (self.accepted_b + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.trials_b + PRIOR_WEIGHT)
+
+    def planning_alpha_b(self) -> jax.Array:
+        """The estimate plans use: optimistic in proportion to how little was seen lately.
+
+        While speculation is off nothing is observed and the counts decay, so the bonus grows
+        back and a row whose acceptance might now pay for drafting gets probed again; a cost model
+        under which even alpha = 1 does not pay keeps speculation off for good.
+        """
+        return jnp.minimum(1.0, self.alpha_b() + EXPLORE / jnp.sqrt(1.0 + self.trials_b))
+
+    def calibration_curve(self) -> jax.Array:
+        """Observed acceptance per confidence bin (the bin centre where nothing was observed)."""
+        bins = self.calib_tried_c.shape[0]
+        centre_c = (jnp.arange(bins, dtype=jnp.float32) + 0.5) / bins
+        return (self.calib_accepted_c + PRIOR_WEIGHT * centre_c) / (self.calib_tried_c + PRIOR_WEIGHT)
+
+
+def _bin_of(logprob_bk, bins: int):
+    conf = jnp.exp(jnp.minimum(logprob_bk, 0.0))
+    return jnp.clip((conf * bins).astype(jnp.int32), 0, bins - 1)
+
+
+def calibrated_logprobs(state: PolicyState, logprob_bk) -> jax.Array:
+    """Per-token log acceptance estimates through the calibration curve (-inf stays -inf)."""
+    curve_c = state.calibration_curve()
+    calibrated = jnp.log(jnp.maximum(curve_c[_bin_of(logprob_bk, curve_c.shape[0])], 1e-6))
+    return jnp.where(jnp.isneginf(logprob_bk), -jnp.inf, calibrated)
+
+
+def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, decay: float = DECAY) -> PolicyState:
+    """Folds one verification's outcome into the counts.
+
+    Slot j of a row was tried if it was verified and every earlier slot was accepted
+    (j <= accepted, j < verified); it was accepted if j < accepted.
+    """
+    k = logprob_bk.shape[1]
+    j = jnp.arange(k)[None, :]
+    tried_bk = (j < verified_b[:, None]) & (j <= accepted_b[:, None]) & live_b[:, None]
+    hit_bk = tried_bk & (j < accepted_b[:, None])
+    bins = state.calib_tried_c.shape[0]
+    bin_bk = _bin_of(logprob_bk, bins)
+    tried_c = jnp.zeros((bins,), jnp.float32).at[bin_bk].add(tried_bk.astype(jnp.float32))
+    hit_c = jnp.zeros((bins,), jnp.float32).at[bin_bk].add(hit_bk.astype(jnp.float32))
+    live = live_b.astype(jnp.float32)
+    return state.replace(
+        accepted_b=state.accepted_b * decay + live * jnp.sum(hit_bk, axis=1),
+        trials_b=state.trials_b * decay + live * jnp.sum(tried_bk, axis=1),
+        calib_tried_c=state.calib_tried_c * decay + tried_c,
+        calib_accepted_c=state.calib_accepted_c * decay + hit_c)
+
+
+def goodput_of_ks(alpha_b, live_b, ks, cost_coef, batch: int, cache_len: int):
+    """Predicted goodput (tokens per second) of each candidate draft length.
+
+    Args:
+      alpha_b: per-row acceptance estimates.
+      live_b: rows still generating (finished rows emit nothing but still cost compute).
+      ks: static tuple of candidate draft lengths.
+      cost_coef: float [5] `CostModel.as_array()`.
+      batch, cache_len: the compiled batch and cache sizes the step runs at.
+    """
+    draft_fixed, draft_per_token, target_fixed, target_per_token, target_per_context = cost_coef
+    ks_j = jnp.asarray(ks, jnp.float32)
+    tokens_j = jnp.sum(jnp.where(live_b[None, :], expected_tokens_per_step(alpha_b[None, :], ks_j[:, None]), 0.0),
+                       axis=1)
+    seconds_j = (ks_j * (draft_fixed + draft_per_token * batch) + target_fixed
+                 + target_per_token * batch * (ks_j + 1) + target_per_context * batch * cache_len)
+    return tokens_j / seconds_j
+
+
+def choose_k(state: PolicyState, live_b, ks, cost_coef, batch: int, cache_len: int) -> jax.Array:
+    """Index into `ks` of the candidate with the highest predicted goodput (first on ties)."""
+    return jnp.argmax(goodput_of_ks(state.planning_alpha_b(), live_b, ks, cost_coef, batch, cache_len)).astype(jnp.int32)
+
+
+def goodput_of_capacities(cum_logprob_flat, num_live, capacities, cost_coef, batch: int, cache_len: int,
+                          draft_seconds):
+    """Predicted goodput of each TETRIS budget C on the drafts at hand.
+
+    The expected number of accepted drafts with budget C is the sum of the C largest cumulative
+    acceptance probabilities of the batch (what `tetris.select` picks); each live row also emits
+    its correction/bonus token. The drafting cost is already paid and the same for every C.
+    """
+    _, _, target_fixed, target_per_token, target_per_context = cost_coef
+    top = max(capacities)
+    values = jax.lax.top_k(cum_logprob_flat, top)[0] if top else jnp.zeros((0,), jnp.float32)
+    prefix = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.exp(values))])
+    caps_j = jnp.asarray(capacities, jnp.int32)
+    tokens_j = num_live + prefix[caps_j]
+    seconds_j = (draft_seconds + target_fixed + target_per_token * (batch + caps_j.astype(jnp.float32))
+                 + target_per_context * batch * cache_len)
+    return tokens_j / seconds_j

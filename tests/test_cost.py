@@ -1,0 +1,69 @@
+"""Cost models: the fit recovers known coefficients, persistence round-trips, provenance is checked."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.cost import CostModel, fit_linear
+
+
+def test_fit_recovers_known_coefficients_from_noisy_timings():
+    rng = np.random.default_rng(0)
+    true = np.array([2e-3, 3e-5, 4e-8])  # fixed, per batched token, per context slot
+    grid = np.array([[1.0, b * t, b * s] for b in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8) for s in (128, 512, 2048)])
+    seconds = grid @ true * rng.normal(1.0, 0.03, len(grid))  # 3% multiplicative noise
+    coef, fit = fit_linear(grid, seconds)
+    np.testing.assert_allclose(coef, true, rtol=0.1)
+    assert fit["r2"] > 0.98 and fit["worst_heldout_rel_error"] < 0.15 and fit["heldout"] == len(grid) // 4
+
+
+def test_fit_never_returns_negative_costs():
+    rng = np.random.default_rng(1)
+    x = np.array([[1.0, b] for b in range(1, 17)])
+    y = 1e-3 + 0.0 * x[:, 1] + rng.normal(0, 1e-5, len(x))  # no per-token cost at all
+    coef, _ = fit_linear(x, y)
+    assert (coef >= 0).all() and coef[0] == pytest.approx(1e-3, rel=0.05)
+
+
+def test_predictions_follow_the_contract():
+    cost = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=2.0, target_per_token=0.01,
+                                       target_per_context_token=0.001)
+    assert cost.draft_seconds(8) == pytest.approx(1.8)
+    assert cost.verify_seconds(40, 1000) == pytest.approx(2.0 + 0.4 + 1.0)
+    # k = 3 at batch 8 with a 100-slot cache: 3 draft positions + a 32-token verification.
+    assert cost.step_seconds(8, 3, 100) == pytest.approx(3 * 1.8 + 2.0 + 0.32 + 0.8)
+    assert cost.step_seconds(8, 3, 100, packed_tokens=20) == pytest.approx(3 * 1.8 + 2.0 + 0.2 + 0.8)
+
+
+def test_save_load_round_trip_and_device_warning(tmp_path):
+    cost = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-5, target_fixed=4e-3, target_per_token=2e-5,
+                                       target_per_context_token=1e-8, target_name="t", draft_name="d", dtype="float32",
+                                       mesh_shape=(1, 4), device_kind="NVIDIA H100 80GB HBM3")
+    path = tmp_path / "cost.json"
+    cost.save(path)
+    with pytest.warns(UserWarning, match="measured on 'NVIDIA H100 80GB HBM3'"):
+        loaded = CostModel.load(path)
+    assert loaded == cost and loaded.mesh_shape == (1, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CostModel.load(path, expect_device_kind="NVIDIA H100 80GB HBM3")
+
+
+def test_bad_coefficients_and_files_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="target_per_token must be a finite number of seconds >= 0"):
+        CostModel.from_coefficients(draft_fixed=0, draft_per_token=0, target_fixed=1, target_per_token=-1)
+    (tmp_path / "bad.json").write_text('{"draft_fixed": 1}')
+    with pytest.raises(ValueError, match="missing cost-model coefficients"):
+        CostModel.load(tmp_path / "bad.json")
+
+
+def test_profile_measures_this_device(tiny_model):
+    """A real (small) profile: positive coefficients, and the verification of more tokens costs more."""
+    draft = jaxspec.Model.random(tiny_model.config.replace(num_layers=1, name="tiny-1L"), seed=1)
+    cost = CostModel.profile(tiny_model, draft, batches=(1, 4, 16), tokens_per_row=(1, 4, 16), cache_lens=(64, 256),
+                             repeats=3)
+    assert cost.target_name == "tiny" and cost.draft_name == "tiny-1L" and cost.device_kind
+    assert cost.verify_seconds(256, 0) > cost.verify_seconds(1, 0) > 0
+    assert cost.fit["target"]["points"] == 18 and cost.fit["draft"]["points"] == 3

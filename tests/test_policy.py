@@ -1,0 +1,168 @@
+"""Goodput policy: acceptance models against simulation, choices against brute force, and
+losslessness of decoding under the policy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import policy
+from jaxspec.cost import CostModel
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.95, 1.0])
+@pytest.mark.parametrize("k", [0, 1, 4, 7])
+def test_expected_tokens_per_step_matches_simulation(alpha, k):
+    rng = np.random.default_rng(int(alpha * 100) + k)
+    accepts = rng.random((200_000, k)) < alpha
+    emitted = np.cumprod(accepts, axis=1).sum(axis=1) + 1  # accepted prefix + correction/bonus
+    assert float(policy.expected_tokens_per_step(alpha, k)) == pytest.approx(emitted.mean(), rel=0.01)
+
+
+def test_expected_tokens_per_step_at_alpha_one_is_exact():
+    assert float(policy.expected_tokens_per_step(1.0, 5)) == 6.0
+
+
+def state_with_alpha(alpha_b, weight=1e4):
+    alpha_b = jnp.asarray(alpha_b, jnp.float32)
+    state = policy.PolicyState.init(len(alpha_b), 8, 0)
+    return state.replace(accepted_b=alpha_b * weight, trials_b=jnp.full_like(alpha_b, weight))
+
+
+def brute_force_k(alpha_b, live_b, ks, cost, batch, cache_len):
+    best, best_rate = None, -1.0
+    for i, k in enumerate(ks):
+        tokens = sum(float(policy.expected_tokens_per_step(a, k)) for a, live in zip(alpha_b, live_b) if live)
+        rate = tokens / cost.step_seconds(batch, k, cache_len)
+        if rate > best_rate * (1 + 1e-6):
+            best, best_rate = i, rate
+    return best
+
+
+def test_choice_is_the_brute_force_argmax():
+    rng = np.random.default_rng(0)
+    ks = (0, 1, 2, 3, 4, 5, 6)
+    for _ in range(200):
+        b = int(rng.integers(1, 9))
+        alpha_b = rng.uniform(0, 1, b)
+        live_b = rng.random(b) < 0.8
+        cost = CostModel.from_coefficients(draft_fixed=rng.uniform(0, 2e-3), draft_per_token=rng.uniform(0, 1e-4),
+                                           target_fixed=rng.uniform(1e-3, 2e-2), target_per_token=rng.uniform(0, 1e-3),
+                                           target_per_context_token=rng.uniform(0, 1e-6))
+        got = policy.choose_k(state_with_alpha(alpha_b), jnp.asarray(live_b), ks, cost.as_array(), b, 256)
+        want = brute_force_k(state_with_alpha(alpha_b).planning_alpha_b(), live_b, ks, cost, b, 256)
+        if live_b.any():
+            assert int(got) == want
+
+
+def test_expensive_draft_turns_speculation_off_and_free_perfect_draft_maxes_k():
+    ks = tuple(range(7))
+    expensive = CostModel.from_coefficients(draft_fixed=0.05, draft_per_token=0.0, target_fixed=0.01,
+                                            target_per_token=1e-4)
+    free = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=0.01,
+                                       target_per_token=1e-4)
+    live = jnp.ones((4,), bool)
+    assert int(policy.choose_k(state_with_alpha([0.9] * 4), live, ks, expensive.as_array(), 4, 64)) == 0
+    assert int(policy.choose_k(state_with_alpha([1.0] * 4), live, ks, free.as_array(), 4, 64)) == 6
+
+
+def test_capacity_goodput_uses_the_sum_of_the_best_cumulative_probabilities():
+    rng = np.random.default_rng(2)
+    cum = np.cumsum(np.log(rng.uniform(0.1, 1, (4, 5))), axis=1).astype(np.float32)
+    caps = (0, 4, 8, 12, 20)
+    cost = CostModel.from_coefficients(draft_fixed=0, draft_per_token=0, target_fixed=0.01, target_per_token=1e-3)
+    got = np.asarray(policy.goodput_of_capacities(jnp.asarray(cum.reshape(-1)), 4, caps, cost.as_array(), 4, 32, 0.0))
+    flat = np.sort(np.exp(cum.reshape(-1)))[::-1]
+    for c, g in zip(caps, got):
+        assert g == pytest.approx((4 + flat[:c].sum()) / cost.verify_seconds(4 + c, 4 * 32), rel=1e-5)
+
+
+def test_calibration_converges_to_the_true_acceptance_curve():
+    """A synthetic drafter whose slot is accepted with probability conf**2."""
+    rng = np.random.default_rng(3)
+    b, k, steps = 16, 4, 400
+    state = policy.PolicyState.init(b, 8, 0)
+    observe = jax.jit(lambda s, lp, v, a: policy.observe(s, lp, v, a, jnp.ones((b,), bool), decay=1.0))
+    for _ in range(steps):
+        conf = rng.uniform(0.02, 1.0, (b, k))
+        accepted = np.cumprod(rng.random((b, k)) < conf ** 2, axis=1).sum(axis=1)
+        state = observe(state, jnp.log(jnp.asarray(conf, jnp.float32)), jnp.full((b,), k, jnp.int32),
+                        jnp.asarray(accepted, jnp.int32))
+    bins = policy.CALIBRATION_BINS
+    centres = (np.arange(bins) + 0.5) / bins
+    curve = np.asarray(state.calibration_curve())
+    enough = np.asarray(state.calib_tried_c) > 200
+    assert enough.sum() >= bins // 2
+    np.testing.assert_allclose(curve[enough], centres[enough] ** 2, atol=0.06)
+    # Calibrated estimates of a confidence are the curve at its bin.
+    lp = jnp.log(jnp.asarray([[0.9, 0.5]], jnp.float32))
+    np.testing.assert_allclose(np.exp(policy.calibrated_logprobs(state, lp)), [[curve[14], curve[8]]], rtol=1e-5)
+
+
+# --- decoding under the policy ---
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=16, name="tiny-v16")
+    return jaxspec.Model.random(cfg, seed=0), jaxspec.Model.random(cfg.replace(num_layers=1, name="d"), seed=3)
+
+
+def prompts16(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 16, n).tolist() for n in (1, 4, 9, 17, 6, 12)]
+
+
+BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, target_fixed=5e-3,
+                                       target_per_token=5e-4)
+
+
+@pytest.mark.parametrize("selection", ["standard", "tetris"])
+def test_goodput_policy_is_lossless(pair, selection):
+    target, draft = pair
+    for d, seed in ((target, 0), (draft, 1), (jaxspec.NgramDrafter(max_ngram=2), 2)):
+        prompts = prompts16(seed)
+        want = jaxspec.generate(target, prompts, max_new_tokens=24).tokens
+        spec = jaxspec.SpecConfig(k=4, extra=2 if selection == "tetris" else 0, selection=selection,
+                                  policy="goodput", cost_model=BALANCED)
+        got = jaxspec.SpeculativeDecoder(target, d, spec=spec).generate(prompts, max_new_tokens=24)
+        assert got.tokens == want
+        trace = got.stats.extra["k_trace"]
+        assert len(trace) == got.stats.steps
+        if d is draft:  # poor acceptance: speculation goes off and is probed again (draft catch-up)
+            assert 0 in trace and max(trace) > 0
+
+
+def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_free_one(pair):
+    target, draft = pair
+    prompts = prompts16(4)
+    want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    expensive = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=5e-3,
+                                            target_per_token=5e-4)
+    got = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=4, policy="goodput",
+                                                                            cost_model=expensive)).generate(
+        prompts, max_new_tokens=20)
+    assert got.tokens == want and set(got.stats.extra["k_trace"]) == {0} and got.stats.drafted_tokens == 0
+    free = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=5e-3, target_per_token=1e-5)
+    got = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(k=4, policy="goodput",
+                                                                             cost_model=free)).generate(
+        prompts, max_new_tokens=20)
+    assert got.tokens == want and set(got.stats.extra["k_trace"]) == {4}
+
+
+def test_drafter_catches_up_after_steps_without_drafting(pair):
+    """The draft cache after catch_up equals a fresh prefill of the same tokens."""
+    from jaxspec.drafters import catch_up, prefill_cache
+
+    _, draft = pair
+    rng = np.random.default_rng(5)
+    seq = jnp.asarray(rng.integers(0, 16, (3, 40)), jnp.int32)
+    short = prefill_cache(draft.graphdef, draft.params, seq[:, :6], jnp.asarray([2, 6, 4]), 48)
+    upto = jnp.asarray([25, 7, 30], jnp.int32)
+    caught = catch_up(draft.graphdef, draft.params, short, seq, upto)
+    full = prefill_cache(draft.graphdef, draft.params, seq[:, :31], jnp.asarray([31, 31, 31]), 48)
+    np.testing.assert_array_equal(caught.lengths, upto)
+    for i, n in enumerate(np.asarray(upto)):
+        for layer in range(draft.config.num_layers):
+            np.testing.assert_allclose(caught.k[layer][i, :n], full.k[layer][i, :n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(caught.v[layer][i, :n], full.v[layer][i, :n], rtol=1e-5, atol=1e-5)
