@@ -80,7 +80,8 @@ class CostModel:
         return positions * (self.draft_fixed + self.draft_per_token * batch)
 
     def verify_seconds(self, batched_tokens, context_tokens=0):
-        return self.target_fixed + self.target_per_token * batched_tokens + self.target_per_context_token * context_tokens
+        return (self.target_fixed + self.target_per_token * batched_tokens
+                + self.target_per_context_token * context_tokens)
 
     def step_seconds(self, batch, k, cache_len=0, packed_tokens=None):
         """One speculative step: k draft positions, then a verification of N * (k + 1) tokens

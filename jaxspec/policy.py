@@ -131,7 +131,8 @@ def goodput_of_ks(alpha_b, live_b, ks, cost_coef, batch: int, cache_len: int):
 
 def choose_k(state: PolicyState, live_b, ks, cost_coef, batch: int, cache_len: int) -> jax.Array:
     """Index into `ks` of the candidate with the highest predicted goodput (first on ties)."""
-    return jnp.argmax(goodput_of_ks(state.planning_alpha_b(), live_b, ks, cost_coef, batch, cache_len)).astype(jnp.int32)
+    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, cost_coef, batch, cache_len)
+    return jnp.argmax(goodput_j).astype(jnp.int32)
 
 
 def goodput_of_capacities(cum_logprob_flat, num_live, capacities, cost_coef, batch: int, cache_len: int,

@@ -168,8 +168,9 @@ def main() -> None:
     if "qwen" in args.part:
         results["qwen"] = qwen_part(args)
     m = machine()
-    md = [f"Greedy, {args.new_tokens} new tokens per request ({args.qwen_new_tokens} for Qwen), TETRIS budget C = N * k (standard speculative "
-          f"decoding's). Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
+    md = [f"Greedy, {args.new_tokens} new tokens per request ({args.qwen_new_tokens} for Qwen), TETRIS budget "
+          f"C = N * k (standard speculative decoding's). Machine: {m['processor']}, {m['cpu_count']} cores, "
+          f"{m['device_kind']}, jax {m['jax']}. "
           f"Gains are against standard selection with the same k and batch. Total time "
           f"{time.perf_counter() - start:.0f} s."]
     for part in ("tiny", "qwen"):
