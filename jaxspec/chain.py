@@ -50,6 +50,7 @@ class ChainDrafter(Drafter):
         self.inner_k = decoder.spec.draft_len
         self.inner_tetris = decoder.spec.selection == "tetris"
         self.inner_capacity = decoder.spec.capacity
+        self.inner_threshold = decoder.spec.threshold
 
     def __eq__(self, other):
         return (type(other) is ChainDrafter and other.model.graphdef == self.model.graphdef
@@ -59,7 +60,8 @@ class ChainDrafter(Drafter):
         return hash(self._key())
 
     def _key(self):
-        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_k, self.inner_tetris, self.inner_capacity)
+        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_k, self.inner_tetris, self.inner_capacity,
+                self.inner_threshold)
 
     @property
     def params(self):
@@ -99,7 +101,7 @@ class ChainDrafter(Drafter):
             budget = min(self.inner_capacity if self.inner_capacity is not None else b * self.decoder.spec.k,
                          b * self.inner_k)
             capacity = tetris.capacity_bucket(budget, b, self.inner_k)
-        plan = StepPlan(k=self.inner_k, capacity=capacity)
+        plan = StepPlan(k=self.inner_k, capacity=capacity, threshold=self.inner_threshold)
 
         def body(inner):
             return speculative_step(graphdef, self.inner, plan, sampling, model_params, inner_params,

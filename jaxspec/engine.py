@@ -114,12 +114,14 @@ class StepPlan:
       capacities: goodput policy with TETRIS: candidate budgets searched every step, each with its
         own packed verification size (capacity is then their maximum).
       cache_len: the cache size, for cost predictions.
+      threshold: confidence-threshold drafting (SpecConfig.threshold).
     """
 
     k: int
     capacity: int | None = None
     capacities: tuple[int, ...] | None = None
     cache_len: int = 0
+    threshold: float | None = None
 
 
 def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
@@ -145,6 +147,14 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
         proposal = Proposal(tokens_bk=jnp.zeros((b, 0), jnp.int32), q_bkv=jnp.zeros((b, 0, 1), jnp.float32),
                             num_drafts_b=jnp.zeros((b,), jnp.int32), logprob_bk=jnp.zeros((b, 0), jnp.float32))
         draft_state = state.draft_state
+    if plan.threshold is not None and k > 0:
+        # Threshold drafting: each row's window ends where its cumulative confidence drops below
+        # the threshold (a prefix: the cumulative estimate never increases along a row).
+        estimate_bk = proposal.logprob_bk
+        if state.policy is not None:
+            estimate_bk = policy_lib.calibrated_logprobs(state.policy, estimate_bk)
+        above_b = jnp.sum(tetris.cumulative_logprobs(estimate_bk) >= jnp.log(plan.threshold), axis=1)
+        proposal = proposal.replace(num_drafts_b=jnp.minimum(proposal.num_drafts_b, above_b).astype(jnp.int32))
     drafts_bk = proposal.tokens_bk
     window_bk1 = jnp.concatenate([pending_tok_b[:, None], drafts_bk], axis=1)
     if plan.capacity is None:
@@ -347,16 +357,20 @@ class SpeculativeDecoder:
         budget = 0
         if tetris_on:
             budget = min(spec.capacity if spec.capacity is not None else num_prompts * spec.k, rows * big_k)
+        threshold = spec.threshold
         if spec.policy == "fixed":
             capacity = tetris.capacity_bucket(budget, rows, big_k) if tetris_on else None
-            return Schedule(plans=(StepPlan(k=big_k, capacity=capacity, cache_len=cache_len),)), budget
+            plan = StepPlan(k=big_k, capacity=capacity, cache_len=cache_len, threshold=threshold)
+            return Schedule(plans=(plan,)), budget
         if not tetris_on:
             ks = tuple(range(spec.k + 1))
-            return Schedule(plans=tuple(StepPlan(k=k, cache_len=cache_len) for k in ks), predict_ks=ks), 0
+            plans = tuple(StepPlan(k=k, cache_len=cache_len, threshold=threshold) for k in ks)
+            return Schedule(plans=plans, predict_ks=ks), 0
         capacities = tuple(sorted({0} | {tetris.capacity_bucket(round(f * budget), rows, big_k)
                                          for f in (0.25, 0.5, 1.0, 1.5, 2.0)}))
         plans = (StepPlan(k=0, cache_len=cache_len),
-                 StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len))
+                 StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len,
+                          threshold=threshold))
         return Schedule(plans=plans, predict_ks=(0, max(spec.k, 1))), 0
 
 

@@ -22,6 +22,9 @@ class SpecConfig:
       cost_model: a CostModel for policy="goodput".
       pipeline: pipelined two-batch drafting on a separate device slice.
       greedy_draft: draft with argmax even when sampling (q is then one-hot; still lossless).
+      threshold: confidence-threshold drafting: a row's window ends at the first draft whose
+        cumulative confidence (product of the drafter's per-token estimates) falls below this;
+        k is then the most a row drafts. None: fixed-length windows.
     """
 
     k: int = 4
@@ -32,6 +35,7 @@ class SpecConfig:
     cost_model: Any = None
     pipeline: bool = False
     greedy_draft: bool = False
+    threshold: float | None = None
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -49,6 +53,9 @@ class SpecConfig:
             raise ValueError(f"capacity must be None or an int >= 0, got {self.capacity!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.threshold is not None and (isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float))
+                                           or not 0.0 < self.threshold <= 1.0):
+            raise ValueError(f"threshold must be None or a number in (0, 1], got {self.threshold!r}")
         if self.policy == "goodput" and self.cost_model is None:
             raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...)")
 

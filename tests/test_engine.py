@@ -343,3 +343,35 @@ def test_bad_prompts_are_rejected_like_generate(small):
         decoder.generate([[1]], max_new_tokens=0)
     with pytest.raises(ValueError, match="draft must be"):
         jaxspec.SpeculativeDecoder(small[0], "ngram")
+
+
+# --- threshold drafting ---
+
+def test_greedy_lossless_threshold_drafting(small):
+    target, draft, smallest = small
+    prompts = ragged_prompts(SMALL_VOCAB, 8)
+    lengths = {}
+    for threshold in (0.9, 0.3, 0.01):
+        specs = [jaxspec.SpecConfig(k=5, threshold=threshold),
+                 jaxspec.SpecConfig(k=4, extra=2, selection="tetris", threshold=threshold)]
+        stats_by_spec = check_greedy_lossless(target, draft, specs, prompts)
+        standard, packed = stats_by_spec.values()
+        # Standard selection still verifies k slots, but only a window's drafts count as drafted;
+        # TETRIS verifies only what the windows hold.
+        lengths[threshold] = (standard.drafted_tokens / sum(standard.extra["per_request_steps"]),
+                              packed.mean_draft_length)
+    for i in range(2):  # a lower threshold keeps longer windows
+        assert lengths[0.9][i] < lengths[0.3][i] < lengths[0.01][i], lengths
+    chain = jaxspec.SpeculativeDecoder(draft, smallest, spec=jaxspec.SpecConfig(k=3, threshold=0.2))
+    check_greedy_lossless(target, chain, [jaxspec.SpecConfig(k=3, threshold=0.2)], prompts)
+
+
+def test_sampling_lossless_threshold_drafting(vocab6):
+    target, draft, _ = vocab6
+    sampling = SamplingConfig(temperature=1.0)
+    spec = jaxspec.SpecConfig(k=3, threshold=0.35)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling)
+    result = decoder.generate([VOCAB6_PROMPT] * TETRIS_ROWS, max_new_tokens=5, seed=31)
+    table = exact_joint(target, VOCAB6_PROMPT, 3, sampling)
+    assert_matches_distribution(first_tokens(result.tokens, 3), table, TETRIS_ROWS)
+    assert 0 < result.stats.drafted_tokens < 3 * sum(result.stats.extra["per_request_steps"])
