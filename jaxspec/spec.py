@@ -53,8 +53,9 @@ class SpecConfig:
             raise ValueError(f"capacity must be None or an int >= 0, got {self.capacity!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.threshold is not None and (isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float))
-                                           or not 0.0 < self.threshold <= 1.0):
+        threshold = self.threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                      or not 0.0 < threshold <= 1.0):
             raise ValueError(f"threshold must be None or a number in (0, 1], got {self.threshold!r}")
         if self.policy == "goodput" and self.cost_model is None:
             raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...)")
