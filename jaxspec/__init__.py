@@ -1,6 +1,7 @@
 """jaxspec: batch speculative decoding in JAX / Flax NNX."""
 
-from jaxspec import tetris
+from jaxspec import multilevel, policy, tetris
+from jaxspec.cost import CostModel
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
 from jaxspec.generate import generate
@@ -10,6 +11,6 @@ from jaxspec.results import GenerationResult, GenerationStats
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 
-__all__ = ["Drafter", "GenerationResult", "GenerationStats", "KVCache", "Model", "ModelConfig",
+__all__ = ["CostModel", "Drafter", "GenerationResult", "GenerationStats", "KVCache", "Model", "ModelConfig",
            "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
-           "generate", "load", "tetris"]
+           "generate", "load", "multilevel", "policy", "tetris"]
