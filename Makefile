@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput multilevel clean
 
 .venv: $(STAMP)
 
@@ -35,6 +35,16 @@ bench-decode: $(STAMP)
 bench-speculative: $(STAMP)
 	$(BIN)/python scripts/bench_speculative.py --part sonnet --name bench_speculative_sonnet
 	$(BIN)/python scripts/bench_speculative.py --part qwen --name bench_speculative_qwen
+
+bench-tetris: $(STAMP)
+	$(BIN)/python scripts/bench_tetris.py --part tiny packed
+	$(BIN)/python scripts/bench_tetris.py --part qwen --name bench_tetris_qwen
+
+bench-goodput: $(STAMP)
+	$(BIN)/python scripts/bench_goodput.py
+
+multilevel: $(STAMP)
+	$(BIN)/python scripts/multilevel_analysis.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -5,12 +5,16 @@ v vocabulary.
 
 One step, for every row at its own length, in one fixed-shape function:
   1. draft: the drafter proposes k tokens (and the distributions they came from);
-  2. verify: the target scores [pending, d_1 .. d_k] in one forward over its cache;
+  2. select and verify: standard selection scores [pending, d_1 .. d_k] in one padded forward over
+     the target cache; TETRIS picks each row's window across the batch and scores exactly those
+     tokens in a packed forward of b + C tokens;
   3. accept: greedy matching or lossless rejection sampling picks a prefix plus one token;
   4. bookkeeping: emitted tokens go to the output and sequence buffers (cut at eos and at the
      row's budget); the target cache commits exactly the tokens it has processed and kept.
      Rolling back the rest is not writing them: `lengths` simply does not cover them.
-The loop is a `lax.while_loop` on device; statistics are counters in its state, read once.
+The loop is a `lax.while_loop` on device; statistics are counters in its state, read once. Under
+the goodput policy each iteration runs one of a few compiled step shapes (`Schedule`), chosen on
+device at the end of the previous step.
 """
 
 from __future__ import annotations
@@ -163,29 +167,8 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
         logits_bk1v, target_cache = forward(target_graphdef, target_params, window_bk1, state.target_cache)
         verified_b = jnp.full((b,), k, jnp.int32)
     else:
-        # TETRIS: the batch's best drafts under the budget; a slot is usable if it is real, its row
-        # is live, and what it could emit fits in the row's remaining token budget.
-        j = jnp.arange(k)[None, :]
-        remaining_b = max_new_b - state.n_out_b
-        usable_bk = (j < proposal.num_drafts_b[:, None]) & live_b[:, None] & (j + 2 <= remaining_b[:, None])
-        logprob_bk = tetris.acceptance_logprobs(proposal, usable_bk)
-        if state.policy is not None:
-            logprob_bk = policy_lib.calibrated_logprobs(state.policy, logprob_bk)
-        if plan.capacities is None:
-            verify_b = tetris.select(logprob_bk, plan.capacity, budget)
-            logits_bk1v, target_cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1,
-                                                       state.target_cache, b + plan.capacity)
-        else:
-            # Goodput: the budget whose expected accepted drafts per predicted second is best.
-            cum_flat = tetris.cumulative_logprobs(logprob_bk).reshape(-1)
-            draft_seconds = k * (cost_coef[0] + cost_coef[1] * b)
-            goodput_j = policy_lib.goodput_of_capacities(cum_flat, jnp.sum(live_b), plan.capacities, cost_coef, b,
-                                                         plan.cache_len, draft_seconds)
-            choice = jnp.argmax(goodput_j)
-            verify_b = tetris.select(logprob_bk, plan.capacity, jnp.asarray(plan.capacities)[choice])
-            branches = [functools.partial(_packed_branch, packed_len=b + c) for c in plan.capacities]
-            logits_bk1v, target_cache = jax.lax.switch(choice, branches, target_graphdef, target_params,
-                                                       window_bk1, verify_b + 1, state.target_cache)
+        verify_b, logits_bk1v, target_cache = _tetris_verify(target_graphdef, target_params, plan, state, proposal,
+                                                             window_bk1, max_new_b, budget, cost_coef)
         verified_b = verify_b
     accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
     accepted_b, next_b = accept(accept_key_b, drafts_bk, proposal.q_bkv, logits_bk1v, verify_b, sampling)
@@ -205,6 +188,39 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
                         verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
                         emitted=c.emitted + count_b)
     return state.replace(counters=counters, steps=state.steps + 1)
+
+
+def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: DecodeState, proposal: Proposal,
+                   window_bk1, max_new_b, budget, cost_coef):
+    """TETRIS: choose each row's window across the batch, then verify exactly those tokens, packed.
+
+    A slot is usable if it is a real proposal, its row is live, and what it could emit fits in the
+    row's remaining token budget. Returns (window lengths, logits [b, k + 1, v], target cache).
+    """
+    b, k = window_bk1.shape[0], plan.k
+    j = jnp.arange(k)[None, :]
+    remaining_b = max_new_b - state.n_out_b
+    usable_bk = (j < proposal.num_drafts_b[:, None]) & ~state.done_b[:, None] & (j + 2 <= remaining_b[:, None])
+    logprob_bk = tetris.acceptance_logprobs(proposal, usable_bk)
+    if state.policy is not None:
+        logprob_bk = policy_lib.calibrated_logprobs(state.policy, logprob_bk)
+    if plan.capacities is None:
+        verify_b = tetris.select(logprob_bk, plan.capacity, budget)
+        logits_bk1v, cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1,
+                                            state.target_cache, b + plan.capacity)
+        return verify_b, logits_bk1v, cache
+    # Goodput: the budget with the most expected tokens per predicted second; each candidate has
+    # its own compiled packed size.
+    draft_seconds = k * (cost_coef[0] + cost_coef[1] * b)
+    goodput_j = policy_lib.goodput_of_capacities(tetris.cumulative_logprobs(logprob_bk).reshape(-1),
+                                                 jnp.sum(~state.done_b), plan.capacities, cost_coef, b,
+                                                 plan.cache_len, draft_seconds)
+    choice = jnp.argmax(goodput_j)
+    verify_b = tetris.select(logprob_bk, plan.capacity, jnp.asarray(plan.capacities)[choice])
+    branches = [functools.partial(_packed_branch, packed_len=b + c) for c in plan.capacities]
+    logits_bk1v, cache = jax.lax.switch(choice, branches, target_graphdef, target_params, window_bk1, verify_b + 1,
+                                        state.target_cache)
+    return verify_b, logits_bk1v, cache
 
 
 def _packed_branch(graphdef, params, window_bw, counts_b, cache, *, packed_len: int):

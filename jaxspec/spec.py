@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxspec.cost import CostModel
+
 MAX_K = 16  # the largest draft length a program is compiled for
 
 SELECTIONS = ("standard", "tetris")
@@ -18,7 +20,8 @@ class SpecConfig:
       extra: additional draft tokens per row for TETRIS selection.
       selection: "standard" (every row verifies k drafts) or "tetris".
       capacity: TETRIS verification budget C per step (None = batch * k).
-      policy: "fixed" or "goodput".
+      policy: "fixed", or "goodput": every step picks the draft length in 0..k (standard) or
+        drafting on/off and the TETRIS budget (up to 2 * capacity) maximising predicted goodput.
       cost_model: a CostModel for policy="goodput".
       pipeline: pipelined two-batch drafting on a separate device slice.
       greedy_draft: draft with argmax even when sampling (q is then one-hot; still lossless).
@@ -57,8 +60,9 @@ class SpecConfig:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not 0.0 < threshold <= 1.0):
             raise ValueError(f"threshold must be None or a number in (0, 1], got {self.threshold!r}")
-        if self.policy == "goodput" and self.cost_model is None:
-            raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...)")
+        if self.policy == "goodput" and not isinstance(self.cost_model, CostModel):
+            raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...) (CostModel.profile or "
+                             f"CostModel.load), got {type(self.cost_model).__name__}")
 
     @property
     def draft_len(self) -> int:

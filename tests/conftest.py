@@ -15,6 +15,13 @@ import jaxspec  # noqa: E402
 from jaxspec.models.loading import smollm2_gguf_path  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop each module's compiled programs when it ends, so the suite's memory stays flat."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny"), seed=0)

@@ -74,9 +74,9 @@ def test_greedy_lossless_unrelated_draft(small):
 def test_greedy_lossless_three_level_chain(small):
     target, middle, smallest = small
     prompts = ragged_prompts(SMALL_VOCAB, 2)
-    for inner_k in (1, 3):
+    for inner_k, ks in ((1, (1, 4, 6)), (3, (2, 3, 5))):
         chain = jaxspec.SpeculativeDecoder(middle, smallest, spec=jaxspec.SpecConfig(k=inner_k))
-        check_greedy_lossless(target, chain, range(1, 7), prompts)
+        check_greedy_lossless(target, chain, ks, prompts)
 
 
 def test_greedy_lossless_ngram_on_smollm2(smollm2):
@@ -84,7 +84,7 @@ def test_greedy_lossless_ngram_on_smollm2(smollm2):
             "violets are")
     prompts = [smollm2.tokenizer(text)["input_ids"], smollm2.tokenizer("1, 2, 3, 4, 5, 6,")["input_ids"],
                smollm2.tokenizer("The cat sat on the mat. The cat sat on the")["input_ids"]]
-    stats_by_k = check_greedy_lossless(smollm2, jaxspec.NgramDrafter(max_ngram=3), range(1, 7), prompts,
+    stats_by_k = check_greedy_lossless(smollm2, jaxspec.NgramDrafter(max_ngram=3), (1, 3, 6), prompts,
                                        max_new=24)
     assert all(s.acceptance_rate > 0.2 for s in stats_by_k.values())
 
@@ -302,8 +302,14 @@ def test_counts_add_up(small):
     assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
 
 
-@pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, extra=2, selection="tetris")],
-                         ids=["standard", "tetris"])
+_COST = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, target_fixed=5e-3,
+                                            target_per_token=2e-4)
+
+
+@pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, extra=2, selection="tetris"),
+                                  jaxspec.SpecConfig(k=3, extra=1, selection="tetris", policy="goodput",
+                                                     cost_model=_COST)],
+                         ids=["standard", "tetris", "tetris-goodput"])
 def test_no_recompilation_after_warmup(small, compile_counter, spec):
     target, draft, _ = small
     # 6 then 7 prompts: one batch bucket, budgets 18 and 21 in one capacity bucket.

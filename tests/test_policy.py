@@ -166,3 +166,24 @@ def test_drafter_catches_up_after_steps_without_drafting(pair):
         for layer in range(draft.config.num_layers):
             np.testing.assert_allclose(caught.k[layer][i, :n], full.k[layer][i, :n], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(caught.v[layer][i, :n], full.v[layer][i, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("selection", ["standard", "tetris"])
+def test_goodput_policy_is_lossless_under_sampling(selection):
+    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    sampling = jaxspec.SamplingConfig(temperature=1.0)
+    rows = 4000
+    # At this batch the verify cost per token is close to its fixed cost, so speculation pays only while
+    # acceptance is high: the policy starts drafting and switches drafting off within the run.
+    cost = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-8, target_fixed=5e-3,
+                                       target_per_token=1e-6)
+    spec = jaxspec.SpecConfig(k=3, extra=1 if selection == "tetris" else 0, selection=selection, policy="goodput",
+                              cost_model=cost)
+    result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling).generate(
+        [VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37)
+    assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    trace = result.stats.extra["k_trace"]
+    assert result.stats.drafted_tokens > 0 and 0 in trace and max(trace) > 0, trace
