@@ -15,11 +15,33 @@ import jaxspec  # noqa: E402
 from jaxspec.models.loading import smollm2_gguf_path  # noqa: E402
 
 
+def _memory_map_count() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0
+
+
+# XLA's CPU backend maps a few memory regions for the code of every compiled program. Linux caps
+# a process at vm.max_map_count (65530 by default) regions; past it, mmap fails and compilation
+# segfaults. A suite that compiles thousands of programs must therefore let them go.
+_MAP_LIMIT = 20000
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop each module's compiled programs when it ends, so the suite's memory stays flat."""
+    """Drop each module's compiled programs when it ends, so memory and mappings stay flat."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _bound_memory_maps():
+    """Also drop them mid-module when the process nears the kernel's memory-map limit."""
+    yield
+    if _memory_map_count() > _MAP_LIMIT:
+        jax.clear_caches()
 
 
 @pytest.fixture(scope="session")
