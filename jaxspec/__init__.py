@@ -1,16 +1,17 @@
 """jaxspec: batch speculative decoding in JAX / Flax NNX."""
 
-from jaxspec import multilevel, policy, tetris
+from jaxspec import multilevel, parallel, policy, tetris
 from jaxspec.cost import CostModel
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
 from jaxspec.generate import generate
 from jaxspec.models import KVCache, Model, ModelConfig
 from jaxspec.models.loading import load
+from jaxspec.parallel import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 
-__all__ = ["CostModel", "Drafter", "GenerationResult", "GenerationStats", "KVCache", "Model", "ModelConfig",
+__all__ = ["CostModel", "Drafter", "GenerationResult", "GenerationStats", "KVCache", "MeshConfig", "Model", "ModelConfig",
            "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
-           "generate", "load", "multilevel", "policy", "tetris"]
+           "generate", "load", "multilevel", "parallel", "policy", "tetris"]

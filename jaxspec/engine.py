@@ -25,6 +25,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec import policy as policy_lib
@@ -34,6 +35,8 @@ from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, draf
 from jaxspec.generate import check_eos, prefill, request_keys
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import Model, forward, forward_packed
+from jaxspec.parallel import sharding as sharding_lib
+from jaxspec.parallel.mesh import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
 from jaxspec.sampling import SamplingConfig, probabilities, row_keys
 from jaxspec.spec import SpecConfig
@@ -128,13 +131,35 @@ class StepPlan:
     threshold: float | None = None
 
 
-def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
-                     target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
-                     out_len: int, budget=None, cost_coef=None) -> DecodeState:
-    """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
+def empty_proposal(b: int) -> Proposal:
+    """The proposal of a step that does not draft (k = 0)."""
+    return Proposal(tokens_bk=jnp.zeros((b, 0), jnp.int32), q_bkv=jnp.zeros((b, 0, 1), jnp.float32),
+                    num_drafts_b=jnp.zeros((b,), jnp.int32), logprob_bk=jnp.zeros((b, 0), jnp.float32))
+
+
+def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params, draft_state, seq_bl, pending_b,
+                n_out_b, request_keys_b) -> tuple[Proposal, object]:
+    """Step part 1, the drafter's side: propose k tokens per row.
+
+    It reads only token ids and lengths of the target's side (`seq_bl`, the pending positions, the
+    emitted counts that seed the RNG), so it can run on another device slice than the target
+    (`jaxspec.parallel`); its output, the Proposal, is all the target's side needs.
+    """
+    if k == 0:
+        return empty_proposal(seq_bl.shape[0]), draft_state
+    step_key_b = row_keys(request_keys_b, n_out_b)
+    draft_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _DRAFT_TAG)
+    return drafter.propose(draft_params, draft_state, seq_bl, pending_b, k, draft_key_b, sampling)
+
+
+def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
+                 proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None,
+                 cost_coef=None) -> DecodeState:
+    """Step part 2, the target's side: select -> verify -> accept -> commit, for every row.
 
     Args:
-      plan: the step's static shape (StepPlan).
+      plan: the step's static shape (StepPlan); plan.k must equal the proposal's length.
+      proposal: what `draft_phase` proposed from this same state.
       budget: traced number of drafts TETRIS may select (<= plan.capacity; default all of it).
       cost_coef: `CostModel.as_array()` when the step searches TETRIS budgets by goodput.
     """
@@ -143,14 +168,6 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
     pending_tok_b = jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1)[:, 0]
     step_key_b = row_keys(request_keys_b, state.n_out_b)
     live_b = ~state.done_b
-    if k > 0:
-        draft_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _DRAFT_TAG)
-        proposal, draft_state = drafter.propose(draft_params, state.draft_state, state.seq_bl, pending_b, k,
-                                                draft_key_b, sampling)
-    else:
-        proposal = Proposal(tokens_bk=jnp.zeros((b, 0), jnp.int32), q_bkv=jnp.zeros((b, 0, 1), jnp.float32),
-                            num_drafts_b=jnp.zeros((b,), jnp.int32), logprob_bk=jnp.zeros((b, 0), jnp.float32))
-        draft_state = state.draft_state
     if plan.threshold is not None and k > 0:
         # Threshold drafting: each row's window ends where its cumulative confidence drops below
         # the threshold (a prefix: the cumulative estimate never increases along a row).
@@ -176,7 +193,7 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
     j = jnp.arange(k + 1)[None, :]
     drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
-    state = state.replace(target_cache=target_cache, draft_state=draft_state)
+    state = state.replace(target_cache=target_cache)
     if state.policy is not None:
         state = state.replace(policy=policy_lib.observe(state.policy, proposal.logprob_bk, verify_b, accepted_b,
                                                         live_b))
@@ -187,7 +204,22 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
     counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * proposal.num_drafts_b,
                         verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
                         emitted=c.emitted + count_b)
-    return state.replace(counters=counters, steps=state.steps + 1)
+    # A step over finished rows only (a host-driven loop may run one) is not counted.
+    return state.replace(counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
+
+
+def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
+                     target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
+                     out_len: int, budget=None, cost_coef=None) -> DecodeState:
+    """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
+
+    The composition of `draft_phase` and `verify_phase`; the pipelined engine runs the same two
+    functions on two device slices.
+    """
+    proposal, draft_state = draft_phase(drafter, plan.k, sampling, draft_params, state.draft_state, state.seq_bl,
+                                        state.target_cache.lengths, state.n_out_b, request_keys_b)
+    return verify_phase(target_graphdef, plan, sampling, target_params, state.replace(draft_state=draft_state),
+                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget, cost_coef)
 
 
 def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: DecodeState, proposal: Proposal,
@@ -252,27 +284,41 @@ class Schedule:
         return any(plan.k > 0 for plan in self.plans)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "schedule", "sampling", "cache_len",
-                                             "seq_len", "out_len"))
-def _decode_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig,
-                      target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
-                      budget, cost_coef, *, cache_len: int, seq_len: int, out_len: int):
+def initial_state(target_graphdef, sampling: SamplingConfig, target_params, tokens_bp, prompt_len_b, max_new_b,
+                  request_keys_b, eos_id, *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
+    """The target's prefill and first token, and the loop state before the first step (no drafter).
+
+    `mesh`: a jax Mesh to lay the target's KV cache out on (rows over data, kv heads over tensor).
+    """
     b, p = tokens_bp.shape
     cache, first_b, n_out_b, done_b = prefill(target_graphdef, target_params, tokens_bp, prompt_len_b, max_new_b,
                                               request_keys_b, eos_id, sampling, cache_len)
+    if mesh is not None:
+        cache = sharding_lib.constrain_cache(cache, mesh)
     rows = jnp.arange(b)
     seq_bl = jnp.zeros((b, seq_len), jnp.int32).at[:, :p].set(tokens_bp)
     seq_bl = seq_bl.at[rows, prompt_len_b].set(first_b)
     out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
-    draft_state = drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len) if schedule.drafts else ()
+    return DecodeState(target_cache=cache, draft_state=(), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
+                       done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "schedule", "sampling", "cache_len",
+                                             "seq_len", "out_len", "mesh"))
+def _decode_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig,
+                      target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
+                      budget, cost_coef, *, cache_len: int, seq_len: int, out_len: int, mesh=None):
+    b = tokens_bp.shape[0]
+    state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
+                          request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
+    if schedule.drafts:
+        state = state.replace(draft_state=drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len))
     policy = None
     if schedule.predict_ks is not None:
         policy = policy_lib.PolicyState.init(b, out_len, 0)
-        policy = policy.replace(choice=policy_lib.choose_k(policy, ~done_b, schedule.predict_ks, cost_coef, b,
+        policy = policy.replace(choice=policy_lib.choose_k(policy, ~state.done_b, schedule.predict_ks, cost_coef, b,
                                                            cache_len))
-    state = DecodeState(
-        target_cache=cache, draft_state=draft_state, seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
-        done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0), policy=policy)
+        state = state.replace(policy=policy)
 
     def step(plan, state):
         return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
@@ -304,7 +350,8 @@ class SpeculativeDecoder:
         `jaxspec.NgramDrafter(max_ngram=3)`, or another SpeculativeDecoder (a multi-level chain).
       spec: SpecConfig (k, selection, policy, ...).
       sampling: SamplingConfig used by target and draft alike.
-      mesh: reserved for MeshConfig placement.
+      mesh: a `jaxspec.MeshConfig`: the target sharded over its (data, tensor) mesh and the draft
+        on its own slice (or on the target's mesh when draft_tp=0). None: the default device.
     """
 
     def __init__(self, target: Model, draft, spec: SpecConfig | None = None,
@@ -317,11 +364,26 @@ class SpeculativeDecoder:
             raise ValueError(f"sampling must be a jaxspec.SamplingConfig, got {type(self.sampling).__name__}")
         if not isinstance(target, Model):
             raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
-        for feature, on in (("pipeline=True", self.spec.pipeline), ("mesh", mesh is not None)):
-            if on:
-                raise ValueError(f"{feature} is not available in this version of jaxspec")
-        self.target = target
+        if mesh is not None and not isinstance(mesh, MeshConfig):
+            raise ValueError(f"mesh must be None or a jaxspec.MeshConfig, got {type(mesh).__name__}")
         self.mesh = mesh
+        self._sliced = self.spec.pipeline or (mesh is not None and mesh.separate_draft)
+        if self._sliced and self.spec.policy != "fixed":
+            raise ValueError("policy='goodput' runs as one on-device program and cannot yet be combined with "
+                             "pipeline=True or a separate draft slice (MeshConfig.draft_tp > 0)")
+        if mesh is not None:
+            if isinstance(draft, SpeculativeDecoder):
+                raise ValueError("a multi-level chain draft cannot be placed on a MeshConfig yet; pass mesh=None")
+            mesh.check(target.config, draft.config if isinstance(draft, Model) else None)
+            self._target_mesh, self._draft_mesh = mesh.target_mesh(), mesh.draft_mesh()
+            target = sharding_lib.place_params(target, self._target_mesh)
+            if isinstance(draft, Model):
+                draft = sharding_lib.place_params(draft, self._draft_mesh)
+        elif self._sliced:
+            self._target_mesh = self._draft_mesh = MeshConfig(target_tp=1, draft_tp=0).target_mesh()
+        else:
+            self._target_mesh = self._draft_mesh = None
+        self.target = target
         self.drafter = _as_drafter(draft, target.config.vocab_size, self.spec)
         self.draft = draft
 
@@ -339,17 +401,25 @@ class SpeculativeDecoder:
         eos = check_eos(eos_token_id, cfg.vocab_size)
         batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
                                     max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens)
-        keys = request_keys(seed, batch.request_ids_b)
         # Slots: prompt, every output token, and a window of k drafts past the last one.
         cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
+        if self._sliced:
+            return self._generate_sliced(batch, seed, eos, cache_len)
+        multiple = self.mesh.target_dp if self.mesh is not None else 1
+        if batch.tokens_bp.shape[0] % multiple:
+            batch = prompts_lib.subset(batch, np.arange(batch.num_prompts), multiple)
+        keys = request_keys(seed, batch.request_ids_b)
         schedule, budget = self._schedule(batch.tokens_bp.shape[0], batch.num_prompts, cache_len)
         cost = self.spec.cost_model.as_array() if self.spec.cost_model is not None else jnp.zeros((5,), jnp.float32)
+        inputs = (jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b), jnp.asarray(batch.max_new_b), keys,
+                  jnp.int32(eos), jnp.int32(budget), cost)
+        if self._target_mesh is not None:
+            inputs = jax.device_put(inputs, sharding_lib.replicated(self._target_mesh))
         start = time.perf_counter()
         outputs = _decode_on_device(
             self.target.graphdef, self.drafter, schedule, self.sampling, self.target.params,
-            self.drafter.params, jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b),
-            jnp.asarray(batch.max_new_b), keys, jnp.int32(eos), jnp.int32(budget), cost, cache_len=cache_len,
-            seq_len=cache_len, out_len=batch.out_len)
+            self.drafter.params, *inputs, cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len,
+            mesh=self._target_mesh)
         out_bo, n_out_b, counters, steps, trace = jax.device_get(outputs)
         seconds = time.perf_counter() - start
         n = batch.num_prompts
@@ -357,6 +427,50 @@ class SpeculativeDecoder:
         step_ks = ([schedule.plans[int(c)].k for c in trace[:int(steps)]] if schedule.predict_ks is not None
                    else [schedule.plans[0].k] * int(steps))
         stats = _stats(counters, n, int(steps), seconds, step_ks, self.drafter)
+        return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+    def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int) -> GenerationResult:
+        """Draft and target on two slices, stepped from the host; two pipelined batches if asked."""
+        from jaxspec.parallel.pipeline import SlicedRunner, balanced_split
+        n = batch.num_prompts
+        multiple = self.mesh.target_dp if self.mesh is not None else 1
+        if self.spec.pipeline and n >= 2:
+            halves = balanced_split(batch.max_new_b, n)
+            rows = max(prompts_lib.bucket_batch(len(h)) for h in halves)   # one program for both batches
+            lane_batches = [prompts_lib.subset(batch, h, multiple, min_rows=rows) for h in halves]
+        else:
+            lane_batches = [prompts_lib.subset(batch, np.arange(n), multiple)]
+        plans = []
+        for lb in lane_batches:
+            schedule, budget = self._schedule(lb.tokens_bp.shape[0], lb.num_prompts, cache_len)
+            plans.append((schedule.plans[0], budget))
+        runner = SlicedRunner(self.target, self.drafter, plans[0][0], self.sampling, self._target_mesh,
+                              self._draft_mesh)
+        start = time.perf_counter()
+        lanes = [runner.start(lb, request_keys(seed, lb.request_ids_b), eos, cache_len) for lb in lane_batches]
+        if len(lanes) == 2 and plans[0] != plans[1]:
+            # Batches one request apart may round to different TETRIS buckets: keep one program
+            # by giving both the larger budget's plan, each still selecting its own budget.
+            plan = max((p for p, _ in plans), key=lambda p: p.capacity or 0)
+            runner.plan = plan
+        for lane, (_, budget) in zip(lanes, plans):
+            lane.budget = budget
+        runner.run(lanes, eos)
+        fetched = jax.device_get([(ln.state.out_bo, ln.state.n_out_b, ln.state.counters, ln.state.steps)
+                                  for ln in lanes])
+        seconds = time.perf_counter() - start
+        tokens: list = [None] * n
+        fields = {f: np.zeros((n,), np.int64) for f in ("row_steps", "drafted", "verified", "accepted", "emitted")}
+        steps = 0
+        for lane, (out_bo, n_out_b, counters, lane_steps) in zip(lanes, fetched):
+            for i in range(lane.batch.num_prompts):
+                r = int(lane.batch.request_ids_b[i])
+                tokens[r] = out_bo[i, :n_out_b[i]].tolist()
+                for f in fields:
+                    fields[f][r] = getattr(counters, f)[i]
+            steps += int(lane_steps)
+        stats = _stats(Counters(**fields), n, steps, seconds, [runner.plan.k] * steps, self.drafter)
+        stats.extra["lanes"] = len(lanes)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _schedule(self, rows: int, num_prompts: int, cache_len: int) -> tuple[Schedule, int]:

@@ -118,3 +118,26 @@ def prepare(prompts, tokenizer, *, vocab_size: int, max_positions: int, max_new_
     return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets,
                        request_ids_b=np.arange(batch, dtype=np.int32), num_prompts=len(ids),
                        out_len=bucket_length(max(max_new)))
+
+
+def subset(batch: PromptBatch, rows, multiple: int = 1, min_rows: int = 0) -> PromptBatch:
+    """The batch of some of `batch`'s real rows (keeping their request ids, hence their RNG streams).
+
+    Rows are bucketed like a fresh batch (at least `min_rows`, then up to a multiple of `multiple`,
+    e.g. the data-parallel degree); padding rows have budget 0.
+    """
+    rows = np.asarray(rows, np.int64)
+    n = max(bucket_batch(max(len(rows), 1)), min_rows)
+    n = -(-n // multiple) * multiple
+    tokens = np.zeros((n, batch.tokens_bp.shape[1]), np.int32)
+    lengths = np.ones((n,), np.int32)
+    budgets = np.zeros((n,), np.int32)
+    ids = np.zeros((n,), np.int32)
+    tokens[:len(rows)] = batch.tokens_bp[rows]
+    lengths[:len(rows)] = batch.lengths_b[rows]
+    budgets[:len(rows)] = batch.max_new_b[rows]
+    ids[:len(rows)] = batch.request_ids_b[rows]
+    # Padding rows get ids past every real one, so no two rows share an RNG stream.
+    ids[len(rows):] = batch.request_ids_b.max() + 1 + np.arange(n - len(rows))
+    return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets, request_ids_b=ids,
+                       num_prompts=len(rows), out_len=batch.out_len)

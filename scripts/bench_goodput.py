@@ -25,7 +25,7 @@ PAIRS = {
     # name: (config, draft layers, damping, sharpness)
     "tiny-8L": (jaxspec.ModelConfig(vocab_size=2048, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=2,
                                     intermediate_size=768, max_position_embeddings=2048, tie_word_embeddings=True,
-                                    name="tiny-8L"), 2, 0.15, 6.0),
+                                    name="tiny-8L"), 2, 0.06, 6.0),
     "smollm2-shape": (jaxspec.ModelConfig.preset("smollm2-135m").replace(vocab_size=8192, name="smollm2-v8k"),
                       4, 0.15, 6.0),
 }

@@ -1,0 +1,93 @@
+"""`MeshConfig`: which devices hold the target (a data x tensor mesh) and which the draft.
+
+The target's slice is the first target_dp * target_tp devices, laid out as a (data, tensor) mesh;
+the draft's slice is the next draft_tp devices, a (data=1, tensor=draft_tp) mesh. draft_tp = 0
+puts the draft on the target's own mesh (one compiled program per generate, no cross-slice
+traffic; the draft's weights are then sharded by the same rules).
+
+Devices come from `jax.devices()`, which under `jax.distributed` lists every process's devices, so
+the same config spans hosts; nothing here counts local devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+DATA, TENSOR = "data", "tensor"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Attributes:
+      target_tp: tensor-parallel degree of the target (heads, MLP width and vocabulary split).
+      target_dp: data-parallel degree of the target (batch rows split).
+      draft_tp: devices of the draft's own slice (tensor-parallel over them); 0 = share the
+        target's mesh.
+      devices: the devices to use, in order (default: `jax.devices()`).
+    """
+
+    target_tp: int = 1
+    target_dp: int = 1
+    draft_tp: int = 1
+    devices: Any = None
+
+    def __post_init__(self):
+        for name, low in (("target_tp", 1), ("target_dp", 1), ("draft_tp", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"MeshConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
+
+    @property
+    def num_devices(self) -> int:
+        """Devices this config uses: target_dp * target_tp + draft_tp."""
+        return self.target_dp * self.target_tp + self.draft_tp
+
+    @property
+    def separate_draft(self) -> bool:
+        return self.draft_tp > 0
+
+    def _devices(self) -> tuple:
+        devices = self.devices if self.devices is not None else tuple(jax.devices())
+        if len(devices) < self.num_devices:
+            raise ValueError(f"MeshConfig(target_dp={self.target_dp}, target_tp={self.target_tp}, "
+                             f"draft_tp={self.draft_tp}) needs target_dp * target_tp + draft_tp = "
+                             f"{self.num_devices} devices, but only {len(devices)} are available")
+        return devices
+
+    def target_mesh(self) -> Mesh:
+        """The target's (data, tensor) mesh over the first target_dp * target_tp devices."""
+        n = self.target_dp * self.target_tp
+        grid = np.asarray(self._devices()[:n], dtype=object).reshape(self.target_dp, self.target_tp)
+        return Mesh(grid, (DATA, TENSOR))
+
+    def draft_mesh(self) -> Mesh:
+        """The draft's (data=1, tensor=draft_tp) mesh over the next draft_tp devices (or the target's)."""
+        if not self.separate_draft:
+            return self.target_mesh()
+        start = self.target_dp * self.target_tp
+        grid = np.asarray(self._devices()[start:start + self.draft_tp], dtype=object).reshape(1, self.draft_tp)
+        return Mesh(grid, (DATA, TENSOR))
+
+    def check(self, target_config, draft_config=None) -> None:
+        """Raises ValueError when the devices or the models' widths do not fit this mesh."""
+        self._devices()
+        check_divisible(target_config, self.target_tp, "target_tp")
+        if draft_config is not None:
+            check_divisible(draft_config, self.draft_tp if self.separate_draft else self.target_tp,
+                            "draft_tp" if self.separate_draft else "target_tp (the draft shares the target mesh)")
+
+
+def check_divisible(config, tp: int, name: str) -> None:
+    """Every tensor-sharded width of the model must divide evenly over the tensor axis."""
+    for field, value in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                         ("intermediate_size", config.intermediate_size), ("vocab_size", config.vocab_size)):
+        if value % tp:
+            raise ValueError(f"{name}={tp} does not divide {field}={value} of model {config.name!r}: "
+                             f"each tensor-parallel device must hold an equal share")

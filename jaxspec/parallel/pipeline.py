@@ -1,0 +1,180 @@
+"""Host-driven stepping over two device slices: sequential split, and MineDraft's two-batch pipeline.
+
+Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary.
+
+The draft and the target live on disjoint meshes, so one step is two compiled programs, the same
+two halves the single-program loop composes (`engine.draft_phase`, `engine.verify_phase`):
+
+    draft(state) on the draft slice  ->  Proposal  ->  verify(state, Proposal) on the target slice
+
+Between them only token ids, lengths and (when sampling) the draft distributions cross: the
+draft side reads the target side's `seq_bl`, pending positions and emitted counts; the target side
+reads the Proposal. Every call is dispatched asynchronously; the host only reads the done flags
+of the step *before* the one just queued, so the devices never wait for it.
+
+Pipelined (`SpecConfig(pipeline=True)`): the requests are split into two batches A and B with
+balanced work. Each half-step queues verify(A) on the target slice and then draft(B) on the draft
+slice; they depend on nothing of each other, so they run at the same time; then the roles swap.
+When one batch has finished, the other continues alone with the plain sequential order (the
+tail). Per-request RNG keys make each request's output independent of its batch, so pipelined,
+sequential and single-device runs produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import engine
+from jaxspec.parallel import sharding as sharding_lib
+from jaxspec.sampling import SamplingConfig
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "seq_len", "out_len", "mesh"))
+def _target_start(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id, *,
+                  cache_len, seq_len, out_len, mesh):
+    return engine.initial_state(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id,
+                                cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "cache_len"))
+def _draft_start(drafter, params, tokens_bp, prompt_len_b, *, cache_len):
+    return drafter.init(params, tokens_bp, prompt_len_b, cache_len)
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "k", "sampling"), donate_argnums=(4,))
+def _draft(drafter, k, sampling: SamplingConfig, params, draft_state, seq_bl, pending_b, n_out_b, keys_b):
+    proposal, draft_state = engine.draft_phase(drafter, k, sampling, params, draft_state, seq_bl, pending_b,
+                                               n_out_b, keys_b)
+    if sampling.greedy:
+        # Greedy acceptance never reads q: do not ship [b, k, v] floats across slices.
+        proposal = proposal.replace(q_bkv=jnp.zeros(proposal.q_bkv.shape[:2] + (0,), jnp.float32))
+    return proposal, draft_state
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len"), donate_argnums=(4,))
+def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, budget, *, out_len):
+    return engine.verify_phase(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id,
+                               out_len, budget)
+
+
+@dataclasses.dataclass
+class Lane:
+    """One batch of requests: its target-side state on the target slice, its draft state on the draft slice."""
+
+    batch: object                  # its PromptBatch
+    state: engine.DecodeState
+    draft_state: object
+    keys_t: jax.Array              # request keys and budgets, on the target slice
+    max_new_t: jax.Array
+    keys_d: jax.Array              # request keys, on the draft slice
+    proposal: object = None
+    budget: int = 0                # its TETRIS budget C per step
+    finished: bool = False
+    budget_t: jax.Array | None = None
+
+
+class SlicedRunner:
+    """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`."""
+
+    def __init__(self, target, drafter, plan, sampling: SamplingConfig, target_mesh, draft_mesh):
+        self.target, self.drafter, self.plan, self.sampling = target, drafter, plan, sampling
+        self.target_mesh, self.draft_mesh = target_mesh, draft_mesh
+        self._t_rep = sharding_lib.replicated(target_mesh)
+        self._d_rep = sharding_lib.replicated(draft_mesh)
+
+    def _to_target(self, tree):
+        return jax.device_put(tree, self._t_rep)
+
+    def _to_draft(self, tree):
+        return jax.device_put(tree, self._d_rep)
+
+    def start(self, batch, keys_b, eos: int, cache_len: int) -> Lane:
+        """Prefills one batch on both slices."""
+        t_in = self._to_target((batch.tokens_bp, batch.lengths_b, batch.max_new_b, keys_b, np.int32(eos)))
+        state = _target_start(self.target.graphdef, self.sampling, self.target.params, *t_in, cache_len=cache_len,
+                              seq_len=cache_len, out_len=batch.out_len, mesh=self.target_mesh)
+        d_tokens, d_lengths, keys_d = self._to_draft((batch.tokens_bp, batch.lengths_b, keys_b))
+        draft_state = (_draft_start(self.drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
+                       if self.plan.k > 0 else ())
+        return Lane(batch=batch, state=state, draft_state=draft_state, keys_t=t_in[3], max_new_t=t_in[2],
+                    keys_d=keys_d)
+
+    def _draft(self, lane: Lane) -> None:
+        """Queues the lane's drafting on the draft slice, from its latest verified state."""
+        if self.plan.k == 0:
+            lane.proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
+            return
+        s = lane.state
+        view = self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b))
+        proposal, lane.draft_state = _draft(self.drafter, self.plan.k, self.sampling, self.drafter.params,
+                                            lane.draft_state, *view, lane.keys_d)
+        lane.proposal = self._to_target(proposal)
+
+    def _verify(self, lane: Lane, eos) -> None:
+        """Queues the lane's verification on the target slice, unless every row has finished.
+
+        The done flags read here belong to the lane's previous verification, which the drafting
+        just queued depends on anyway, so the read stalls neither slice.
+        """
+        if bool(np.all(jax.device_get(lane.state.done_b))):
+            lane.finished = True
+            return
+        lane.state = _verify(self.target.graphdef, self.plan, self.sampling, self.target.params, lane.state,
+                             lane.proposal, lane.keys_t, lane.max_new_t, eos, lane.budget_t, out_len=lane.batch.out_len)
+
+    def run(self, lanes: list[Lane], eos: int) -> list[Lane]:
+        """Decodes one lane sequentially, or two pipelined, until every row is done."""
+        eos_t = self._to_target(jnp.int32(eos))
+        for lane in lanes:
+            lane.budget_t = self._to_target(jnp.int32(lane.budget))
+        if len(lanes) == 1:
+            self._sequential(lanes[0], eos_t)
+        else:
+            self._pipelined(*lanes, eos_t)
+        return lanes
+
+    def _sequential(self, lane: Lane, eos) -> None:
+        while not lane.finished:
+            self._draft(lane)
+            self._verify(lane, eos)
+
+    def _pipelined(self, a: Lane, b: Lane, eos) -> None:
+        # Prologue: A's first drafts. Then every half-step queues verify(one) and draft(other),
+        # which touch disjoint slices and run concurrently; then the roles swap.
+        self._draft(a)
+        verifying, drafting = a, b
+        while not (a.finished or b.finished):
+            self._verify(verifying, eos)
+            self._draft(drafting)
+            verifying, drafting = drafting, verifying
+        # The tail: the batch left runs sequentially; `verifying` already holds fresh drafts.
+        rest = b if a.finished else a
+        if rest is not verifying:
+            self._draft(rest)
+        while not rest.finished:
+            self._verify(rest, eos)
+            if not rest.finished:
+                self._draft(rest)
+
+
+def balanced_split(budgets: np.ndarray, real: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two row sets of equal size (+-1) whose token budgets are as equal as a greedy pass makes them.
+
+    MineDraft's assignment: requests in decreasing budget order each go to the batch with the
+    smaller total so far (ties: the smaller batch), so both batches finish at about the same step.
+    """
+    order = sorted(range(real), key=lambda i: -int(budgets[i]))
+    sets: tuple[list[int], list[int]] = ([], [])
+    totals = [0, 0]
+    half = -(-real // 2)
+    for i in order:
+        side = 0 if (totals[0], len(sets[0])) <= (totals[1], len(sets[1])) else 1
+        if len(sets[side]) >= half:
+            side = 1 - side
+        sets[side].append(i)
+        totals[side] += int(budgets[i])
+    return tuple(np.asarray(sorted(s), np.int64) for s in sets)

@@ -1,0 +1,82 @@
+"""Logical axes -> mesh axes: the one table, and what it gives for params, caches and inputs.
+
+Megatron-style tensor parallelism: attention heads (query and kv), the MLP hidden width and the
+vocabulary are split over `tensor`; batch rows over `data`; everything else is replicated. XLA's
+SPMD partitioner inserts the collectives (an all-reduce after the attention output and MLP down
+projections, a gather of vocabulary-sharded logits where a full row is needed).
+
+Every logical name a model or cache uses must appear in `RULES`: an unknown name is an error, never
+a silent replica.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxspec.parallel.mesh import DATA, TENSOR
+
+RULES: dict[str, str | None] = {
+    "batch": DATA,
+    "heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "vocab": TENSOR,
+    "embed": None,
+    "head_dim": None,
+    "cache_slots": None,
+}
+
+CACHE_AXES = ("batch", "cache_slots", "kv_heads", "head_dim")
+
+
+def partition_spec(axes: tuple[str, ...]) -> PartitionSpec:
+    """The PartitionSpec of an array whose dimensions carry these logical names."""
+    unknown = [a for a in axes if a not in RULES]
+    if unknown:
+        raise ValueError(f"logical axes {unknown} have no rule in jaxspec.parallel.sharding.RULES")
+    return PartitionSpec(*(RULES[a] for a in axes))
+
+
+def param_shardings(model, mesh: Mesh) -> dict:
+    """Pytree parallel to `model.params` (or to the logical axes of a config) of NamedShardings."""
+    axes = model.logical_axes
+    return jax.tree.map(lambda a: NamedSharding(mesh, partition_spec(a)), axes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, partition_spec(CACHE_AXES))
+
+
+def rows_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Per-row arrays ([b], [b, ...]) split over `data`."""
+    return NamedSharding(mesh, PartitionSpec(DATA, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def place_params(model, mesh: Mesh):
+    """`model` with its params on `mesh` by the rules (each device receives only its shard)."""
+    from jaxspec.models.model import Model
+    shardings = param_shardings(model, mesh)
+    params = jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
+                          model.params, shardings)
+    return Model(model.config, params, dtype=model.dtype, tokenizer=model.tokenizer)
+
+
+def constrain_cache(cache, mesh: Mesh):
+    """Inside a trace: lay the KV cache out over (data, tensor) by CACHE_AXES."""
+    spec = cache_sharding(mesh)
+    return cache.replace(k=tuple(jax.lax.with_sharding_constraint(x, spec) for x in cache.k),
+                         v=tuple(jax.lax.with_sharding_constraint(x, spec) for x in cache.v),
+                         lengths=jax.lax.with_sharding_constraint(cache.lengths, rows_sharding(mesh)))
+
+
+def is_sharded(array) -> bool:
+    """True if no single device holds the whole array."""
+    sharding = array.sharding
+    return not sharding.is_fully_replicated and max(np.prod(s.data.shape) for s in array.addressable_shards) < array.size
