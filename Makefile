@@ -37,7 +37,8 @@ bench-speculative: $(STAMP)
 	$(BIN)/python scripts/bench_speculative.py --part qwen --name bench_speculative_qwen
 
 bench-tetris: $(STAMP)
-	$(BIN)/python scripts/bench_tetris.py --part tiny packed
+	$(BIN)/python scripts/bench_tetris.py --part tiny
+	$(BIN)/python scripts/bench_tetris.py --part packed --repeats 5 --name bench_tetris_packed
 	$(BIN)/python scripts/bench_tetris.py --part qwen --name bench_tetris_qwen
 
 bench-goodput: $(STAMP)

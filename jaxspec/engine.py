@@ -414,7 +414,7 @@ class SpeculativeDecoder:
         inputs = (jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b), jnp.asarray(batch.max_new_b), keys,
                   jnp.int32(eos), jnp.int32(budget), cost)
         if self._target_mesh is not None:
-            inputs = jax.device_put(inputs, sharding_lib.replicated(self._target_mesh))
+            inputs = sharding_lib.put(inputs, sharding_lib.replicated(self._target_mesh))
         start = time.perf_counter()
         outputs = _decode_on_device(
             self.target.graphdef, self.drafter, schedule, self.sampling, self.target.params,

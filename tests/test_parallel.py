@@ -144,3 +144,23 @@ def test_goodput_with_a_separate_slice_is_rejected(pair):
     with pytest.raises(ValueError, match="policy='goodput'"):
         jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=cost,
                                                                           pipeline=True))
+
+
+def test_two_processes_on_localhost_share_one_mesh(tmp_path):
+    """jax.distributed with a local coordinator: the target's tensor axis spans two processes, and
+    each process gets the single-device greedy output (scripts/multihost_smoke.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "multihost_smoke.py"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = tmp_path / "smoke.json"
+    run = subprocess.run([sys.executable, str(script), "--output", str(out), "--timeout", "300"], env=env,
+                         capture_output=True, text=True, timeout=400)
+    summary = json.loads(out.read_text())
+    assert run.returncode == 0, summary.get("output_tails")
+    assert [r["global_devices"] for r in summary["reports"]] == [4, 4]
+    assert all(r["same_as_single_device"] for r in summary["reports"])

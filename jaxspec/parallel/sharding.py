@@ -63,9 +63,33 @@ def place_params(model, mesh: Mesh):
     """`model` with its params on `mesh` by the rules (each device receives only its shard)."""
     from jaxspec.models.model import Model
     shardings = param_shardings(model, mesh)
-    params = jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
-                          model.params, shardings)
+
+    def put(x, s):
+        if getattr(x, "sharding", None) == s:
+            return x
+        # A mesh spanning processes: every process holds the same host value and sends its shards.
+        return jax.device_put(x if s.is_fully_addressable else np.asarray(x), s)
+
+    params = jax.tree.map(put, model.params, shardings)
     return Model(model.config, params, dtype=model.dtype, tokenizer=model.tokenizer)
+
+
+def put(tree, sharding: NamedSharding):
+    """Places host or device values on `sharding`, also when its mesh spans processes.
+
+    A mesh over several processes is not addressable from one of them: every process then passes
+    the same full value and contributes the shards its devices hold.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def one(x):
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            data = jax.make_array_from_process_local_data(sharding, np.asarray(jax.random.key_data(x)))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree.map(one, tree)
 
 
 def constrain_cache(cache, mesh: Mesh):
