@@ -12,6 +12,6 @@ from jaxspec.results import GenerationResult, GenerationStats
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 
-__all__ = ["CostModel", "Drafter", "GenerationResult", "GenerationStats", "KVCache", "MeshConfig", "Model", "ModelConfig",
-           "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
+__all__ = ["CostModel", "Drafter", "GenerationResult", "GenerationStats", "KVCache", "MeshConfig", "Model",
+           "ModelConfig", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
            "generate", "load", "multilevel", "parallel", "policy", "tetris"]

@@ -440,21 +440,14 @@ class SpeculativeDecoder:
             lane_batches = [prompts_lib.subset(batch, h, multiple, min_rows=rows) for h in halves]
         else:
             lane_batches = [prompts_lib.subset(batch, np.arange(n), multiple)]
-        plans = []
-        for lb in lane_batches:
-            schedule, budget = self._schedule(lb.tokens_bp.shape[0], lb.num_prompts, cache_len)
-            plans.append((schedule.plans[0], budget))
-        runner = SlicedRunner(self.target, self.drafter, plans[0][0], self.sampling, self._target_mesh,
-                              self._draft_mesh)
+        # Both lanes run one program, compiled for the larger lane's TETRIS capacity; each selects
+        # its own budget inside it.
+        rows = lane_batches[0].tokens_bp.shape[0]
+        plan = self._schedule(rows, max(lb.num_prompts for lb in lane_batches), cache_len)[0].plans[0]
+        runner = SlicedRunner(self.target, self.drafter, plan, self.sampling, self._target_mesh, self._draft_mesh)
         start = time.perf_counter()
-        lanes = [runner.start(lb, request_keys(seed, lb.request_ids_b), eos, cache_len) for lb in lane_batches]
-        if len(lanes) == 2 and plans[0] != plans[1]:
-            # Batches one request apart may round to different TETRIS buckets: keep one program
-            # by giving both the larger budget's plan, each still selecting its own budget.
-            plan = max((p for p, _ in plans), key=lambda p: p.capacity or 0)
-            runner.plan = plan
-        for lane, (_, budget) in zip(lanes, plans):
-            lane.budget = budget
+        lanes = [runner.start(lb, request_keys(seed, lb.request_ids_b), eos, cache_len,
+                              self._schedule(rows, lb.num_prompts, cache_len)[1]) for lb in lane_batches]
         runner.run(lanes, eos)
         fetched = jax.device_get([(ln.state.out_bo, ln.state.n_out_b, ln.state.counters, ln.state.steps)
                                   for ln in lanes])
@@ -469,7 +462,7 @@ class SpeculativeDecoder:
                 for f in fields:
                     fields[f][r] = getattr(counters, f)[i]
             steps += int(lane_steps)
-        stats = _stats(Counters(**fields), n, steps, seconds, [runner.plan.k] * steps, self.drafter)
+        stats = _stats(Counters(**fields), n, steps, seconds, [plan.k] * steps, self.drafter)
         stats.extra["lanes"] = len(lanes)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 

@@ -9,8 +9,11 @@ two halves the single-program loop composes (`engine.draft_phase`, `engine.verif
 
 Between them only token ids, lengths and (when sampling) the draft distributions cross: the
 draft side reads the target side's `seq_bl`, pending positions and emitted counts; the target side
-reads the Proposal. Every call is dispatched asynchronously; the host only reads the done flags
-of the step *before* the one just queued, so the devices never wait for it.
+reads the Proposal. Every call is dispatched asynchronously. The one host read per step is a lane's
+done flags, which decide whether to queue its next verification: they are copied to the host
+asynchronously as soon as the verification producing them is queued, and read only after the
+lane's next drafting (which depends on that verification anyway) is queued, so neither slice's
+queue runs dry while the host looks.
 
 Pipelined (`SpecConfig(pipeline=True)`): the requests are split into two batches A and B with
 balanced work. Each half-step queues verify(A) on the target slice and then draft(B) on the draft
@@ -32,6 +35,7 @@ import numpy as np
 from jaxspec import engine
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.sampling import SamplingConfig
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "seq_len", "out_len", "mesh"))
 def _target_start(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id, *,
@@ -71,10 +75,9 @@ class Lane:
     keys_t: jax.Array              # request keys and budgets, on the target slice
     max_new_t: jax.Array
     keys_d: jax.Array              # request keys, on the draft slice
+    budget_t: jax.Array            # its TETRIS budget C per step, on the target slice
     proposal: object = None
-    budget: int = 0                # its TETRIS budget C per step
     finished: bool = False
-    budget_t: jax.Array | None = None
 
 
 class SlicedRunner:
@@ -92,16 +95,18 @@ class SlicedRunner:
     def _to_draft(self, tree):
         return jax.device_put(tree, self._d_rep)
 
-    def start(self, batch, keys_b, eos: int, cache_len: int) -> Lane:
-        """Prefills one batch on both slices."""
-        t_in = self._to_target((batch.tokens_bp, batch.lengths_b, batch.max_new_b, keys_b, np.int32(eos)))
-        state = _target_start(self.target.graphdef, self.sampling, self.target.params, *t_in, cache_len=cache_len,
+    def start(self, batch, keys_b, eos: int, cache_len: int, budget: int) -> Lane:
+        """Prefills one batch on both slices; `budget` is its TETRIS budget C (0 for standard)."""
+        t_in = sharding_lib.put((batch.tokens_bp, batch.lengths_b, batch.max_new_b, keys_b, np.int32(eos),
+                                 np.int32(budget)), self._t_rep)
+        state = _target_start(self.target.graphdef, self.sampling, self.target.params, *t_in[:5], cache_len=cache_len,
                               seq_len=cache_len, out_len=batch.out_len, mesh=self.target_mesh)
-        d_tokens, d_lengths, keys_d = self._to_draft((batch.tokens_bp, batch.lengths_b, keys_b))
+        state.done_b.copy_to_host_async()
+        d_tokens, d_lengths, keys_d = sharding_lib.put((batch.tokens_bp, batch.lengths_b, keys_b), self._d_rep)
         draft_state = (_draft_start(self.drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
                        if self.plan.k > 0 else ())
         return Lane(batch=batch, state=state, draft_state=draft_state, keys_t=t_in[3], max_new_t=t_in[2],
-                    keys_d=keys_d)
+                    keys_d=keys_d, budget_t=t_in[5])
 
     def _draft(self, lane: Lane) -> None:
         """Queues the lane's drafting on the draft slice, from its latest verified state."""
@@ -117,20 +122,19 @@ class SlicedRunner:
     def _verify(self, lane: Lane, eos) -> None:
         """Queues the lane's verification on the target slice, unless every row has finished.
 
-        The done flags read here belong to the lane's previous verification, which the drafting
-        just queued depends on anyway, so the read stalls neither slice.
+        The done flags read here belong to the lane's previous verification, whose host copy was
+        started when it was queued; the drafting queued since depends on it anyway.
         """
-        if bool(np.all(jax.device_get(lane.state.done_b))):
+        if bool(np.all(np.asarray(lane.state.done_b))):
             lane.finished = True
             return
         lane.state = _verify(self.target.graphdef, self.plan, self.sampling, self.target.params, lane.state,
                              lane.proposal, lane.keys_t, lane.max_new_t, eos, lane.budget_t, out_len=lane.batch.out_len)
+        lane.state.done_b.copy_to_host_async()
 
     def run(self, lanes: list[Lane], eos: int) -> list[Lane]:
         """Decodes one lane sequentially, or two pipelined, until every row is done."""
         eos_t = self._to_target(jnp.int32(eos))
-        for lane in lanes:
-            lane.budget_t = self._to_target(jnp.int32(lane.budget))
         if len(lanes) == 1:
             self._sequential(lanes[0], eos_t)
         else:

@@ -103,4 +103,5 @@ def constrain_cache(cache, mesh: Mesh):
 def is_sharded(array) -> bool:
     """True if no single device holds the whole array."""
     sharding = array.sharding
-    return not sharding.is_fully_replicated and max(np.prod(s.data.shape) for s in array.addressable_shards) < array.size
+    largest = max(np.prod(s.data.shape) for s in array.addressable_shards)
+    return not sharding.is_fully_replicated and largest < array.size
