@@ -6,15 +6,21 @@ shapes it has not run yet. Both models are linear in the work that scales:
     draft step (one position)  = draft_fixed + draft_per_token * batch
     target verification        = target_fixed + target_per_token * batched_tokens
                                  + target_per_context_token * context_tokens
+                                 + target_per_attention * attention_pairs
 
-with batched_tokens the tokens the target runs (N * (k + 1) padded, N + C packed) and
-context_tokens the key/value slots attention reads (rows * cache length: the compiled attention
-reads every slot of the static cache, masked). Seconds throughout.
+with batched_tokens the tokens the target runs (N * (k + 1) padded, N + C packed), context_tokens
+the key/value slots attention reads (rows * cache length: the compiled attention reads every slot
+of the static cache, masked), and attention_pairs the query x key products it computes (rows *
+window * cache length: attention runs in the padded per-row layout even when the token-wise work
+is packed). The first three terms are the contract's; the last is what makes a window of k + 1
+tokens dearer than k + 1 separate decode steps at long contexts. Seconds throughout.
 
-`CostModel.profile` times both on the current device (after warm-up, `block_until_ready`, medians),
-fits the coefficients by least squares, and reports R^2 and the worst relative error on held-out
-points. A cost model is only valid where it was measured: the JSON records model names, dtype,
-mesh shape and device kind, and loading one measured elsewhere warns.
+`CostModel.profile` times both on the current device the way the decode loop runs them: inside one
+compiled loop (no per-call dispatch, the cache updated in place), after warm-up, with
+`block_until_ready`, medians over repeats. It fits the coefficients by non-negative least squares
+and reports R^2 and the worst relative error on held-out points. A cost model is only valid where
+it was measured: the JSON records model names, dtype, mesh shape and device kind, and loading one
+measured elsewhere warns.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-COEFFICIENTS = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token")
+REQUIRED = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token")
+COEFFICIENTS = REQUIRED + ("target_per_attention",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,8 +48,9 @@ class CostModel:
 
     Attributes:
       draft_fixed, draft_per_token: one draft position = fixed + per_token * batch.
-      target_fixed, target_per_token, target_per_context_token: one verification = fixed +
-        per_token * batched tokens + per_context_token * key/value slots read.
+      target_fixed, target_per_token, target_per_context_token, target_per_attention: one
+        verification = fixed + per_token * batched tokens + per_context_token * key/value slots
+        read + per_attention * query x key products.
       target_name, draft_name, dtype, mesh_shape, device_kind: provenance (checked on load).
       fit: quality of the fit (R^2, worst held-out relative error, number of points).
     """
@@ -52,6 +60,7 @@ class CostModel:
     target_fixed: float
     target_per_token: float
     target_per_context_token: float
+    target_per_attention: float = 0.0
     target_name: str = ""
     draft_name: str = ""
     dtype: str = ""
@@ -67,11 +76,13 @@ class CostModel:
 
     @classmethod
     def from_coefficients(cls, *, draft_fixed: float, draft_per_token: float, target_fixed: float,
-                          target_per_token: float, target_per_context_token: float = 0.0, **provenance) -> CostModel:
+                          target_per_token: float, target_per_context_token: float = 0.0,
+                          target_per_attention: float = 0.0, **provenance) -> CostModel:
         """A cost model from known coefficients (tests, what-if studies)."""
         return cls(draft_fixed=float(draft_fixed), draft_per_token=float(draft_per_token),
                    target_fixed=float(target_fixed), target_per_token=float(target_per_token),
-                   target_per_context_token=float(target_per_context_token), **provenance)
+                   target_per_context_token=float(target_per_context_token),
+                   target_per_attention=float(target_per_attention), **provenance)
 
     # --- predictions ---
 
@@ -79,19 +90,19 @@ class CostModel:
         """`positions` sequential draft positions over `batch` rows."""
         return positions * (self.draft_fixed + self.draft_per_token * batch)
 
-    def verify_seconds(self, batched_tokens, context_tokens=0):
+    def verify_seconds(self, batched_tokens, context_tokens=0, attention_pairs=0):
         return (self.target_fixed + self.target_per_token * batched_tokens
-                + self.target_per_context_token * context_tokens)
+                + self.target_per_context_token * context_tokens + self.target_per_attention * attention_pairs)
 
-    def step_seconds(self, batch, k, cache_len=0, packed_tokens=None):
-        """One speculative step: k draft positions, then a verification of N * (k + 1) tokens
-        (or `packed_tokens` for a packed TETRIS pass). k = 0 is a plain decoding step."""
+    def step_seconds(self, batch, k, cache_len=0, packed_tokens=None, window=None):
+        """One speculative step at a compiled shape: k draft positions over `batch` rows, then a
+        verification of batch * (k + 1) tokens (or `packed_tokens` for a packed TETRIS pass, whose
+        attention still runs over the padded window of `window` tokens per row, default k + 1).
+        k = 0 is a plain decoding step. `cache_len` is the compiled cache size."""
+        window = k + 1 if window is None else window
         tokens = batch * (k + 1) if packed_tokens is None else packed_tokens
-        return self.draft_seconds(batch, k) + self.verify_seconds(tokens, batch * cache_len)
-
-    def as_array(self) -> jax.Array:
-        """The five coefficients as a float32 vector (traced into compiled policies)."""
-        return jnp.asarray([getattr(self, name) for name in COEFFICIENTS], jnp.float32)
+        return self.draft_seconds(batch, k) + self.verify_seconds(tokens, batch * cache_len,
+                                                                  batch * window * cache_len)
 
     # --- persistence ---
 
@@ -110,7 +121,7 @@ class CostModel:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"{path}: unknown cost-model fields {unknown}")
-        missing = [name for name in COEFFICIENTS if name not in data]
+        missing = [name for name in REQUIRED if name not in data]
         if missing:
             raise ValueError(f"{path}: missing cost-model coefficients {missing}")
         data["mesh_shape"] = tuple(data.get("mesh_shape", ()))
@@ -144,7 +155,7 @@ class CostModel:
         mid_cache = max(cache_lens)
         target_rows = [(b, t, s, _time_forward(target, b, t, s, repeats))
                        for b in batches for t in tokens_per_row for s in cache_lens]
-        x_target = np.array([[1.0, b * t, b * s] for b, t, s, _ in target_rows])
+        x_target = np.array([[1.0, b * t, b * s, b * t * s] for b, t, s, _ in target_rows])
         y_target = np.array([sec for *_, sec in target_rows])
         target_coef, target_fit = fit_linear(x_target, y_target)
         if draft is not None:
@@ -156,9 +167,9 @@ class CostModel:
             draft_coef, draft_fit = np.zeros(2), {}
         return cls(draft_fixed=float(draft_coef[0]), draft_per_token=float(draft_coef[1]),
                    target_fixed=float(target_coef[0]), target_per_token=float(target_coef[1]),
-                   target_per_context_token=float(target_coef[2]), target_name=target.config.name,
-                   draft_name=draft.config.name if draft is not None else "none", dtype=str(target.dtype),
-                   mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind,
+                   target_per_context_token=float(target_coef[2]), target_per_attention=float(target_coef[3]),
+                   target_name=target.config.name, draft_name=draft.config.name if draft is not None else "none",
+                   dtype=str(target.dtype), mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind,
                    fit={"target": target_fit, "draft": draft_fit})
 
 
@@ -195,26 +206,34 @@ def _nonnegative_lstsq(x, y):
     return coef
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward_only(graphdef, params, tokens_bt, cache):
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
+def _forward_loop(graphdef, params, tokens_bt, cache, iterations: int):
+    """`iterations` forwards in one program, as the decode loop runs them: the cache is a loop
+    carry (written in place) rolled back after each pass so every pass sees the same context, and
+    each pass's tokens come from the previous logits so the compiler cannot hoist the work."""
     from jaxspec.models.model import forward
 
-    logits, cache = forward(graphdef, params, tokens_bt, cache)
-    return logits, cache.k[0]
+    lengths = cache.lengths
+
+    def body(_, carry):
+        tokens, cache = carry
+        logits, cache = forward(graphdef, params, tokens, cache)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache.commit(lengths)
+
+    return jax.lax.fori_loop(0, iterations, body, (tokens_bt, cache))
 
 
-def _time_forward(model, batch: int, tokens: int, cache_len: int, repeats: int) -> float:
-    cache = model.init_cache(batch, cache_len + tokens)
-    cache = cache.commit(jnp.full((batch,), cache_len // 2, jnp.int32))
-    tokens_bt = jnp.zeros((batch, tokens), jnp.int32)
-
+def _time_forward(model, batch: int, tokens: int, cache_len: int, repeats: int, iterations: int = 8) -> float:
+    """Median seconds of one forward of `tokens` new tokens per row over a cache of `cache_len`
+    slots, half of them filled."""
     def run():
-        jax.block_until_ready(_forward_only(model.graphdef, model.params, tokens_bt, cache))
+        cache = model.init_cache(batch, cache_len + tokens)
+        cache = cache.commit(jnp.full((batch,), cache_len // 2, jnp.int32))
+        tokens_bt = jnp.zeros((batch, tokens), jnp.int32)
+        jax.block_until_ready((cache, tokens_bt))
+        start = time.perf_counter()
+        jax.block_until_ready(_forward_loop(model.graphdef, model.params, tokens_bt, cache, iterations))
+        return (time.perf_counter() - start) / iterations
 
     run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(run() for _ in range(repeats))

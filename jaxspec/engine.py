@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxspec import batching, tetris
 from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
-from jaxspec import tetris
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, draft_logprob
 from jaxspec.generate import check_eos, prefill, request_keys
 from jaxspec.models.cache import KVCache
@@ -154,14 +154,15 @@ def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params
 
 def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
                  proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None,
-                 cost_coef=None) -> DecodeState:
+                 capacity_seconds_j=None) -> DecodeState:
     """Step part 2, the target's side: select -> verify -> accept -> commit, for every row.
 
     Args:
       plan: the step's static shape (StepPlan); plan.k must equal the proposal's length.
       proposal: what `draft_phase` proposed from this same state.
       budget: traced number of drafts TETRIS may select (<= plan.capacity; default all of it).
-      cost_coef: `CostModel.as_array()` when the step searches TETRIS budgets by goodput.
+      capacity_seconds_j: predicted step time of each of plan.capacities, when the step searches
+        TETRIS budgets by goodput.
     """
     b, k = state.seq_bl.shape[0], plan.k
     pending_b = state.target_cache.lengths
@@ -185,7 +186,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
         verified_b = jnp.full((b,), k, jnp.int32)
     else:
         verify_b, logits_bk1v, target_cache = _tetris_verify(target_graphdef, target_params, plan, state, proposal,
-                                                             window_bk1, max_new_b, budget, cost_coef)
+                                                             window_bk1, max_new_b, budget, capacity_seconds_j)
         verified_b = verify_b
     accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
     accepted_b, next_b = accept(accept_key_b, drafts_bk, proposal.q_bkv, logits_bk1v, verify_b, sampling)
@@ -210,7 +211,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
 
 def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
                      target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
-                     out_len: int, budget=None, cost_coef=None) -> DecodeState:
+                     out_len: int, budget=None, capacity_seconds_j=None) -> DecodeState:
     """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
 
     The composition of `draft_phase` and `verify_phase`; the pipelined engine runs the same two
@@ -219,11 +220,11 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
     proposal, draft_state = draft_phase(drafter, plan.k, sampling, draft_params, state.draft_state, state.seq_bl,
                                         state.target_cache.lengths, state.n_out_b, request_keys_b)
     return verify_phase(target_graphdef, plan, sampling, target_params, state.replace(draft_state=draft_state),
-                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget, cost_coef)
+                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget, capacity_seconds_j)
 
 
 def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: DecodeState, proposal: Proposal,
-                   window_bk1, max_new_b, budget, cost_coef):
+                   window_bk1, max_new_b, budget, capacity_seconds_j):
     """TETRIS: choose each row's window across the batch, then verify exactly those tokens, packed.
 
     A slot is usable if it is a real proposal, its row is live, and what it could emit fits in the
@@ -243,10 +244,8 @@ def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: Decode
         return verify_b, logits_bk1v, cache
     # Goodput: the budget with the most expected tokens per predicted second; each candidate has
     # its own compiled packed size.
-    draft_seconds = k * (cost_coef[0] + cost_coef[1] * b)
     goodput_j = policy_lib.goodput_of_capacities(tetris.cumulative_logprobs(logprob_bk).reshape(-1),
-                                                 jnp.sum(~state.done_b), plan.capacities, cost_coef, b,
-                                                 plan.cache_len, draft_seconds)
+                                                 jnp.sum(~state.done_b), plan.capacities, capacity_seconds_j)
     choice = jnp.argmax(goodput_j)
     verify_b = tetris.select(logprob_bk, plan.capacity, jnp.asarray(plan.capacities)[choice])
     branches = [functools.partial(_packed_branch, packed_len=b + c) for c in plan.capacities]
@@ -303,26 +302,45 @@ def initial_state(target_graphdef, sampling: SamplingConfig, target_params, toke
                        done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "schedule", "sampling", "cache_len",
-                                             "seq_len", "out_len", "mesh"))
-def _decode_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig,
-                      target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
-                      budget, cost_coef, *, cache_len: int, seq_len: int, out_len: int, mesh=None):
-    b = tokens_bp.shape[0]
+_STATIC = ("target_graphdef", "drafter", "schedule", "sampling", "cache_len", "seq_len", "out_len", "mesh")
+
+
+def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
+                draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id, seconds, *, cache_len: int,
+                seq_len: int, out_len: int, mesh=None) -> DecodeState:
+    """Loop state for freshly prefilled rows: target and drafter caches, policy counts, and the
+    policy's first choice."""
     state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
                           request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
     if schedule.drafts:
         state = state.replace(draft_state=drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len))
-    policy = None
     if schedule.predict_ks is not None:
-        policy = policy_lib.PolicyState.init(b, out_len, 0)
-        policy = policy.replace(choice=policy_lib.choose_k(policy, ~state.done_b, schedule.predict_ks, cost_coef, b,
-                                                           cache_len))
+        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], out_len, 0)
+        policy = policy.replace(choice=policy_lib.choose_k(policy, ~state.done_b, schedule.predict_ks,
+                                                           seconds["plans"]))
         state = state.replace(policy=policy)
+    return state
+
+
+start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_rows)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(6,))
+def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
+                  draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, seconds, stop_at_done,
+                  *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
+    """Decode steps until every row is done, or until `stop_at_done` rows are (continuous batching
+    stops there to refill the finished slots). Under the goodput policy the trace of chosen
+    branches restarts at each call (a call runs at most out_len steps)."""
+    b = state.seq_bl.shape[0]
 
     def step(plan, state):
         return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
-                                request_keys_b, max_new_b, eos_id, out_len, budget, cost_coef)
+                                request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
+
+    entry_steps = state.steps
+    if state.policy is not None:
+        state = state.replace(policy=state.policy.replace(trace_s=jnp.full_like(state.policy.trace_s, -1)))
 
     def body(state):
         if schedule.predict_ks is None:
@@ -332,13 +350,45 @@ def _decode_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sam
         choice = state.policy.choice
         state = jax.lax.switch(choice, [functools.partial(step, plan) for plan in schedule.plans], state)
         pol = state.policy
-        next_choice = policy_lib.choose_k(pol, ~state.done_b, schedule.predict_ks, cost_coef, b, cache_len)
+        next_choice = policy_lib.choose_k(pol, ~state.done_b, schedule.predict_ks, seconds["plans"])
         return state.replace(policy=pol.replace(choice=next_choice,
-                                                trace_s=pol.trace_s.at[state.steps - 1].set(choice)))
+                                                trace_s=pol.trace_s.at[state.steps - 1 - entry_steps].set(choice)))
 
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, state)
-    trace = state.policy.trace_s if policy is not None else jnp.zeros((0,), jnp.int32)
-    return state.out_bo, state.n_out_b, state.counters, state.steps, trace
+    def running(state):
+        done = jnp.sum(state.done_b.astype(jnp.int32))
+        return (done < b) & (done < stop_at_done)
+
+    return jax.lax.while_loop(running, body, state)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(6,))
+def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
+                     draft_params, state: DecodeState, slots_r, tokens_rp, prompt_len_r, max_new_r, request_keys_r,
+                     eos_id, seconds, *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
+    """Prefills new requests into rows `slots_r` of a running state (an out-of-range slot drops
+    its row). Everything per row is replaced; the step counter, the calibration of draft
+    confidence and the policy's next choice carry over."""
+    fresh = _fresh_rows(target_graphdef, drafter, schedule, sampling, target_params, draft_params, tokens_rp,
+                        prompt_len_r, max_new_r, request_keys_r, eos_id, seconds, cache_len=cache_len,
+                        seq_len=seq_len, out_len=out_len, mesh=mesh)
+
+    def put(old, new):
+        return old.at[slots_r].set(new, mode="drop")
+
+    per_row = dict(target_cache=jax.tree.map(put, state.target_cache, fresh.target_cache),
+                   draft_state=jax.tree.map(put, state.draft_state, fresh.draft_state),
+                   seq_bl=put(state.seq_bl, fresh.seq_bl), out_bo=put(state.out_bo, fresh.out_bo),
+                   n_out_b=put(state.n_out_b, fresh.n_out_b), done_b=put(state.done_b, fresh.done_b),
+                   counters=jax.tree.map(put, state.counters, fresh.counters))
+    if state.policy is not None:
+        per_row["policy"] = state.policy.replace(accepted_b=put(state.policy.accepted_b, fresh.policy.accepted_b),
+                                                 trials_b=put(state.policy.trials_b, fresh.policy.trials_b))
+    return state.replace(**per_row)
+
+
+def put_rows(array, slots_r, new):
+    """Host-side twin of the refill scatter, for per-row inputs that live outside the state."""
+    return array.at[slots_r].set(new, mode="drop")
 
 
 class SpeculativeDecoder:
@@ -386,6 +436,9 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = _as_drafter(draft, target.config.vocab_size, self.spec)
         self.draft = draft
+        # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
+        # draft and verify call, each timed alone (blocking: no overlap; for measurements).
+        self.phase_timings: dict[str, list[float]] | None = None
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -394,9 +447,15 @@ class SpeculativeDecoder:
     def vocab_size(self) -> int:
         return self.target.config.vocab_size
 
-    def generate(self, prompts, max_new_tokens=64, seed: int = 0, eos_token_id: int | None = None
-                 ) -> GenerationResult:
-        """Speculative generation; same arguments and result as `jaxspec.generate`."""
+    def generate(self, prompts, max_new_tokens=64, seed: int = 0, eos_token_id: int | None = None,
+                 batch_size: int | None = None) -> GenerationResult:
+        """Speculative generation; same arguments and result as `jaxspec.generate`.
+
+        Args:
+          batch_size: rows decoded at once (slots). None: every prompt at once. With more prompts
+            than slots, a finished row is refilled with the next queued prompt (continuous
+            batching); each request's output is the same as generating it alone.
+        """
         cfg, k = self.target.config, self.spec.draft_len
         eos = check_eos(eos_token_id, cfg.vocab_size)
         batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
@@ -404,66 +463,94 @@ class SpeculativeDecoder:
         # Slots: prompt, every output token, and a window of k drafts past the last one.
         cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
         if self._sliced:
-            return self._generate_sliced(batch, seed, eos, cache_len)
+            return self._generate_sliced(batch, seed, eos, cache_len, batch_size)
         multiple = self.mesh.target_dp if self.mesh is not None else 1
-        if batch.tokens_bp.shape[0] % multiple:
-            batch = prompts_lib.subset(batch, np.arange(batch.num_prompts), multiple)
-        keys = request_keys(seed, batch.request_ids_b)
-        schedule, budget = self._schedule(batch.tokens_bp.shape[0], batch.num_prompts, cache_len)
-        cost = self.spec.cost_model.as_array() if self.spec.cost_model is not None else jnp.zeros((5,), jnp.float32)
-        inputs = (jnp.asarray(batch.tokens_bp), jnp.asarray(batch.lengths_b), jnp.asarray(batch.max_new_b), keys,
-                  jnp.int32(eos), jnp.int32(budget), cost)
-        if self._target_mesh is not None:
-            inputs = sharding_lib.put(inputs, sharding_lib.replicated(self._target_mesh))
+        slots = prompts_lib.bucket_batch(batching.check_batch_size(batch_size, batch.num_prompts))
+        slots = -(-slots // multiple) * multiple
+        queue = batching.RequestQueue(batch)
+        table = batching.SlotTable(queue, slots, multiple)
+        first = table.first_batch(queue.pop(slots))
+        schedule, budget = self._schedule(slots, first.num_prompts, cache_len)
+        seconds = self._predicted_seconds(schedule, slots, cache_len)
+        static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=self._target_mesh)
+        graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
+        put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
+               if self._target_mesh is not None else jax.device_put)
+        keys_b = request_keys(seed, first.request_ids_b)
+        rows_in = put((jnp.asarray(first.tokens_bp), jnp.asarray(first.lengths_b), jnp.asarray(first.max_new_b),
+                       keys_b))
+        eos_t, budget_t, seconds = put((jnp.int32(eos), jnp.int32(budget), seconds))
         start = time.perf_counter()
-        outputs = _decode_on_device(
-            self.target.graphdef, self.drafter, schedule, self.sampling, self.target.params,
-            self.drafter.params, *inputs, cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len,
-            mesh=self._target_mesh)
-        out_bo, n_out_b, counters, steps, trace = jax.device_get(outputs)
-        seconds = time.perf_counter() - start
-        n = batch.num_prompts
-        tokens = [out_bo[i, :n_out_b[i]].tolist() for i in range(n)]
-        step_ks = ([schedule.plans[int(c)].k for c in trace[:int(steps)]] if schedule.predict_ks is not None
-                   else [schedule.plans[0].k] * int(steps))
-        stats = _stats(counters, n, int(steps), seconds, step_ks, self.drafter)
+        state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
+                                seconds, **static)
+        max_new_b, keys_b = rows_in[2], rows_in[3]
+        step_ks: list[int] = []
+        while True:
+            # With requests waiting, stop as soon as one more row is done than now, to refill it.
+            stop_at = int(np.sum(jax.device_get(state.done_b))) + 1 if len(queue) else slots + 1
+            state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
+                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop_at)), **static)
+            done_b, out_bo, n_out_b, counters, steps, trace = jax.device_get(
+                (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
+                 state.policy.trace_s if state.policy is not None else None))
+            step_ks += ([schedule.plans[int(c)].k for c in trace if c >= 0] if trace is not None
+                        else [schedule.plans[0].k] * (int(steps) - len(step_ks)))
+            table.harvest(done_b, out_bo, n_out_b, counters)
+            refill = table.refill()
+            if refill is None:
+                if table.active == 0 and not len(queue):
+                    break
+                continue
+            slots_r, sub = refill
+            keys_r = request_keys(seed, sub.request_ids_b)
+            new_in = put((jnp.asarray(slots_r), jnp.asarray(sub.tokens_bp), jnp.asarray(sub.lengths_b),
+                          jnp.asarray(sub.max_new_b), keys_r))
+            state = refill_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
+                                     *new_in, eos_t, seconds, **static)
+            max_new_b, keys_b = put_rows(max_new_b, new_in[0], new_in[3]), put_rows(keys_b, new_in[0], new_in[4])
+        seconds_taken = time.perf_counter() - start
+        tokens = queue.results()
+        stats = _stats(Counters(**queue.counters), batch.num_prompts, int(steps), seconds_taken, step_ks, self.drafter)
+        stats.extra["slots"] = slots
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int) -> GenerationResult:
-        """Draft and target on two slices, stepped from the host; two pipelined batches if asked."""
+    def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size) -> GenerationResult:
+        """Draft and target on two slices, stepped from the host; two pipelined batches if asked.
+
+        Pipelined, the slots are split between two lanes that share one request queue; the first
+        requests are split so both lanes start with equal work (MineDraft's assignment), and a
+        lane refills its finished rows from the queue, so both stay full until it drains.
+        """
         from jaxspec.parallel.pipeline import SlicedRunner, balanced_split
         n = batch.num_prompts
         multiple = self.mesh.target_dp if self.mesh is not None else 1
+        slots_total = batching.check_batch_size(batch_size, n)
+        queue = batching.RequestQueue(batch)
+        first = queue.pop(slots_total)
         if self.spec.pipeline and n >= 2:
-            halves = balanced_split(batch.max_new_b, n)
-            rows = max(prompts_lib.bucket_batch(len(h)) for h in halves)   # one program for both batches
-            lane_batches = [prompts_lib.subset(batch, h, multiple, min_rows=rows) for h in halves]
+            halves = balanced_split(batch.max_new_b[first], len(first))
+            groups = [[first[i] for i in h] for h in halves]
         else:
-            lane_batches = [prompts_lib.subset(batch, np.arange(n), multiple)]
+            groups = [first]
+        rows = max(prompts_lib.bucket_batch(len(g)) for g in groups)   # one program for both lanes
+        rows = -(-rows // multiple) * multiple
+        tables = [batching.SlotTable(queue, rows, multiple) for _ in groups]
+        lane_batches = [t.first_batch(g) for t, g in zip(tables, groups)]
         # Both lanes run one program, compiled for the larger lane's TETRIS capacity; each selects
         # its own budget inside it.
-        rows = lane_batches[0].tokens_bp.shape[0]
-        plan = self._schedule(rows, max(lb.num_prompts for lb in lane_batches), cache_len)[0].plans[0]
+        plan = self._schedule(rows, max(len(g) for g in groups), cache_len)[0].plans[0]
         runner = SlicedRunner(self.target, self.drafter, plan, self.sampling, self._target_mesh, self._draft_mesh)
+        runner.timings = self.phase_timings
         start = time.perf_counter()
-        lanes = [runner.start(lb, request_keys(seed, lb.request_ids_b), eos, cache_len,
-                              self._schedule(rows, lb.num_prompts, cache_len)[1]) for lb in lane_batches]
+        lanes = [runner.start(t, lb, seed, eos, cache_len, self._schedule(rows, len(g), cache_len)[1])
+                 for t, lb, g in zip(tables, lane_batches, groups)]
         runner.run(lanes, eos)
-        fetched = jax.device_get([(ln.state.out_bo, ln.state.n_out_b, ln.state.counters, ln.state.steps)
-                                  for ln in lanes])
+        steps = sum(int(s) for s in jax.device_get([ln.state.steps for ln in lanes]))
         seconds = time.perf_counter() - start
-        tokens: list = [None] * n
-        fields = {f: np.zeros((n,), np.int64) for f in ("row_steps", "drafted", "verified", "accepted", "emitted")}
-        steps = 0
-        for lane, (out_bo, n_out_b, counters, lane_steps) in zip(lanes, fetched):
-            for i in range(lane.batch.num_prompts):
-                r = int(lane.batch.request_ids_b[i])
-                tokens[r] = out_bo[i, :n_out_b[i]].tolist()
-                for f in fields:
-                    fields[f][r] = getattr(counters, f)[i]
-            steps += int(lane_steps)
-        stats = _stats(Counters(**fields), n, steps, seconds, [plan.k] * steps, self.drafter)
+        tokens = queue.results()
+        stats = _stats(Counters(**queue.counters), n, steps, seconds, [plan.k] * steps, self.drafter)
         stats.extra["lanes"] = len(lanes)
+        stats.extra["slots"] = rows * len(lanes)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _schedule(self, rows: int, num_prompts: int, cache_len: int) -> tuple[Schedule, int]:
@@ -495,6 +582,26 @@ class SpeculativeDecoder:
                  StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len,
                           threshold=threshold))
         return Schedule(plans=plans, predict_ks=(0, max(spec.k, 1))), 0
+
+    def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict:
+        """The cost model's step time for each compiled branch and each TETRIS budget, computed
+        here once per call and passed in traced (a new cost model does not recompile)."""
+        cost, spec = self.spec.cost_model, self.spec
+        plans = schedule.plans if schedule.predict_ks is not None else ()
+        caps = next((p.capacities for p in plans if p.capacities is not None), ())
+        if cost is None:
+            return {"plans": jnp.ones((len(plans),), jnp.float32), "capacities": jnp.ones((len(caps),), jnp.float32)}
+        plan_seconds = []
+        for plan, k in zip(plans, schedule.predict_ks or ()):
+            if plan.capacities is None:
+                plan_seconds.append(cost.step_seconds(rows, plan.k, cache_len))
+            else:
+                # TETRIS drafting on: k + extra draft positions, the standard budget N * k packed.
+                plan_seconds.append(cost.step_seconds(rows, plan.k, cache_len, packed_tokens=rows * (k + 1),
+                                                      window=plan.k + 1))
+        cap_seconds = [cost.step_seconds(rows, spec.draft_len, cache_len, packed_tokens=rows + c,
+                                         window=spec.draft_len + 1) for c in caps]
+        return {"plans": jnp.asarray(plan_seconds, jnp.float32), "capacities": jnp.asarray(cap_seconds, jnp.float32)}
 
 
 def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:

@@ -110,45 +110,37 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
         calib_accepted_c=state.calib_accepted_c * decay + hit_c)
 
 
-def goodput_of_ks(alpha_b, live_b, ks, cost_coef, batch: int, cache_len: int):
+def goodput_of_ks(alpha_b, live_b, ks, seconds_j):
     """Predicted goodput (tokens per second) of each candidate draft length.
 
     Args:
       alpha_b: per-row acceptance estimates.
       live_b: rows still generating (finished rows emit nothing but still cost compute).
       ks: static tuple of candidate draft lengths.
-      cost_coef: float [5] `CostModel.as_array()`.
-      batch, cache_len: the compiled batch and cache sizes the step runs at.
+      seconds_j: float [len(ks)] predicted step time of each candidate at the compiled shape
+        (`CostModel.step_seconds`, computed on the host once per decode call).
     """
-    draft_fixed, draft_per_token, target_fixed, target_per_token, target_per_context = cost_coef
     ks_j = jnp.asarray(ks, jnp.float32)
     tokens_j = jnp.sum(jnp.where(live_b[None, :], expected_tokens_per_step(alpha_b[None, :], ks_j[:, None]), 0.0),
                        axis=1)
-    seconds_j = (ks_j * (draft_fixed + draft_per_token * batch) + target_fixed
-                 + target_per_token * batch * (ks_j + 1) + target_per_context * batch * cache_len)
     return tokens_j / seconds_j
 
 
-def choose_k(state: PolicyState, live_b, ks, cost_coef, batch: int, cache_len: int) -> jax.Array:
+def choose_k(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
     """Index into `ks` of the candidate with the highest predicted goodput (first on ties)."""
-    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, cost_coef, batch, cache_len)
-    return jnp.argmax(goodput_j).astype(jnp.int32)
+    return jnp.argmax(goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j)).astype(jnp.int32)
 
 
-def goodput_of_capacities(cum_logprob_flat, num_live, capacities, cost_coef, batch: int, cache_len: int,
-                          draft_seconds):
+def goodput_of_capacities(cum_logprob_flat, num_live, capacities, seconds_j):
     """Predicted goodput of each TETRIS budget C on the drafts at hand.
 
     The expected number of accepted drafts with budget C is the sum of the C largest cumulative
     acceptance probabilities of the batch (what `tetris.select` picks); each live row also emits
-    its correction/bonus token. The drafting cost is already paid and the same for every C.
+    its correction/bonus token. `seconds_j` is each budget's predicted step time (its packed
+    verification size; the drafting cost is the same for every C).
     """
-    _, _, target_fixed, target_per_token, target_per_context = cost_coef
     top = max(capacities)
     values = jax.lax.top_k(cum_logprob_flat, top)[0] if top else jnp.zeros((0,), jnp.float32)
     prefix = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.exp(values))])
-    caps_j = jnp.asarray(capacities, jnp.int32)
-    tokens_j = num_live + prefix[caps_j]
-    seconds_j = (draft_seconds + target_fixed + target_per_token * (batch + caps_j.astype(jnp.float32))
-                 + target_per_context * batch * cache_len)
+    tokens_j = num_live + prefix[jnp.asarray(capacities, jnp.int32)]
     return tokens_j / seconds_j

@@ -11,8 +11,9 @@ from jaxspec.cost import CostModel, fit_linear
 
 def test_fit_recovers_known_coefficients_from_noisy_timings():
     rng = np.random.default_rng(0)
-    true = np.array([2e-3, 3e-5, 4e-8])  # fixed, per batched token, per context slot
-    grid = np.array([[1.0, b * t, b * s] for b in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8) for s in (128, 512, 2048)])
+    true = np.array([2e-3, 3e-5, 4e-8, 5e-9])  # fixed, per batched token, per context slot, per attention pair
+    grid = np.array([[1.0, b * t, b * s, b * t * s] for b in (1, 2, 4, 8, 16) for t in (1, 2, 4, 8)
+                     for s in (128, 512, 2048)])
     seconds = grid @ true * rng.normal(1.0, 0.03, len(grid))  # 3% multiplicative noise
     coef, fit = fit_linear(grid, seconds)
     np.testing.assert_allclose(coef, true, rtol=0.1)
@@ -29,12 +30,15 @@ def test_fit_never_returns_negative_costs():
 
 def test_predictions_follow_the_contract():
     cost = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=2.0, target_per_token=0.01,
-                                       target_per_context_token=0.001)
+                                       target_per_context_token=0.001, target_per_attention=1e-4)
     assert cost.draft_seconds(8) == pytest.approx(1.8)
     assert cost.verify_seconds(40, 1000) == pytest.approx(2.0 + 0.4 + 1.0)
-    # k = 3 at batch 8 with a 100-slot cache: 3 draft positions + a 32-token verification.
-    assert cost.step_seconds(8, 3, 100) == pytest.approx(3 * 1.8 + 2.0 + 0.32 + 0.8)
-    assert cost.step_seconds(8, 3, 100, packed_tokens=20) == pytest.approx(3 * 1.8 + 2.0 + 0.2 + 0.8)
+    assert cost.verify_seconds(40, 1000, 5000) == pytest.approx(2.0 + 0.4 + 1.0 + 0.5)
+    # k = 3 at batch 8 with a 100-slot cache: 3 draft positions + a 32-token verification whose
+    # attention computes 8 rows x 4 queries x 100 slots.
+    assert cost.step_seconds(8, 3, 100) == pytest.approx(3 * 1.8 + 2.0 + 0.32 + 0.8 + 0.32)
+    # Packed TETRIS: 20 tokens of token-wise work, attention still over the padded window.
+    assert cost.step_seconds(8, 3, 100, packed_tokens=20) == pytest.approx(3 * 1.8 + 2.0 + 0.2 + 0.8 + 0.32)
 
 
 def test_save_load_round_trip_and_device_warning(tmp_path):

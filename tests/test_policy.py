@@ -49,8 +49,10 @@ def test_choice_is_the_brute_force_argmax():
         live_b = rng.random(b) < 0.8
         cost = CostModel.from_coefficients(draft_fixed=rng.uniform(0, 2e-3), draft_per_token=rng.uniform(0, 1e-4),
                                            target_fixed=rng.uniform(1e-3, 2e-2), target_per_token=rng.uniform(0, 1e-3),
-                                           target_per_context_token=rng.uniform(0, 1e-6))
-        got = policy.choose_k(state_with_alpha(alpha_b), jnp.asarray(live_b), ks, cost.as_array(), b, 256)
+                                           target_per_context_token=rng.uniform(0, 1e-6),
+                                           target_per_attention=rng.uniform(0, 1e-7))
+        seconds = jnp.asarray([cost.step_seconds(b, k, 256) for k in ks], jnp.float32)
+        got = policy.choose_k(state_with_alpha(alpha_b), jnp.asarray(live_b), ks, seconds)
         want = brute_force_k(state_with_alpha(alpha_b).planning_alpha_b(), live_b, ks, cost, b, 256)
         if live_b.any():
             assert int(got) == want
@@ -63,19 +65,26 @@ def test_expensive_draft_turns_speculation_off_and_free_perfect_draft_maxes_k():
     free = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=0.01,
                                        target_per_token=1e-4)
     live = jnp.ones((4,), bool)
-    assert int(policy.choose_k(state_with_alpha([0.9] * 4), live, ks, expensive.as_array(), 4, 64)) == 0
-    assert int(policy.choose_k(state_with_alpha([1.0] * 4), live, ks, free.as_array(), 4, 64)) == 6
+
+    def seconds(cost):
+        return jnp.asarray([cost.step_seconds(4, k, 64) for k in ks], jnp.float32)
+
+    assert int(policy.choose_k(state_with_alpha([0.9] * 4), live, ks, seconds(expensive))) == 0
+    assert int(policy.choose_k(state_with_alpha([1.0] * 4), live, ks, seconds(free))) == 6
 
 
 def test_capacity_goodput_uses_the_sum_of_the_best_cumulative_probabilities():
     rng = np.random.default_rng(2)
     cum = np.cumsum(np.log(rng.uniform(0.1, 1, (4, 5))), axis=1).astype(np.float32)
     caps = (0, 4, 8, 12, 20)
-    cost = CostModel.from_coefficients(draft_fixed=0, draft_per_token=0, target_fixed=0.01, target_per_token=1e-3)
-    got = np.asarray(policy.goodput_of_capacities(jnp.asarray(cum.reshape(-1)), 4, caps, cost.as_array(), 4, 32, 0.0))
+    cost = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0, target_fixed=0.01, target_per_token=1e-3,
+                                       target_per_attention=1e-7)
+    seconds = [cost.step_seconds(4, 5, 32, packed_tokens=4 + c) for c in caps]
+    got = np.asarray(policy.goodput_of_capacities(jnp.asarray(cum.reshape(-1)), 4, caps,
+                                                  jnp.asarray(seconds, jnp.float32)))
     flat = np.sort(np.exp(cum.reshape(-1)))[::-1]
-    for c, g in zip(caps, got):
-        assert g == pytest.approx((4 + flat[:c].sum()) / cost.verify_seconds(4 + c, 4 * 32), rel=1e-5)
+    for c, g, sec in zip(caps, got, seconds):
+        assert g == pytest.approx((4 + flat[:c].sum()) / sec, rel=1e-5)
 
 
 def test_calibration_converges_to_the_true_acceptance_curve():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,16 @@ def _draft(drafter, k, sampling: SamplingConfig, params, draft_state, seq_bl, pe
     return proposal, draft_state
 
 
+@functools.partial(jax.jit, static_argnames=("drafter", "cache_len"), donate_argnums=(2,))
+def _draft_refill(drafter, params, draft_state, slots_r, tokens_rp, prompt_len_r, *, cache_len):
+    fresh = drafter.init(params, tokens_rp, prompt_len_r, cache_len)
+    return jax.tree.map(lambda old, new: old.at[slots_r].set(new, mode="drop"), draft_state, fresh)
+
+
+# The target slice's refill prefills only the target's rows (the drafter's live on the other slice).
+_TARGET_ONLY = engine.Schedule(plans=(engine.StepPlan(k=0),))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len"), donate_argnums=(4,))
 def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, budget, *, out_len):
     return engine.verify_phase(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id,
@@ -69,13 +80,16 @@ def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b
 class Lane:
     """One batch of requests: its target-side state on the target slice, its draft state on the draft slice."""
 
-    batch: object                  # its PromptBatch
+    batch: object                  # its first PromptBatch (rows = slots)
+    table: object                  # its batching.SlotTable: which request each row holds
     state: engine.DecodeState
     draft_state: object
     keys_t: jax.Array              # request keys and budgets, on the target slice
     max_new_t: jax.Array
     keys_d: jax.Array              # request keys, on the draft slice
     budget_t: jax.Array            # its TETRIS budget C per step, on the target slice
+    seed: int = 0
+    cache_len: int = 0
     proposal: object = None
     finished: bool = False
 
@@ -88,6 +102,14 @@ class SlicedRunner:
         self.target_mesh, self.draft_mesh = target_mesh, draft_mesh
         self._t_rep = sharding_lib.replicated(target_mesh)
         self._d_rep = sharding_lib.replicated(draft_mesh)
+        # Set to {"draft": [], "verify": []} to time each call alone (blocking after it: no
+        # overlap); the mesh sweep uses it to measure the two halves of a step.
+        self.timings: dict[str, list[float]] | None = None
+
+    def _timed(self, phase: str, start: float, result) -> None:
+        if self.timings is not None:
+            jax.block_until_ready(result)
+            self.timings[phase].append(time.perf_counter() - start)
 
     def _to_target(self, tree):
         return jax.device_put(tree, self._t_rep)
@@ -95,8 +117,12 @@ class SlicedRunner:
     def _to_draft(self, tree):
         return jax.device_put(tree, self._d_rep)
 
-    def start(self, batch, keys_b, eos: int, cache_len: int, budget: int) -> Lane:
-        """Prefills one batch on both slices; `budget` is its TETRIS budget C (0 for standard)."""
+    def start(self, table, batch, seed: int, eos: int, cache_len: int, budget: int) -> Lane:
+        """Prefills one batch on both slices; `budget` is its TETRIS budget C (0 for standard);
+        `table` (a batching.SlotTable) refills its finished rows from the shared queue."""
+        from jaxspec.generate import request_keys
+
+        keys_b = request_keys(seed, batch.request_ids_b)
         t_in = sharding_lib.put((batch.tokens_bp, batch.lengths_b, batch.max_new_b, keys_b, np.int32(eos),
                                  np.int32(budget)), self._t_rep)
         state = _target_start(self.target.graphdef, self.sampling, self.target.params, *t_in[:5], cache_len=cache_len,
@@ -105,8 +131,8 @@ class SlicedRunner:
         d_tokens, d_lengths, keys_d = sharding_lib.put((batch.tokens_bp, batch.lengths_b, keys_b), self._d_rep)
         draft_state = (_draft_start(self.drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
                        if self.plan.k > 0 else ())
-        return Lane(batch=batch, state=state, draft_state=draft_state, keys_t=t_in[3], max_new_t=t_in[2],
-                    keys_d=keys_d, budget_t=t_in[5])
+        return Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
+                    max_new_t=t_in[2], keys_d=keys_d, budget_t=t_in[5], seed=seed, cache_len=cache_len)
 
     def _draft(self, lane: Lane) -> None:
         """Queues the lane's drafting on the draft slice, from its latest verified state."""
@@ -114,23 +140,70 @@ class SlicedRunner:
             lane.proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
             return
         s = lane.state
+        if self.timings is not None:
+            jax.block_until_ready(s)
+        start = time.perf_counter()
         view = self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b))
         proposal, lane.draft_state = _draft(self.drafter, self.plan.k, self.sampling, self.drafter.params,
                                             lane.draft_state, *view, lane.keys_d)
         lane.proposal = self._to_target(proposal)
+        self._timed("draft", start, lane.proposal)
 
     def _verify(self, lane: Lane, eos) -> None:
         """Queues the lane's verification on the target slice, unless every row has finished.
 
         The done flags read here belong to the lane's previous verification, whose host copy was
-        started when it was queued; the drafting queued since depends on it anyway.
+        started when it was queued; the drafting queued since depends on it anyway. When rows have
+        finished and requests are waiting, the lane's rows are harvested and refilled first, and
+        the lane drafts again (its drafts were made for the rows' previous occupants).
         """
-        if bool(np.all(np.asarray(lane.state.done_b))):
-            lane.finished = True
-            return
+        done_b = np.asarray(lane.state.done_b)
+        if len(lane.table.queue) and np.any(done_b[:lane.table.slots] & (lane.table.request_at >= 0)):
+            self._refill(lane, eos)
+            done_b = np.asarray(lane.state.done_b)
+        if bool(np.all(done_b)):
+            self.harvest(lane)
+            if not len(lane.table.queue):
+                lane.finished = True
+                return
+            self._refill(lane, eos)
+        start = time.perf_counter()
         lane.state = _verify(self.target.graphdef, self.plan, self.sampling, self.target.params, lane.state,
                              lane.proposal, lane.keys_t, lane.max_new_t, eos, lane.budget_t, out_len=lane.batch.out_len)
+        self._timed("verify", start, lane.state)
         lane.state.done_b.copy_to_host_async()
+
+    def harvest(self, lane: Lane) -> list[int]:
+        """Records the lane's finished requests (one host read of its outputs); returns freed slots."""
+        s = lane.state
+        return lane.table.harvest(*jax.device_get((s.done_b, s.out_bo, s.n_out_b, s.counters)))
+
+    def _refill(self, lane: Lane, eos) -> None:
+        """Moves queued requests into the lane's finished rows on both slices, then re-drafts."""
+        from jaxspec.generate import request_keys
+
+        self.harvest(lane)
+        refill = lane.table.refill()
+        if refill is None:
+            return
+        slots_r, sub = refill
+        keys_r = request_keys(lane.seed, sub.request_ids_b)
+        rows = (slots_r, sub.tokens_bp, sub.lengths_b, sub.max_new_b, keys_r)
+        t_slots, t_tokens, t_lengths, t_max_new, t_keys = sharding_lib.put(rows, self._t_rep)
+        lane.state = engine.refill_on_device(
+            self.target.graphdef, self.drafter, _TARGET_ONLY, self.sampling, self.target.params, (), lane.state,
+            t_slots, t_tokens, t_lengths, t_max_new, t_keys, eos, {"plans": None, "capacities": None},
+            cache_len=lane.cache_len, seq_len=lane.cache_len, out_len=lane.batch.out_len, mesh=self.target_mesh)
+        lane.state.done_b.copy_to_host_async()
+        lane.keys_t = engine.put_rows(lane.keys_t, t_slots, t_keys)
+        lane.max_new_t = engine.put_rows(lane.max_new_t, t_slots, t_max_new)
+        if self.plan.k > 0:
+            d_slots, d_tokens, d_lengths, d_keys = sharding_lib.put((slots_r, sub.tokens_bp, sub.lengths_b, keys_r),
+                                                                    self._d_rep)
+            lane.draft_state = _draft_refill(self.drafter, self.drafter.params, lane.draft_state, d_slots, d_tokens,
+                                             d_lengths, cache_len=lane.cache_len)
+            lane.keys_d = engine.put_rows(lane.keys_d, d_slots, d_keys)
+        self._draft(lane)
 
     def run(self, lanes: list[Lane], eos: int) -> list[Lane]:
         """Decodes one lane sequentially, or two pipelined, until every row is done."""

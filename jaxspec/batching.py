@@ -1,0 +1,116 @@
+"""Continuous batching: a request queue, fixed slots, and refilling a finished slot.
+
+A decode program is compiled for a fixed number of rows (slots). When more requests are queued
+than there are slots, the engine decodes until some row finishes, hands the finished rows to a
+`SlotTable` here, and prefills the next queued requests into those rows (`engine.refill`: the same
+compiled shapes every time, so nothing recompiles). Each request keeps its own RNG stream (keyed
+by its position in the caller's list), so its output does not depend on which slot or which
+neighbours it ran with: the same as generating it alone.
+
+This module is host-side bookkeeping only: which request sits in which slot, what finished
+requests produced, and which lane of the pipelined engine takes the next request (MineDraft's
+balance: the lane with less work left).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+import numpy as np
+
+from jaxspec import prompts as prompts_lib
+
+COUNTER_FIELDS = ("row_steps", "drafted", "verified", "accepted", "emitted")
+
+
+def check_batch_size(batch_size, num_prompts: int) -> int:
+    """The number of slots for `num_prompts` requests: all of them when batch_size is None."""
+    if batch_size is None:
+        return num_prompts
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
+    return min(int(batch_size), num_prompts)
+
+
+class RequestQueue:
+    """Requests (rows of one PromptBatch) waiting for a slot, first come first served."""
+
+    def __init__(self, batch: prompts_lib.PromptBatch, order: Iterable[int] | None = None):
+        self.batch = batch
+        self._waiting = collections.deque(range(batch.num_prompts) if order is None else order)
+        # What each finished request produced, by its row in `batch`.
+        self.tokens: dict[int, list[int]] = {}
+        self.counters = {f: np.zeros((batch.num_prompts,), np.int64) for f in COUNTER_FIELDS}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def pop(self, n: int) -> list[int]:
+        return [self._waiting.popleft() for _ in range(min(n, len(self._waiting)))]
+
+    @property
+    def finished(self) -> int:
+        return len(self.tokens)
+
+    def results(self) -> list[list[int]]:
+        return [self.tokens[i] for i in range(self.batch.num_prompts)]
+
+
+class SlotTable:
+    """Which request occupies each of `slots` rows, fed from a shared RequestQueue.
+
+    Args:
+      queue: the shared queue (two lanes of the pipelined engine share one).
+      slots: the rows the decode program is compiled for (already a bucketed size).
+      multiple: refill batches are padded to a multiple of this (the data-parallel degree).
+    """
+
+    def __init__(self, queue: RequestQueue, slots: int, multiple: int = 1):
+        self.queue, self.slots, self.multiple = queue, slots, multiple
+        self.request_at = np.full((slots,), -1, np.int64)   # row of queue.batch, -1 = free
+
+    def first_batch(self, requests: list[int]) -> prompts_lib.PromptBatch:
+        """The initial rows: `requests` in the first slots, the rest padding (free)."""
+        self.request_at[:len(requests)] = requests
+        return prompts_lib.subset(self.queue.batch, requests, self.multiple, min_rows=self.slots)
+
+    @property
+    def active(self) -> int:
+        return int(np.sum(self.request_at >= 0))
+
+    def harvest(self, done_b, out_bo, n_out_b, counters) -> list[int]:
+        """Records every occupied slot whose row is done; returns the slots freed."""
+        freed = []
+        for slot in np.flatnonzero((self.request_at >= 0) & np.asarray(done_b)[:self.slots]):
+            request = int(self.request_at[slot])
+            self.queue.tokens[request] = out_bo[slot, :n_out_b[slot]].tolist()
+            for f in COUNTER_FIELDS:
+                self.queue.counters[f][request] = getattr(counters, f)[slot]
+            self.request_at[slot] = -1
+            freed.append(int(slot))
+        return freed
+
+    def refill(self, limit: int | None = None) -> tuple[np.ndarray, prompts_lib.PromptBatch] | None:
+        """Takes queued requests into free slots (at most `limit`).
+
+        Returns (slot of each refill row, its PromptBatch) or None when nothing moves. The refill
+        batch is bucketed like any batch (few compiled shapes); its padding rows target slot
+        `slots`, out of range, so their writes are dropped.
+        """
+        free = np.flatnonzero(self.request_at < 0)
+        take = len(free) if limit is None else min(len(free), limit)
+        requests = self.queue.pop(take)
+        if not requests:
+            return None
+        sub = prompts_lib.subset(self.queue.batch, requests, self.multiple)
+        slots_r = np.full((sub.tokens_bp.shape[0],), self.slots, np.int32)
+        slots_r[:len(requests)] = free[:len(requests)]
+        self.request_at[free[:len(requests)]] = requests
+        return slots_r, sub
+
+    def remaining_work(self, n_out_b) -> int:
+        """Tokens the occupied slots still have to produce (MineDraft balances lanes on this)."""
+        budgets = self.queue.batch.max_new_b
+        occupied = self.request_at >= 0
+        return int(np.sum(budgets[self.request_at[occupied]] - np.asarray(n_out_b)[:self.slots][occupied]))
