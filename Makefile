@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput multilevel clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput mesh-sweep multilevel clean
 
 .venv: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-tetris: $(STAMP)
 
 bench-goodput: $(STAMP)
 	$(BIN)/python scripts/bench_goodput.py
+
+mesh-sweep: $(STAMP)
+	$(BIN)/python scripts/mesh_sweep.py
 
 multilevel: $(STAMP)
 	$(BIN)/python scripts/multilevel_analysis.py

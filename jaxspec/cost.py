@@ -15,27 +15,27 @@ window * cache length: attention runs in the padded per-row layout even when the
 is packed). The first three terms are the contract's; the last is what makes a window of k + 1
 tokens dearer than k + 1 separate decode steps at long contexts. Seconds throughout.
 
-`CostModel.profile` times both on the current device the way the decode loop runs them: inside one
-compiled loop (no per-call dispatch, the cache updated in place), after warm-up, with
-`block_until_ready`, medians over repeats. It fits the coefficients by non-negative least squares
-and reports R^2 and the worst relative error on held-out points. A cost model is only valid where
-it was measured: the JSON records model names, dtype, mesh shape and device kind, and loading one
+`CostModel.profile` times the real decode step (draft k positions, verify, accept, commit) over a
+grid of batch sizes, draft lengths and cache sizes, inside one compiled loop as the decode loop runs
+it (no per-call dispatch, caches updated in place), after warm-up, with `block_until_ready`,
+medians over repeats, and fits all coefficients at once by non-negative least squares, reporting
+R^2 and the worst relative error on held-out points. (Timing the draft and target forwards one jit
+call at a time, as a first version did, measured host dispatch and a copy of the whole cache that
+the loop never pays, and missed the step's sampling and bookkeeping: predictions were off by up to
+50% and the policy drafted where plain decoding was faster.) A cost model is only valid where it
+was measured: the JSON records model names, dtype, mesh shape and device kind, and loading one
 measured elsewhere warns.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 REQUIRED = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token")
@@ -135,42 +135,48 @@ class CostModel:
     # --- measurement ---
 
     @classmethod
-    def profile(cls, target, draft=None, *, batches=(1, 2, 4, 8, 16), tokens_per_row=(1, 2, 4, 8),
-                cache_lens=(128, 512), repeats: int = 5, mesh_shape: tuple = ()) -> CostModel:
-        """Times the draft step and the target verification on this device and fits the model.
+    def profile(cls, target, draft=None, *, batches=(1, 2, 4, 8, 16), ks=(0, 1, 2, 4), cache_lens=(128, 512),
+                repeats: int = 3, mesh_shape: tuple = ()) -> CostModel:
+        """Times speculative steps on this device and fits the model to them.
+
+        Each point is the real decode step (draft k positions, verify, accept, commit) at a
+        (batch, k, cache size), timed inside a compiled loop (`engine.time_steps`), so the fit sees
+        what the policy's choices cost, bookkeeping and sampling included. One least-squares fit
+        over all points separates the parts: draft = k * (draft_fixed + draft_per_token * batch),
+        the rest is the verification's terms with batch * (k + 1) tokens.
 
         Args:
           target: the target jaxspec.Model.
-          draft: the draft jaxspec.Model, or None for a drafter without a model (n-gram lookup:
-            its draft cost is taken as zero).
-          batches, tokens_per_row, cache_lens: the grid of shapes timed.
+          draft: the draft jaxspec.Model, or None: drafts then come from n-gram lookup (its cost,
+            small but not zero, is what the draft terms measure).
+          batches, ks, cache_lens: the grid of shapes timed (ks must include 0 and a k > 0).
           repeats: timed runs per shape (median taken) after one warm-up.
         """
+        from jaxspec.drafters import ModelDrafter, NgramDrafter
+        from jaxspec.engine import time_steps
         from jaxspec.models.model import Model
 
         if not isinstance(target, Model):
             raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
         if draft is not None and not isinstance(draft, Model):
             raise ValueError(f"draft must be a jaxspec.Model or None, got {type(draft).__name__}")
-        mid_cache = max(cache_lens)
-        target_rows = [(b, t, s, _time_forward(target, b, t, s, repeats))
-                       for b in batches for t in tokens_per_row for s in cache_lens]
-        x_target = np.array([[1.0, b * t, b * s, b * t * s] for b, t, s, _ in target_rows])
-        y_target = np.array([sec for *_, sec in target_rows])
-        target_coef, target_fit = fit_linear(x_target, y_target)
-        if draft is not None:
-            draft_rows = [(b, _time_forward(draft, b, 1, mid_cache, repeats)) for b in batches]
-            x_draft = np.array([[1.0, b] for b, _ in draft_rows])
-            y_draft = np.array([sec for _, sec in draft_rows])
-            draft_coef, draft_fit = fit_linear(x_draft, y_draft)
-        else:
-            draft_coef, draft_fit = np.zeros(2), {}
-        return cls(draft_fixed=float(draft_coef[0]), draft_per_token=float(draft_coef[1]),
-                   target_fixed=float(target_coef[0]), target_per_token=float(target_coef[1]),
-                   target_per_context_token=float(target_coef[2]), target_per_attention=float(target_coef[3]),
-                   target_name=target.config.name, draft_name=draft.config.name if draft is not None else "none",
-                   dtype=str(target.dtype), mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind,
-                   fit={"target": target_fit, "draft": draft_fit})
+        if 0 not in ks or max(ks) < 1:
+            raise ValueError(f"ks must include 0 and some k >= 1 to separate draft from verify costs, got {ks}")
+        drafter = (ModelDrafter(draft) if draft is not None
+                   else NgramDrafter().bind_vocab(target.config.vocab_size))
+        points = [(b, k, s, time_steps(target, drafter, k, b, s, repeats=repeats))
+                  for b in batches for k in ks for s in cache_lens]
+        # Step = k * draft(b) + verify(b * (k + 1) tokens, b * s slots, b * (k + 1) * s pairs), with
+        # s the compiled cache size the step ran at.
+        x = np.array([[k, k * b, 1.0, b * (k + 1), b * s, b * (k + 1) * s] for b, k, s, _ in points])
+        y = np.array([sec for *_, sec in points])
+        coef, fit = fit_linear(x, y)
+        fit["points_seconds"] = [[b, k, s, sec] for b, k, s, sec in points]
+        return cls(draft_fixed=float(coef[0]), draft_per_token=float(coef[1]), target_fixed=float(coef[2]),
+                   target_per_token=float(coef[3]), target_per_context_token=float(coef[4]),
+                   target_per_attention=float(coef[5]), target_name=target.config.name,
+                   draft_name=draft.config.name if draft is not None else "ngram", dtype=str(target.dtype),
+                   mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind, fit={"step": fit})
 
 
 def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4) -> tuple[np.ndarray, dict]:
@@ -204,36 +210,3 @@ def _nonnegative_lstsq(x, y):
         idx = np.flatnonzero(active)[np.argmin(solution)]
         active[idx] = False
     return coef
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=(3,))
-def _forward_loop(graphdef, params, tokens_bt, cache, iterations: int):
-    """`iterations` forwards in one program, as the decode loop runs them: the cache is a loop
-    carry (written in place) rolled back after each pass so every pass sees the same context, and
-    each pass's tokens come from the previous logits so the compiler cannot hoist the work."""
-    from jaxspec.models.model import forward
-
-    lengths = cache.lengths
-
-    def body(_, carry):
-        tokens, cache = carry
-        logits, cache = forward(graphdef, params, tokens, cache)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache.commit(lengths)
-
-    return jax.lax.fori_loop(0, iterations, body, (tokens_bt, cache))
-
-
-def _time_forward(model, batch: int, tokens: int, cache_len: int, repeats: int, iterations: int = 8) -> float:
-    """Median seconds of one forward of `tokens` new tokens per row over a cache of `cache_len`
-    slots, half of them filled."""
-    def run():
-        cache = model.init_cache(batch, cache_len + tokens)
-        cache = cache.commit(jnp.full((batch,), cache_len // 2, jnp.int32))
-        tokens_bt = jnp.zeros((batch, tokens), jnp.int32)
-        jax.block_until_ready((cache, tokens_bt))
-        start = time.perf_counter()
-        jax.block_until_ready(_forward_loop(model.graphdef, model.params, tokens_bt, cache, iterations))
-        return (time.perf_counter() - start) / iterations
-
-    run()
-    return statistics.median(run() for _ in range(repeats))

@@ -386,6 +386,54 @@ def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samp
     return state.replace(**per_row)
 
 
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "plan", "sampling", "out_len",
+                                             "iterations"), donate_argnums=(6,))
+def _steps_loop(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig, target_params,
+                draft_params, state, request_keys_b, max_new_b, eos_id, *, out_len: int, iterations: int):
+    def body(_, state):
+        return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
+                                request_keys_b, max_new_b, eos_id, out_len)
+
+    return jax.lax.fori_loop(0, iterations, body, state)
+
+
+def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, repeats: int = 3,
+               iterations: int = 6, seed: int = 0) -> float:
+    """Median seconds of one speculative step with k drafts per row (k = 0: a plain decoding
+    step), measured as the decode loop runs it: `iterations` steps inside one compiled loop over
+    `batch` rows with a cache of `cache_len` slots (filled with a prompt up to what the steps
+    need), after a warm-up, with `block_until_ready`. The cost model's profiler fits its
+    coefficients to these times."""
+    sampling = SamplingConfig()
+    out_len = prompts_lib.bucket_length(iterations * (k + 1) + 2)
+    seq_len = cache_len
+    prompt_len = seq_len - out_len - prompts_lib.bucket_length(k + 2, 8)
+    if prompt_len < 1:
+        raise ValueError(f"cache_len={cache_len} is too small to time {iterations} steps with k={k}; "
+                         f"it needs more than {seq_len - prompt_len} slots")
+    rng = np.random.default_rng(seed)
+    tokens_bp = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, prompt_len)), jnp.int32)
+    lengths_b = jnp.full((batch,), prompt_len, jnp.int32)
+    max_new_b = jnp.full((batch,), out_len, jnp.int32)   # no row finishes within the timed steps
+    keys_b = request_keys(seed, np.arange(batch))
+    plan = StepPlan(k=k, cache_len=seq_len)
+    schedule = Schedule(plans=(plan,))
+    eos = jnp.int32(-1)   # never emitted
+
+    def run() -> float:
+        state = start_on_device(target.graphdef, drafter, schedule, sampling, target.params, drafter.params,
+                                tokens_bp, lengths_b, max_new_b, keys_b, eos, {}, cache_len=seq_len,
+                                seq_len=seq_len, out_len=out_len)
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        jax.block_until_ready(_steps_loop(target.graphdef, drafter, plan, sampling, target.params, drafter.params,
+                                          state, keys_b, max_new_b, eos, out_len=out_len, iterations=iterations))
+        return (time.perf_counter() - start) / iterations
+
+    run()
+    return float(np.median([run() for _ in range(repeats)]))
+
+
 def put_rows(array, slots_r, new):
     """Host-side twin of the refill scatter, for per-row inputs that live outside the state."""
     return array.at[slots_r].set(new, mode="drop")

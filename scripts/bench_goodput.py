@@ -5,9 +5,10 @@ goodput policy with standard selection (k chosen per step among 0..6) and with T
 or off, then a budget C chosen per step). The cost model is profiled first on this device (and
 saved next to the results); for each fixed k the measured mean step time is compared with the
 cost model's prediction. Greedy outputs are checked identical to autoregressive decoding.
+Configurations are timed round-robin and compared within a round (the machine's speed drifts).
 Writes docs/results/<name>.{json,md,png}.
 
-    python scripts/bench_goodput.py [--batches 1 4 16 64] [--new-tokens 48]
+    python scripts/bench_goodput.py [--batches 1 4 16 64] [--new-tokens 48] [--cost-model FILE]
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import RESULTS_DIR, layer_skip_pair, machine, table, timed, write_results
+from jaxspec.benchmarking import RESULTS_DIR, layer_skip_pair, machine, table, write_results
 from jaxspec.cost import CostModel
+from jaxspec.drafters import ModelDrafter
+from jaxspec.engine import time_steps
 
 PAIRS = {
     # name: (config, draft layers, damping, sharpness)
@@ -31,17 +35,10 @@ PAIRS = {
 }
 
 
-def run(label, decoder_or_none, target, ids, new_tokens, repeats, reference):
-    if decoder_or_none is None:
-        seconds, res = timed(lambda: jaxspec.generate(target, ids, max_new_tokens=new_tokens), repeats=repeats)
-    else:
-        seconds, res = timed(lambda: decoder_or_none.generate(ids, max_new_tokens=new_tokens), repeats=repeats)
-    s = res.stats
-    tok_s = sum(map(len, res.tokens)) / seconds
-    row = {"method": label, "tok_s": tok_s, "step_ms": 1e3 * seconds / max(s.steps, 1),
-           "steps": s.steps, "draft_len": s.mean_draft_length, "acceptance": s.acceptance_rate,
-           "same_output": reference is None or res.tokens == reference}
-    return row, res
+def generate_fn(decoder, target, ids, new_tokens):
+    if decoder is None:
+        return lambda: jaxspec.generate(target, ids, max_new_tokens=new_tokens)
+    return lambda: decoder.generate(ids, max_new_tokens=new_tokens)
 
 
 def main() -> None:
@@ -50,59 +47,89 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds over all configurations")
+    parser.add_argument("--cost-model", help="use this cost model JSON instead of profiling first")
     parser.add_argument("--name", default="bench_goodput")
     args = parser.parse_args()
     config, layers, damping, sharpness = PAIRS[args.pair]
     target, draft = layer_skip_pair(config, draft_layers=layers, damping=damping, sharpness=sharpness)
-    start = time.perf_counter()
-    cost = CostModel.profile(target, draft, batches=sorted({1, 2, 4, 8, 16, 32, 64} | set(args.batches)),
-                             tokens_per_row=(1, 2, 4, 8), cache_lens=(64, 256), repeats=5)
-    print(f"profiled in {time.perf_counter() - start:.0f} s: {cost.fit}", flush=True)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    cost.save(RESULTS_DIR / f"{args.name}_cost_model.json")
+    if args.cost_model:
+        cost = CostModel.load(args.cost_model)
+    else:
+        start = time.perf_counter()
+        cost = CostModel.profile(target, draft, batches=sorted({1, 2, 4, 8, 16, 32, 64} | set(args.batches)),
+                                 ks=(0, 1, 2, 4, 6), cache_lens=(128, 256), repeats=3)
+        print(f"profiled in {time.perf_counter() - start:.0f} s: R^2 {cost.fit['step']['r2']:.3f}, worst held-out "
+              f"error {cost.fit['step']['worst_heldout_rel_error']:.1%}", flush=True)
+        cost.save(RESULTS_DIR / f"{args.name}_cost_model.json")
+        jax.clear_caches()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, int(n)).tolist() for n in rng.integers(8, 48, max(args.batches))]
     kmax = max(args.ks)
     rows = []
     for batch in args.batches:
         ids = prompts[:batch]
-        ar, ar_res = run("autoregressive", None, target, ids, args.new_tokens, args.repeats, None)
-        batch_rows = [ar]
-        configs = [(f"fixed k={k}", jaxspec.SpecConfig(k=k)) for k in args.ks]
-        configs += [(f"tetris k={k} extra=2", jaxspec.SpecConfig(k=k, extra=2, selection="tetris")) for k in (2, 4)]
-        configs += [("goodput", jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost)),
+        configs = [("autoregressive", None)]
+        configs += [(f"fixed k={k}", jaxspec.SpecConfig(k=k)) for k in args.ks]
+        configs += [("tetris k=2 extra=2", jaxspec.SpecConfig(k=2, extra=2, selection="tetris")),
+                    ("tetris k=4 extra=2", jaxspec.SpecConfig(k=4, extra=2, selection="tetris")),
+                    ("goodput", jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost)),
                     ("goodput + tetris", jaxspec.SpecConfig(k=4, extra=2, selection="tetris", policy="goodput",
                                                             cost_model=cost))]
+        fns = {label: generate_fn(None if spec is None else jaxspec.SpeculativeDecoder(target, draft, spec=spec),
+                                  target, ids, args.new_tokens) for label, spec in configs}
+        results = {label: fn() for label, fn in fns.items()}          # warm-up (compiles)
+        reference = results["autoregressive"].tokens
+        # The machine's speed drifts over minutes (a shared VM), so every configuration is timed
+        # once per round and ratios are taken within a round, then the median over rounds.
+        seconds = {label: [] for label in fns}
+        for _ in range(args.rounds):
+            for label, fn in fns.items():
+                start = time.perf_counter()
+                results[label] = fn()
+                seconds[label].append(time.perf_counter() - start)
+        secs = {label: np.asarray(v) for label, v in seconds.items()}
+        fixed = [label for label, _ in configs if not label.startswith("goodput")]
+        best_fixed_s = np.min(np.stack([secs[label] for label in fixed]), axis=0)   # per round
+        cache_len = (jaxspec.prompts.bucket_length(max(map(len, ids))) + jaxspec.prompts.bucket_length(args.new_tokens))
+        batch_rows = []
         for label, spec in configs:
-            decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
-            row, res = run(label, decoder, target, ids, args.new_tokens, args.repeats, ar_res.tokens)
+            res = results[label]
+            s = res.stats
+            tokens = sum(map(len, res.tokens))
+            row = {"batch": batch, "method": label, "tok_s": tokens / float(np.median(secs[label])),
+                   "vs_ar": float(np.median(secs["autoregressive"] / secs[label])),
+                   "vs_best_fixed": float(np.median(best_fixed_s / secs[label])),
+                   "steps": s.steps, "draft_len": s.mean_draft_length,
+                   "acceptance": s.acceptance_rate if spec is not None else None,
+                   "same_output": res.tokens == reference}
             if label.startswith("fixed"):
-                # cache_len as the engine computes it (prompt bucket + output bucket + window bucket)
-                cache_len = (jaxspec.prompts.bucket_length(max(map(len, ids)))
-                             + jaxspec.prompts.bucket_length(args.new_tokens)
-                             + jaxspec.prompts.bucket_length(spec.k + 2, 8))
-                predicted = cost.step_seconds(jaxspec.prompts.bucket_batch(batch), spec.k, cache_len)
-                row["predicted_step_ms"] = 1e3 * predicted
-                row["prediction_error"] = predicted / (row["step_ms"] / 1e3) - 1
+                # The step the prediction is about, at this run's compiled shape, in a loop.
+                step_len = cache_len + jaxspec.prompts.bucket_length(spec.k + 2, 8)
+                measured = time_steps(target, ModelDrafter(draft), spec.k, jaxspec.prompts.bucket_batch(batch),
+                                      step_len)
+                predicted = cost.step_seconds(jaxspec.prompts.bucket_batch(batch), spec.k, step_len)
+                row.update(step_ms=1e3 * measured, predicted_step_ms=1e3 * predicted,
+                           prediction_error=predicted / measured - 1)
             if label.startswith("goodput"):
-                trace = res.stats.extra["k_trace"]
+                trace = s.extra["k_trace"]
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
             batch_rows.append(row)
-        best_fixed = max(r["tok_s"] for r in batch_rows if not r["method"].startswith("goodput"))
-        for row in batch_rows:
-            row["batch"] = batch
-            row["vs_ar"] = row["tok_s"] / ar["tok_s"]
-            row["vs_best_fixed"] = row["tok_s"] / best_fixed
             print(table([row], COLUMNS), flush=True)
         rows += batch_rows
+        jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
     m = machine()
     md = "\n".join([
         f"Pair `{args.pair}` (random weights; the draft is the target's first {layers} layers, deeper layers damped "
-        f"by {damping}), greedy, {args.new_tokens} new tokens per request, median of {args.repeats} timed runs after "
-        f"warm-up. Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
-        f"Cost model profiled on this machine: target fit R^2 {cost.fit['target']['r2']:.3f} (worst held-out "
-        f"error {cost.fit['target']['worst_heldout_rel_error']:.1%}), draft R^2 {cost.fit['draft']['r2']:.3f}.",
+        f"by {damping}), greedy, {args.new_tokens} new tokens per request. Every configuration is warmed up, then "
+        f"timed once per round for {args.rounds} rounds; `vs_ar` and `vs_best_fixed` are medians over rounds of "
+        "ratios within a round (this shared VM's speed drifts by tens of percent over minutes, so times from "
+        "different moments are not comparable). `step_ms`: one decode step at the run's compiled shape timed in a "
+        "compiled loop, against the cost model's `predicted_step_ms`. "
+        f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
+        f"Cost model profiled on this machine (real decode steps, batch 1..64, k 0..6): fit R^2 "
+        f"{cost.fit['step']['r2']:.3f}, worst held-out error {cost.fit['step']['worst_heldout_rel_error']:.1%}.",
         "", table(rows, COLUMNS), "", f"![goodput]({args.name}.png)"])
     plot(rows, args.batches, RESULTS_DIR / f"{args.name}.png")
     print("\n" + md)
@@ -110,7 +137,7 @@ def main() -> None:
 
 
 COLUMNS = ["batch", "method", "tok_s", "vs_ar", "vs_best_fixed", "step_ms", "predicted_step_ms", "prediction_error",
-           "draft_len", "acceptance", "k_used", "same_output"]
+           "steps", "draft_len", "acceptance", "k_used", "same_output"]
 
 
 def plot(rows, batches, path):

@@ -60,6 +60,14 @@ def test_each_request_equals_generating_it_alone(pair, requests, alone, spec, ba
         assert result.stats.accepted_tokens > 0
 
 
+def test_three_level_chain_with_refills(pair, requests, alone):
+    """A chain's drafter state (the middle level's caches and its own drafter's) is refilled too."""
+    target, draft = pair
+    middle = jaxspec.SpeculativeDecoder(draft, jaxspec.NgramDrafter(max_ngram=2), spec=jaxspec.SpecConfig(k=2))
+    decoder = jaxspec.SpeculativeDecoder(target, middle, spec=jaxspec.SpecConfig(k=3))
+    assert decoder.generate(requests, max_new_tokens=BUDGETS, batch_size=3).tokens == alone
+
+
 def test_refill_after_eos_and_ngram_drafter(pair, requests):
     """Rows that stop at eos free their slot early; the n-gram drafter has no state to refill."""
     target, _ = pair

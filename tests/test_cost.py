@@ -63,11 +63,14 @@ def test_bad_coefficients_and_files_are_rejected(tmp_path):
         CostModel.load(tmp_path / "bad.json")
 
 
-def test_profile_measures_this_device(tiny_model):
-    """A real (small) profile: positive coefficients, and the verification of more tokens costs more."""
+def test_profile_predicts_the_steps_it_timed(tiny_model):
+    """A real (small) profile: the fit reproduces its own timings, drafting and longer windows cost more."""
     draft = jaxspec.Model.random(tiny_model.config.replace(num_layers=1, name="tiny-1L"), seed=1)
-    cost = CostModel.profile(tiny_model, draft, batches=(1, 4, 16), tokens_per_row=(1, 4, 16), cache_lens=(64, 256),
-                             repeats=3)
+    cost = CostModel.profile(tiny_model, draft, batches=(1, 4, 16), ks=(0, 1, 3), cache_lens=(64, 128), repeats=3)
     assert cost.target_name == "tiny" and cost.draft_name == "tiny-1L" and cost.device_kind
-    assert cost.verify_seconds(256, 0) > cost.verify_seconds(1, 0) > 0
-    assert cost.fit["target"]["points"] == 18 and cost.fit["draft"]["points"] == 3
+    assert cost.fit["step"]["points"] == 18
+    for b, k, s, seconds in cost.fit["step"]["points_seconds"]:
+        assert cost.step_seconds(b, k, s) == pytest.approx(seconds, rel=0.6)
+    assert cost.step_seconds(16, 3, 128) > cost.step_seconds(16, 0, 128) > 0
+    with pytest.raises(ValueError, match="ks must include 0"):
+        CostModel.profile(tiny_model, draft, ks=(1, 2))
