@@ -325,38 +325,49 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
 start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_rows)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(6,))
+# A goodput branch runs at least this many steps before the loop returns to switch branches, so a
+# policy that changes its mind every step costs a host round trip every few steps, not every step.
+MIN_SEGMENT = 4
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
 def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
                   draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, seconds, stop_at_done,
-                  *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
-    """Decode steps until every row is done, or until `stop_at_done` rows are (continuous batching
-    stops there to refill the finished slots). Under the goodput policy the trace of chosen
-    branches restarts at each call (a call runs at most out_len steps)."""
+                  *, cache_len: int, seq_len: int, out_len: int, mesh=None, plan_index: int = 0) -> DecodeState:
+    """Decode steps with plan `schedule.plans[plan_index]` until every row is done, or until
+    `stop_at_done` rows are (continuous batching stops there to refill the finished slots).
+
+    Under the goodput policy, after each step the policy chooses the next step's plan on device
+    from the statistics that step has just updated; while it keeps choosing this plan the loop
+    goes on, and once it has chosen another (and this plan ran MIN_SEGMENT steps) the loop returns
+    so the host can run the chosen plan's program. Each plan is its own program: choosing among
+    branches inside one loop (`lax.switch`) made XLA copy the loop state, caches included, every
+    step (1.3-1.4x the step time at batch 64, scripts/switch_overhead.py). The trace of plans run
+    restarts at each call (a call runs at most out_len steps).
+    """
     b = state.seq_bl.shape[0]
-
-    def step(plan, state):
-        return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
-                                request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
-
+    plan = schedule.plans[plan_index]
+    goodput = schedule.predict_ks is not None
     entry_steps = state.steps
-    if state.policy is not None:
+    if goodput:
         state = state.replace(policy=state.policy.replace(trace_s=jnp.full_like(state.policy.trace_s, -1)))
 
     def body(state):
-        if schedule.predict_ks is None:
-            return step(schedule.plans[0], state)
-        # Goodput: run the step chosen at the end of the previous one, then choose the next from
-        # the statistics this step has just updated (on device: no host round trip).
-        choice = state.policy.choice
-        state = jax.lax.switch(choice, [functools.partial(step, plan) for plan in schedule.plans], state)
+        state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
+                                 request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
+        if not goodput:
+            return state
         pol = state.policy
         next_choice = policy_lib.choose_k(pol, ~state.done_b, schedule.predict_ks, seconds["plans"])
         return state.replace(policy=pol.replace(choice=next_choice,
-                                                trace_s=pol.trace_s.at[state.steps - 1 - entry_steps].set(choice)))
+                                                trace_s=pol.trace_s.at[state.steps - 1 - entry_steps].set(plan_index)))
 
     def running(state):
         done = jnp.sum(state.done_b.astype(jnp.int32))
-        return (done < b) & (done < stop_at_done)
+        go = (done < b) & (done < stop_at_done)
+        if goodput:
+            go &= (state.policy.choice == plan_index) | (state.steps - entry_steps < MIN_SEGMENT)
+        return go
 
     return jax.lax.while_loop(running, body, state)
 
@@ -532,17 +543,29 @@ class SpeculativeDecoder:
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
                                 seconds, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
+        goodput = schedule.predict_ks is not None
+        plan_index = int(jax.device_get(state.policy.choice)) if goodput else 0
+        if goodput:
+            # Compile every plan's program now (each call returns at once), so a plan first chosen
+            # mid-run does not stall it with a compilation.
+            for i in range(len(schedule.plans)):
+                state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
+                                      keys_b, max_new_b, eos_t, budget_t, seconds, put(jnp.int32(0)), **static,
+                                      plan_index=i)
         step_ks: list[int] = []
         while True:
             # With requests waiting, stop as soon as one more row is done than now, to refill it.
             stop_at = int(np.sum(jax.device_get(state.done_b))) + 1 if len(queue) else slots + 1
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
-                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop_at)), **static)
-            done_b, out_bo, n_out_b, counters, steps, trace = jax.device_get(
+                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop_at)), **static,
+                                  plan_index=plan_index)
+            done_b, out_bo, n_out_b, counters, steps, trace, choice = jax.device_get(
                 (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
-                 state.policy.trace_s if state.policy is not None else None))
-            step_ks += ([schedule.plans[int(c)].k for c in trace if c >= 0] if trace is not None
+                 state.policy.trace_s if goodput else None, state.policy.choice if goodput else None))
+            step_ks += ([schedule.plans[int(c)].k for c in trace if c >= 0] if goodput
                         else [schedule.plans[0].k] * (int(steps) - len(step_ks)))
+            if goodput:
+                plan_index = int(choice)
             table.harvest(done_b, out_bo, n_out_b, counters)
             refill = table.refill()
             if refill is None:
