@@ -42,13 +42,14 @@ def alone(pair, requests):
     return [jaxspec.generate(target, [p], max_new_tokens=n).tokens[0] for p, n in zip(requests, BUDGETS)]
 
 
-@pytest.mark.parametrize("spec", [
-    jaxspec.SpecConfig(k=3),
-    jaxspec.SpecConfig(k=2, extra=2, selection="tetris"),
-    jaxspec.SpecConfig(k=4, policy="goodput", cost_model=_COST),
-    jaxspec.SpecConfig(k=0),
-], ids=["standard", "tetris", "goodput", "k0"])
-@pytest.mark.parametrize("batch_size", [1, 3, 4])
+@pytest.mark.parametrize("spec, batch_size", [
+    (jaxspec.SpecConfig(k=3), 1),
+    (jaxspec.SpecConfig(k=3), 3),
+    (jaxspec.SpecConfig(k=2, extra=2, selection="tetris"), 4),
+    (jaxspec.SpecConfig(k=4, policy="goodput", cost_model=_COST), 3),
+    (jaxspec.SpecConfig(k=3, extra=1, selection="tetris", policy="goodput", cost_model=_COST), 2),
+    (jaxspec.SpecConfig(k=0), 4),
+], ids=["standard-1", "standard-3", "tetris-4", "goodput-3", "tetris-goodput-2", "k0-4"])
 def test_each_request_equals_generating_it_alone(pair, requests, alone, spec, batch_size):
     target, draft = pair
     decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
