@@ -332,10 +332,13 @@ MIN_SEGMENT = 4
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
 def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
-                  draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, seconds, stop_at_done,
-                  *, cache_len: int, seq_len: int, out_len: int, mesh=None, plan_index: int = 0) -> DecodeState:
-    """Decode steps with plan `schedule.plans[plan_index]` until every row is done, or until
-    `stop_at_done` rows are (continuous batching stops there to refill the finished slots).
+                  draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, seconds,
+                  stop_on_finish, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
+                  plan_index: int = 0) -> DecodeState:
+    """Decode steps with plan `schedule.plans[plan_index]` until every row is done, or, when the
+    traced flag `stop_on_finish` is set, until one more row is done than at entry (continuous
+    batching stops there to refill the finished slot; counted on device, so the host need not
+    read the done flags first). A negative `stop_on_finish` returns at once (compile only).
 
     Under the goodput policy, after each step the policy chooses the next step's plan on device
     from the statistics that step has just updated; while it keeps choosing this plan the loop
@@ -349,6 +352,8 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     plan = schedule.plans[plan_index]
     goodput = schedule.predict_ks is not None
     entry_steps = state.steps
+    entry_done = jnp.sum(state.done_b.astype(jnp.int32))
+    stop_at_done = jnp.where(stop_on_finish > 0, entry_done + 1, jnp.where(stop_on_finish < 0, 0, b + 1))
     if goodput:
         state = state.replace(policy=state.policy.replace(trace_s=jnp.full_like(state.policy.trace_s, -1)))
 
@@ -550,15 +555,14 @@ class SpeculativeDecoder:
             # mid-run does not stall it with a compilation.
             for i in range(len(schedule.plans)):
                 state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
-                                      keys_b, max_new_b, eos_t, budget_t, seconds, put(jnp.int32(0)), **static,
-                                      plan_index=i)
+                                      keys_b, max_new_b, eos_t, budget_t, seconds, put(jnp.int32(-1)),
+                                      **static, plan_index=i)
         step_ks: list[int] = []
         while True:
-            # With requests waiting, stop as soon as one more row is done than now, to refill it.
-            stop_at = int(np.sum(jax.device_get(state.done_b))) + 1 if len(queue) else slots + 1
+            # With requests waiting, stop as soon as one more row is done, to refill it.
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
-                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop_at)), **static,
-                                  plan_index=plan_index)
+                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(1 if len(queue) else 0)),
+                                  **static, plan_index=plan_index)
             done_b, out_bo, n_out_b, counters, steps, trace, choice = jax.device_get(
                 (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
                  state.policy.trace_s if goodput else None, state.policy.choice if goodput else None))
