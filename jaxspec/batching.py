@@ -15,7 +15,7 @@ balance: the lane with less work left).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -36,8 +36,10 @@ def check_batch_size(batch_size, num_prompts: int) -> int:
 class RequestQueue:
     """Requests (rows of one PromptBatch) waiting for a slot, first come first served."""
 
-    def __init__(self, batch: prompts_lib.PromptBatch, order: Iterable[int] | None = None):
+    def __init__(self, batch: prompts_lib.PromptBatch, order: Iterable[int] | None = None,
+                 on_finish: Callable[[int, list[int], dict[str, int]], None] | None = None):
         self.batch = batch
+        self.on_finish = on_finish
         self._waiting = collections.deque(range(batch.num_prompts) if order is None else order)
         # What each finished request produced, by its row in `batch`.
         self.tokens: dict[int, list[int]] = {}
@@ -52,6 +54,14 @@ class RequestQueue:
     @property
     def finished(self) -> int:
         return len(self.tokens)
+
+    def finish(self, request: int, tokens: list[int], counters) -> None:
+        """Records a finished request and tells `on_finish` (index, tokens, its counters)."""
+        self.tokens[request] = tokens
+        for f in COUNTER_FIELDS:
+            self.counters[f][request] = counters[f]
+        if self.on_finish is not None:
+            self.on_finish(request, tokens, {f: int(counters[f]) for f in COUNTER_FIELDS})
 
     def results(self) -> list[list[int]]:
         return [self.tokens[i] for i in range(self.batch.num_prompts)]
@@ -84,9 +94,8 @@ class SlotTable:
         freed = []
         for slot in np.flatnonzero((self.request_at >= 0) & np.asarray(done_b)[:self.slots]):
             request = int(self.request_at[slot])
-            self.queue.tokens[request] = out_bo[slot, :n_out_b[slot]].tolist()
-            for f in COUNTER_FIELDS:
-                self.queue.counters[f][request] = getattr(counters, f)[slot]
+            self.queue.finish(request, out_bo[slot, :n_out_b[slot]].tolist(),
+                              {f: getattr(counters, f)[slot] for f in COUNTER_FIELDS})
             self.request_at[slot] = -1
             freed.append(int(slot))
         return freed

@@ -512,13 +512,17 @@ class SpeculativeDecoder:
         return self.target.config.vocab_size
 
     def generate(self, prompts, max_new_tokens=64, seed: int = 0, eos_token_id: int | None = None,
-                 batch_size: int | None = None) -> GenerationResult:
+                 batch_size: int | None = None, on_finish=None) -> GenerationResult:
         """Speculative generation; same arguments and result as `jaxspec.generate`.
 
         Args:
           batch_size: rows decoded at once (slots). None: every prompt at once. With more prompts
             than slots, a finished row is refilled with the next queued prompt (continuous
             batching); each request's output is the same as generating it alone.
+          on_finish: called on the host as `on_finish(index, tokens, counters)` as soon as the
+            request at `prompts[index]` finishes (counters: its row_steps, drafted, verified,
+            accepted and emitted). The loop then returns to the host once per finished request
+            (not per token), so a batch job can save each result as it comes.
         """
         cfg, k = self.target.config, self.spec.draft_len
         eos = check_eos(eos_token_id, cfg.vocab_size)
@@ -527,11 +531,11 @@ class SpeculativeDecoder:
         # Slots: prompt, every output token, and a window of k drafts past the last one.
         cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
         if self._sliced:
-            return self._generate_sliced(batch, seed, eos, cache_len, batch_size)
+            return self._generate_sliced(batch, seed, eos, cache_len, batch_size, on_finish)
         multiple = self.mesh.target_dp if self.mesh is not None else 1
         slots = prompts_lib.bucket_batch(batching.check_batch_size(batch_size, batch.num_prompts))
         slots = -(-slots // multiple) * multiple
-        queue = batching.RequestQueue(batch)
+        queue = batching.RequestQueue(batch, on_finish=on_finish)
         table = batching.SlotTable(queue, slots, multiple)
         first = table.first_batch(queue.pop(slots))
         schedule, budget = self._schedule(slots, first.num_prompts, cache_len)
@@ -559,9 +563,11 @@ class SpeculativeDecoder:
                                       **static, plan_index=i)
         step_ks: list[int] = []
         while True:
-            # With requests waiting, stop as soon as one more row is done, to refill it.
+            # With requests waiting (or a caller waiting for each result), stop as soon as one
+            # more row is done, to refill it or hand it over.
+            stop = 1 if len(queue) or (on_finish is not None and table.active > 1) else 0
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
-                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(1 if len(queue) else 0)),
+                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop)),
                                   **static, plan_index=plan_index)
             done_b, out_bo, n_out_b, counters, steps, trace, choice = jax.device_get(
                 (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
@@ -589,7 +595,8 @@ class SpeculativeDecoder:
         stats.extra["slots"] = slots
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size) -> GenerationResult:
+    def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
+                         on_finish=None) -> GenerationResult:
         """Draft and target on two slices, stepped from the host; two pipelined batches if asked.
 
         Pipelined, the slots are split between two lanes that share one request queue; the first
@@ -600,7 +607,7 @@ class SpeculativeDecoder:
         n = batch.num_prompts
         multiple = self.mesh.target_dp if self.mesh is not None else 1
         slots_total = batching.check_batch_size(batch_size, n)
-        queue = batching.RequestQueue(batch)
+        queue = batching.RequestQueue(batch, on_finish=on_finish)
         first = queue.pop(slots_total)
         if self.spec.pipeline and n >= 2:
             halves = balanced_split(batch.max_new_b[first], len(first))

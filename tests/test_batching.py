@@ -53,12 +53,28 @@ def alone(pair, requests):
 def test_each_request_equals_generating_it_alone(pair, requests, alone, spec, batch_size):
     target, draft = pair
     decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
-    result = decoder.generate(requests, max_new_tokens=BUDGETS, batch_size=batch_size)
+    finished = {}
+    result = decoder.generate(requests, max_new_tokens=BUDGETS, batch_size=batch_size,
+                              on_finish=lambda i, tokens, counters: finished.setdefault(i, []).append(tokens))
     assert result.tokens == alone
+    assert finished == {i: [t] for i, t in enumerate(alone)}   # each request reported once, as returned
     assert result.stats.extra["slots"] == prompts.bucket_batch(batch_size)
     assert result.stats.per_request_new_tokens == [len(t) for t in alone]
     if spec.k:
         assert result.stats.accepted_tokens > 0
+
+
+def test_on_finish_reports_each_request_when_it_finishes(pair, requests, alone):
+    """Without speculation a row with budget b finishes at step b - 1: the reports come in budget
+    order, one segment per finished row, even with every request in one batch."""
+    target, draft = pair
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=0))
+    order, counts = [], []
+    result = decoder.generate(requests, max_new_tokens=BUDGETS,
+                              on_finish=lambda i, tokens, counters: (order.append(i), counts.append(counters)))
+    assert result.tokens == alone
+    assert order == list(np.argsort(BUDGETS))
+    assert [c["emitted"] for c in counts] == sorted(BUDGETS)
 
 
 def test_three_level_chain_with_refills(pair, requests, alone):
@@ -113,8 +129,11 @@ def test_sampling_with_refills_matches_the_target_distribution(spec):
 def test_two_slice_engines_refill_too(pair, requests, alone, mesh, pipeline):
     target, draft = pair
     decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3, pipeline=pipeline), mesh=mesh)
-    result = decoder.generate(requests, max_new_tokens=BUDGETS, batch_size=4)
+    finished = []
+    result = decoder.generate(requests, max_new_tokens=BUDGETS, batch_size=4,
+                              on_finish=lambda i, tokens, counters: finished.append((i, tokens)))
     assert result.tokens == alone
+    assert sorted(finished) == list(enumerate(alone))
     assert result.stats.extra["lanes"] == (2 if pipeline else 1)
 
 
