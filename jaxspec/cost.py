@@ -210,3 +210,80 @@ def _nonnegative_lstsq(x, y):
         idx = np.flatnonzero(active)[np.argmin(solution)]
         active[idx] = False
     return coef
+
+
+class StepTimeTracker:
+    """Corrects a cost model's step times during a run from the measured wall time of each segment.
+
+    A profile is taken minutes or days before the run, on a machine whose speed drifts (shared
+    hosts, thermal limits) and under a model that never fits every shape exactly. The decode loop
+    runs one plan per segment and returns to the host between segments, so the host knows how many
+    steps each plan ran and how long that took. For each plan j the tracker keeps decayed sums of
+    measured seconds and of the model's predicted seconds for the same steps; the corrected time is
+    prediction_j * ratio_j, where ratio_j shrinks the plan's own measured/predicted ratio toward the
+    ratio over all plans (`prior_steps` steps' worth), so one noisy segment does not swing a plan,
+    and a plan not run yet still follows the machine's overall drift.
+
+    It also proposes exploration: a plan the policy would not pick is run once, for a short
+    segment, when nothing has been measured for it and the model's prediction for it is within
+    `explore_margin` of the chosen plan's (the cost model may rank close plans wrongly; measuring
+    settles it for the rest of the run).
+
+    Args:
+      predicted_j: the cost model's seconds per step of each plan, at the run's compiled shape.
+      prior_steps: how many steps of the overall ratio a plan's own ratio is shrunk toward.
+      decay: per-segment decay of the sums (older segments count less as the machine drifts).
+    """
+
+    def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15):
+        self.predicted_j = np.asarray(predicted_j, np.float64)
+        if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
+            raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
+        self.prior_steps, self.decay, self.explore_margin = prior_steps, decay, explore_margin
+        self.measured_j = np.zeros_like(self.predicted_j)   # decayed measured seconds
+        self.expected_j = np.zeros_like(self.predicted_j)   # decayed predicted seconds of the same steps
+        self.steps_j = np.zeros_like(self.predicted_j)      # decayed step counts
+        self.tried_j = np.zeros(self.predicted_j.shape, bool)
+        # (plan, steps, predicted seconds per step before the segment, measured seconds per step)
+        self.history: list[tuple[int, int, float, float]] = []
+
+    def observe(self, plan: int, steps: int, seconds: float) -> None:
+        """Folds in one segment: `steps` steps of `plan` took `seconds` of wall time."""
+        if steps <= 0:
+            return
+        self.history.append((plan, steps, float(self.corrected()[plan]), seconds / steps))
+        self.measured_j *= self.decay
+        self.expected_j *= self.decay
+        self.steps_j *= self.decay
+        self.measured_j[plan] += seconds
+        self.expected_j[plan] += steps * self.predicted_j[plan]
+        self.steps_j[plan] += steps
+        self.tried_j[plan] = True
+
+    def overall_ratio(self) -> float:
+        total = self.expected_j.sum()
+        return float(self.measured_j.sum() / total) if total > 0 else 1.0
+
+    def ratio(self) -> np.ndarray:
+        """Measured over predicted time per plan, shrunk toward the overall ratio."""
+        prior = self.overall_ratio()
+        weight_j = self.prior_steps * self.predicted_j
+        return (self.measured_j + prior * weight_j) / (self.expected_j + weight_j)
+
+    def corrected(self) -> np.ndarray:
+        """Seconds per step of each plan: the prediction times its ratio."""
+        return self.predicted_j * self.ratio()
+
+    def explore(self, chosen: int, tokens_j) -> int | None:
+        """A plan worth one short trial instead of `chosen`, or None.
+
+        Args:
+          chosen: the plan the policy picked.
+          tokens_j: expected tokens per step of each plan under current acceptance estimates.
+        """
+        goodput_j = np.asarray(tokens_j, np.float64) / self.corrected()
+        best = goodput_j[chosen]
+        for j in np.argsort(-goodput_j):
+            if j != chosen and not self.tried_j[j] and goodput_j[j] >= (1.0 - self.explore_margin) * best:
+                return int(j)
+        return None

@@ -29,6 +29,7 @@ import numpy as np
 from flax import struct
 
 from jaxspec import batching, tetris
+from jaxspec import cost as cost_lib
 from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, draft_logprob
@@ -328,17 +329,23 @@ start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_row
 # A goodput branch runs at least this many steps before the loop returns to switch branches, so a
 # policy that changes its mind every step costs a host round trip every few steps, not every step.
 MIN_SEGMENT = 4
+# ... and at most this many at first, doubling per segment up to the second cap: each return lets
+# the host correct the cost model from the segment's measured time (`cost.StepTimeTracker`).
+FIRST_SEGMENT_CAP = 8
+MAX_SEGMENT_CAP = 64
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
 def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
                   draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, seconds,
-                  stop_on_finish, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
+                  stop_on_finish, max_steps, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
                   plan_index: int = 0) -> DecodeState:
     """Decode steps with plan `schedule.plans[plan_index]` until every row is done, or, when the
     traced flag `stop_on_finish` is set, until one more row is done than at entry (continuous
     batching stops there to refill the finished slot; counted on device, so the host need not
-    read the done flags first). A negative `stop_on_finish` returns at once (compile only).
+    read the done flags first), or after `max_steps` steps (traced; the goodput policy returns
+    now and then so the host can correct the cost model with measured times). A negative
+    `stop_on_finish` returns at once (compile only).
 
     Under the goodput policy, after each step the policy chooses the next step's plan on device
     from the statistics that step has just updated; while it keeps choosing this plan the loop
@@ -369,7 +376,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
 
     def running(state):
         done = jnp.sum(state.done_b.astype(jnp.int32))
-        go = (done < b) & (done < stop_at_done)
+        go = (done < b) & (done < stop_at_done) & (state.steps - entry_steps < max_steps)
         if goodput:
             go &= (state.policy.choice == plan_index) | (state.steps - entry_steps < MIN_SEGMENT)
         return go
@@ -503,6 +510,7 @@ class SpeculativeDecoder:
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
+        self._warmed: set = set()   # goodput: shapes whose plan programs are compiled
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -539,7 +547,10 @@ class SpeculativeDecoder:
         table = batching.SlotTable(queue, slots, multiple)
         first = table.first_batch(queue.pop(slots))
         schedule, budget = self._schedule(slots, first.num_prompts, cache_len)
-        seconds = self._predicted_seconds(schedule, slots, cache_len)
+        goodput = schedule.predict_ks is not None
+        predicted = self._predicted_seconds(schedule, slots, cache_len)
+        # Goodput: the cost model's step times, corrected as segments are measured (traced: no recompile).
+        tracker = cost_lib.StepTimeTracker(predicted["plans"]) if goodput else None
         static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=self._target_mesh)
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
         put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
@@ -547,35 +558,50 @@ class SpeculativeDecoder:
         keys_b = request_keys(seed, first.request_ids_b)
         rows_in = put((jnp.asarray(first.tokens_bp), jnp.asarray(first.lengths_b), jnp.asarray(first.max_new_b),
                        keys_b))
-        eos_t, budget_t, seconds = put((jnp.int32(eos), jnp.int32(budget), seconds))
+        eos_t, budget_t, seconds = put((jnp.int32(eos), jnp.int32(budget), _as_arrays(predicted)))
         start = time.perf_counter()
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
                                 seconds, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
-        goodput = schedule.predict_ks is not None
         plan_index = int(jax.device_get(state.policy.choice)) if goodput else 0
+        no_cap = put(jnp.int32(batch.out_len + 1))
         if goodput:
             # Compile every plan's program now (each call returns at once), so a plan first chosen
-            # mid-run does not stall it with a compilation.
-            for i in range(len(schedule.plans)):
-                state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
-                                      keys_b, max_new_b, eos_t, budget_t, seconds, put(jnp.int32(-1)),
-                                      **static, plan_index=i)
+            # mid-run does not stall it with a compilation. Once per shape and decoder.
+            warm_key = (slots, cache_len, batch.out_len, schedule)
+            if warm_key not in self._warmed:
+                for i in range(len(schedule.plans)):
+                    state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
+                                          keys_b, max_new_b, eos_t, budget_t, seconds, put(jnp.int32(-1)), no_cap,
+                                          **static, plan_index=i)
+                jax.block_until_ready(state)
+                self._warmed.add(warm_key)
         step_ks: list[int] = []
+        segment_cap = FIRST_SEGMENT_CAP
         while True:
             # With requests waiting (or a caller waiting for each result), stop as soon as one
             # more row is done, to refill it or hand it over.
             stop = 1 if len(queue) or (on_finish is not None and table.active > 1) else 0
+            segment_start = time.perf_counter()
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
                                   max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop)),
+                                  put(jnp.int32(segment_cap)) if goodput else no_cap,
                                   **static, plan_index=plan_index)
-            done_b, out_bo, n_out_b, counters, steps, trace, choice = jax.device_get(
+            done_b, out_bo, n_out_b, counters, steps, trace, choice, alpha_b = jax.device_get(
                 (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
-                 state.policy.trace_s if goodput else None, state.policy.choice if goodput else None))
+                 state.policy.trace_s if goodput else None, state.policy.choice if goodput else None,
+                 state.policy.planning_alpha_b() if goodput else None))
+            segment_seconds = time.perf_counter() - segment_start
             step_ks += ([schedule.plans[int(c)].k for c in trace if c >= 0] if goodput
                         else [schedule.plans[0].k] * (int(steps) - len(step_ks)))
             if goodput:
-                plan_index = int(choice)
+                tracker.observe(plan_index, int(np.sum(trace >= 0)), segment_seconds)
+                seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
+                tokens_j = np.asarray(policy_lib.goodput_of_ks(alpha_b, ~done_b, schedule.predict_ks,
+                                                               np.ones(len(schedule.plans), np.float32)))
+                trial = tracker.explore(int(choice), tokens_j)
+                plan_index = int(choice) if trial is None else trial
+                segment_cap = min(2 * segment_cap, MAX_SEGMENT_CAP)
             table.harvest(done_b, out_bo, n_out_b, counters)
             refill = table.refill()
             if refill is None:
@@ -589,10 +615,15 @@ class SpeculativeDecoder:
             state = refill_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
                                      *new_in, eos_t, seconds, **static)
             max_new_b, keys_b = put_rows(max_new_b, new_in[0], new_in[3]), put_rows(keys_b, new_in[0], new_in[4])
+            if goodput:
+                jax.block_until_ready(state)   # so the next segment's wall time is its steps alone
         seconds_taken = time.perf_counter() - start
         tokens = queue.results()
         stats = _stats(Counters(**queue.counters), batch.num_prompts, int(steps), seconds_taken, step_ks, self.drafter)
         stats.extra["slots"] = slots
+        if goodput:
+            # Per segment: (draft length, steps, predicted and measured seconds per step).
+            stats.extra["segments"] = [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
@@ -665,14 +696,14 @@ class SpeculativeDecoder:
                           threshold=threshold))
         return Schedule(plans=plans, predict_ks=(0, max(spec.k, 1))), 0
 
-    def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict:
+    def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict[str, np.ndarray]:
         """The cost model's step time for each compiled branch and each TETRIS budget, computed
         here once per call and passed in traced (a new cost model does not recompile)."""
         cost, spec = self.spec.cost_model, self.spec
         plans = schedule.plans if schedule.predict_ks is not None else ()
         caps = next((p.capacities for p in plans if p.capacities is not None), ())
         if cost is None:
-            return {"plans": jnp.ones((len(plans),), jnp.float32), "capacities": jnp.ones((len(caps),), jnp.float32)}
+            return {"plans": np.ones((len(plans),), np.float32), "capacities": np.ones((len(caps),), np.float32)}
         plan_seconds = []
         for plan, k in zip(plans, schedule.predict_ks or ()):
             if plan.capacities is None:
@@ -683,7 +714,22 @@ class SpeculativeDecoder:
                                                       window=plan.k + 1))
         cap_seconds = [cost.step_seconds(rows, spec.draft_len, cache_len, packed_tokens=rows + c,
                                          window=spec.draft_len + 1) for c in caps]
-        return {"plans": jnp.asarray(plan_seconds, jnp.float32), "capacities": jnp.asarray(cap_seconds, jnp.float32)}
+        return {"plans": np.asarray(plan_seconds, np.float32), "capacities": np.asarray(cap_seconds, np.float32)}
+
+
+def _corrected(predicted: dict[str, np.ndarray], tracker: cost_lib.StepTimeTracker,
+               schedule: Schedule) -> dict[str, np.ndarray]:
+    """Predicted step times scaled by what the run has measured; a TETRIS plan's budgets follow
+    that plan's correction."""
+    ratio_j = tracker.ratio()
+    tetris_j = [j for j, p in enumerate(schedule.plans) if p.capacities is not None]
+    caps_ratio = ratio_j[tetris_j[0]] if tetris_j else 1.0
+    return {"plans": (predicted["plans"] * ratio_j).astype(np.float32),
+            "capacities": (predicted["capacities"] * caps_ratio).astype(np.float32)}
+
+
+def _as_arrays(seconds: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {name: jnp.asarray(v, jnp.float32) for name, v in seconds.items()}
 
 
 def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.cost import CostModel, fit_linear
+from jaxspec.cost import CostModel, StepTimeTracker, fit_linear
 
 
 def test_fit_recovers_known_coefficients_from_noisy_timings():
@@ -76,3 +76,48 @@ def test_profile_predicts_the_steps_it_timed(tiny_model):
     assert cost.step_seconds(16, 3, 128) > cost.step_seconds(16, 0, 128) > 0
     with pytest.raises(ValueError, match="ks must include 0"):
         CostModel.profile(tiny_model, draft, ks=(1, 2))
+
+
+# --- online correction ---
+
+def run_segments(tracker, true_j, plans, steps=8, rng=None, noise=0.0):
+    for plan in plans:
+        jitter = 1.0 + (rng.normal(0, noise) if rng is not None else 0.0)
+        tracker.observe(plan, steps, steps * true_j[plan] * jitter)
+
+
+def test_tracker_follows_the_machines_drift_for_plans_it_has_not_run():
+    predicted = np.array([1.0, 2.0, 3.0])
+    tracker = StepTimeTracker(predicted)
+    run_segments(tracker, 1.5 * predicted, [0] * 6)          # the machine is 1.5x slower than profiled
+    np.testing.assert_allclose(tracker.corrected(), 1.5 * predicted, rtol=1e-9)
+
+
+def test_tracker_learns_each_plans_own_error_under_noise():
+    predicted = np.array([1.0, 2.0, 3.0])
+    true = np.array([1.2, 2.0, 5.0])                          # plan 2 mispredicted by 40%
+    tracker = StepTimeTracker(predicted)
+    rng = np.random.default_rng(0)
+    run_segments(tracker, true, [0, 1, 2] * 20, rng=rng, noise=0.1)
+    np.testing.assert_allclose(tracker.corrected(), true, rtol=0.1)
+    # Every segment records the prediction it was judged by: early ones wrong, late ones close.
+    first, last = tracker.history[2], tracker.history[-1]
+    assert first[0] == 2 and abs(first[2] / first[3] - 1) > 0.3 and abs(last[2] / last[3] - 1) < 0.2
+
+
+def test_one_segment_moves_a_plan_only_part_way():
+    tracker = StepTimeTracker(np.array([1.0, 1.0]), prior_steps=8.0)
+    tracker.observe(0, 4, 4 * 1.0)    # plan 0 as predicted
+    tracker.observe(1, 4, 4 * 3.0)    # one short segment says plan 1 is 3x dearer
+    corrected = tracker.corrected()
+    assert 1.0 < corrected[1] < 3.0 and corrected[0] < corrected[1]
+
+
+def test_tracker_explores_close_untried_plans_only():
+    tracker = StepTimeTracker(np.array([1.0, 1.0, 1.0]))
+    tokens = np.array([1.0, 0.95, 0.5])                       # plan 1 is within 15% of plan 0, plan 2 is not
+    assert tracker.explore(0, tokens) == 1
+    tracker.observe(1, 4, 4.0)
+    assert tracker.explore(0, tokens) is None
+    with pytest.raises(ValueError, match="predicted_j"):
+        StepTimeTracker(np.array([1.0, 0.0]))
