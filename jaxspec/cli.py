@@ -1,6 +1,8 @@
 """The `jaxspec` command line: thin front ends over the library.
 
+    jaxspec generate --target PATH --draft PATH|ngram|none --prompts IN.jsonl --output OUT.jsonl
     jaxspec profile --target PATH --draft PATH --output cost.json
+    jaxspec bench [--quick] [--only NAME]
 
 A model argument is a path (GGUF file, HF folder, jaxspec checkpoint) or `preset:NAME` for random
 weights at a preset's shape (`preset:qwen2.5-1.5b`): timings depend on shapes, not on weights.
@@ -9,11 +11,17 @@ weights at a preset's shape (`preset:qwen2.5-1.5b`): timings depend on shapes, n
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import jax
 
 import jaxspec
+from jaxspec import jobs as jobs_lib
+from jaxspec import prompts as prompts_lib
 from jaxspec.benchmarking import table
 from jaxspec.cost import COEFFICIENTS, CostModel
 
@@ -58,9 +66,279 @@ def profile(args) -> int:
     return 0
 
 
+def _warn(message: str) -> None:
+    print(f"jaxspec: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _build_spec(args) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxspec.MeshConfig | None]:
+    """Decoding settings from the arguments; bad values fail here, before any model is loaded."""
+    plain = args.draft == "none"
+    if plain and args.policy == "goodput":
+        raise ValueError("--policy goodput chooses draft lengths and needs a drafter; got --draft none")
+    if args.extra and args.selection != "tetris":
+        raise ValueError(f"--extra {args.extra} only applies with --selection tetris")
+    if args.policy == "goodput" and args.cost_model is None:
+        raise ValueError("--policy goodput needs --cost-model FILE (written by `jaxspec profile`)")
+    if args.cost_model is not None and args.policy != "goodput":
+        raise ValueError("--cost-model is only used with --policy goodput")
+    cost = CostModel.load(args.cost_model) if args.cost_model is not None else None
+    # --draft none: plain decoding through the speculative engine (k = 0), so continuous batching
+    # and the per-request callback work the same way.
+    spec = jaxspec.SpecConfig(k=0 if plain else args.k, extra=0 if plain else args.extra,
+                              selection="standard" if plain else args.selection, capacity=args.capacity,
+                              policy=args.policy, cost_model=cost, pipeline=args.pipeline)
+    sampling = jaxspec.SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    mesh = None
+    if args.target_tp != 1 or args.target_dp != 1 or args.draft_tp is not None:
+        mesh = jaxspec.MeshConfig(target_tp=args.target_tp, target_dp=args.target_dp,
+                                  draft_tp=args.draft_tp if args.draft_tp is not None else 0)
+    return spec, sampling, mesh
+
+
+def _encode_jobs(todo: list[jobs_lib.Job], model: jaxspec.Model, args, max_positions: int
+                 ) -> tuple[list[list[int]], list[int]]:
+    """Token ids and budgets of the requests to run, checked against the model; a bad request is
+    reported with its input line, before anything is written."""
+    tok, vocab = model.tokenizer, model.config.vocab_size
+    where = args.prompts
+    if args.chat and tok is None:
+        raise ValueError(f"--chat needs a tokenizer with a chat template; {args.target} has no tokenizer")
+    ids_list, budgets = [], []
+    for job in todo:
+        prompt = job.prompt
+        if args.chat:
+            if not isinstance(prompt, str):
+                raise jobs_lib.JobFileError(f"{where}:{job.line}: --chat needs string prompts, got token ids")
+            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        try:
+            (ids,) = prompts_lib.encode_prompts([prompt], tok, vocab)
+        except ValueError as err:
+            message = str(err).replace("prompts[0]", "prompt")
+            raise jobs_lib.JobFileError(f"{where}:{job.line}: {message}") from None
+        budget = job.max_new_tokens if job.max_new_tokens is not None else args.max_new_tokens
+        if len(ids) + budget > max_positions:
+            raise jobs_lib.JobFileError(
+                f"{where}:{job.line}: prompt of id {jobs_lib.id_key(job.id)} has {len(ids)} tokens; with "
+                f"max_new_tokens={budget} that is {len(ids) + budget} positions, more than the context "
+                f"(max_position_embeddings={max_positions})")
+        ids_list.append(ids)
+        budgets.append(budget)
+    return ids_list, budgets
+
+
+def generate(args) -> int:
+    """`jaxspec generate`: a JSONL batch job, resumable (see jaxspec.jobs)."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    output = Path(args.output)
+    if output.resolve() == Path(args.prompts).resolve():
+        raise ValueError("--output must differ from --prompts")
+    if not output.parent.is_dir():
+        raise FileNotFoundError(f"--output {args.output}: folder {str(output.parent)!r} does not exist")
+    # Everything that can be checked without the models is checked first: a typo fails in a second.
+    jobs = jobs_lib.read_jobs(args.prompts, skip_bad_lines=args.skip_bad_lines, warn=_warn)
+    scan = jobs_lib.scan_output(args.output)
+    todo = jobs_lib.pending(jobs, scan.done)
+    skipped = len(jobs) - len(todo)
+    spec, sampling, mesh = _build_spec(args)
+    if skipped:
+        print(f"resuming: skipped {skipped} of {len(jobs)} requests already in {args.output}", flush=True)
+    if not todo:
+        if scan.torn or scan.needs_newline:
+            _repair(args.output, scan)
+        print(f"nothing to do: all {len(jobs)} requests are in {args.output}")
+        return 0
+    target = load_model(args.target, args.dtype)
+    draft = None
+    if args.draft not in ("none", "ngram"):
+        draft = load_model(args.draft, args.dtype, seed=1)
+    max_positions = target.config.max_position_embeddings
+    if draft is not None:
+        max_positions = min(max_positions, draft.config.max_position_embeddings)
+    prompts, budgets = _encode_jobs(todo, target, args, max_positions)
+    drafter = draft if draft is not None else jaxspec.NgramDrafter(max_ngram=3)
+    decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=spec, sampling=sampling, mesh=mesh)
+    tok = target.tokenizer
+    eos = tok.eos_token_id if args.eos and tok is not None else None
+    _repair(args.output, scan)
+    # Each request samples from the RNG stream of its position in the input file, so a resumed run
+    # draws the same tokens an uninterrupted one would have.
+    position = {jobs_lib.id_key(job.id): i for i, job in enumerate(jobs)}
+    streams = [position[jobs_lib.id_key(job.id)] for job in todo]
+    summary = {"skipped": skipped, **_run(decoder, todo, prompts, budgets, eos, streams, args)}
+    print(table([summary]))
+    return 0
+
+
+def _repair(path: str, scan: jobs_lib.OutputScan) -> None:
+    if scan.torn:
+        shown = scan.torn if len(scan.torn) <= 60 else scan.torn[:57] + "..."
+        _warn(f"{path} ends with a torn line (an interrupted write: {shown!r}); truncating it away, its request "
+              "runs again")
+    jobs_lib.repair_output(path, scan)
+
+
+def _run(decoder: jaxspec.SpeculativeDecoder, todo: list[jobs_lib.Job], prompts: list[list[int]],
+         budgets: list[int], eos: int | None, streams: list[int], args) -> dict:
+    """Runs the requests, appending each one's line to the output as soon as it finishes."""
+    from tqdm import tqdm
+
+    tok = decoder.target.tokenizer
+    totals = {"new_tokens": 0, "drafted": 0, "accepted": 0}
+    start = time.perf_counter()
+    with jobs_lib.ResultWriter(args.output) as writer, \
+            tqdm(total=len(todo), unit="req", desc="generate", file=sys.stderr, disable=args.no_progress,
+                 dynamic_ncols=True) as bar:
+        def on_finish(index: int, tokens: list[int], counters: dict[str, int]) -> None:
+            stats = jobs_lib.request_stats(counters)
+            stats["finish"] = "eos" if eos is not None and tokens and tokens[-1] == eos else "length"
+            text = tok.decode(tokens, skip_special_tokens=False) if tok is not None else None
+            writer.write({"id": todo[index].id, "text": text, "tokens": tokens, "stats": stats})
+            totals["new_tokens"] += counters["emitted"]
+            totals["drafted"] += counters["drafted"]
+            totals["accepted"] += counters["accepted"]
+            elapsed = time.perf_counter() - start
+            postfix = {"tok/s": f"{totals['new_tokens'] / elapsed:.1f}"}
+            if totals["drafted"]:
+                postfix["accept"] = f"{totals['accepted'] / totals['drafted']:.2f}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+
+        result = decoder.generate(prompts, max_new_tokens=budgets, seed=args.seed, eos_token_id=eos,
+                                  batch_size=min(args.batch_size, len(prompts)), on_finish=on_finish,
+                                  request_ids=streams)
+    s, seconds = result.stats, time.perf_counter() - start
+    # Seconds include compilation: this is the job's wall time, not a steady-state benchmark.
+    return {"requests": len(todo), "new_tokens": s.new_tokens, "seconds": seconds,
+            "tokens/s": s.new_tokens / seconds, "acceptance": s.acceptance_rate,
+            "tokens/step": s.mean_accepted_length, "output": args.output}
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+# name -> (script, arguments of a quick run: small sizes, one repeat, results under a *_quick name).
+BENCHES: dict[str, tuple[str, list[str]]] = {
+    "speculative": ("bench_speculative.py", ["--part", "sonnet", "--new-tokens", "32", "--batches", "1",
+                                             "--ks", "2", "4", "--skip-transformers", "--name",
+                                             "bench_speculative_quick"]),
+    "tetris": ("bench_tetris.py", ["--part", "tiny", "--batches", "8", "--ks", "2", "--extras", "1",
+                                   "--new-tokens", "32", "--repeats", "1", "--name", "bench_tetris_quick"]),
+    "goodput": ("bench_goodput.py", ["--batches", "4", "--ks", "1", "2", "--new-tokens", "24", "--rounds", "1",
+                                     "--name", "bench_goodput_quick"]),
+    "mesh": ("mesh_sweep.py", ["--threads", "multi", "--new-tokens", "16", "--repeats", "1", "--name",
+                               "mesh_sweep_quick"]),
+}
+
+
+def bench(args) -> int:
+    """`jaxspec bench`: runs the benchmark scripts one after another, each in its own process."""
+    names = [args.only] if args.only else list(BENCHES)
+    extra = list(args.script_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    if extra and not args.only:
+        raise ValueError("extra script arguments need --only NAME (each script takes its own arguments)")
+    failed = []
+    for name in names:
+        script, quick = BENCHES[name]
+        path = SCRIPTS / script
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: `jaxspec bench` runs the scripts of a source checkout")
+        command = [sys.executable, str(path), *(quick if args.quick else []), *extra]
+        print("$ " + " ".join(command), flush=True)
+        if args.dry_run:
+            continue
+        if subprocess.run(command).returncode != 0:
+            failed.append(name)
+    if failed:
+        print(f"jaxspec: error: benchmark{'s' if len(failed) > 1 else ''} failed: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="run a JSONL file of prompts through (speculative) decoding, resumably",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Reads requests from a JSONL file, one per line:\n"
+                    '  {"id": "a", "prompt": "text or a list of token ids", "max_new_tokens": 32}\n'
+                    "(max_new_tokens optional), and appends one line per finished request to the output:\n"
+                    '  {"id": "a", "text": "...", "tokens": [...], "stats": {...}}\n'
+                    "as soon as it finishes (flushed and synced). Rerunning with the same output skips the ids\n"
+                    "already there, so a killed job resumes where it stopped; a torn last line is cut away.\n"
+                    "Outputs are in finishing order, not input order. The whole input is validated before\n"
+                    "anything is run or written.",
+        epilog="example:\n  jaxspec generate --target model.gguf --draft ngram --prompts in.jsonl "
+               "--output out.jsonl --max-new-tokens 128 --k 4 --chat")
+    models = p.add_argument_group("models")
+    models.add_argument("--target", required=True,
+                        help="GGUF file, HF folder, jaxspec checkpoint, or preset:NAME (random weights)")
+    models.add_argument("--draft", default="ngram",
+                        help="a draft model (path or preset:NAME, same vocabulary), 'ngram' (prompt lookup, "
+                             "the default) or 'none' (plain autoregressive decoding)")
+    models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    io = p.add_argument_group("input and output")
+    io.add_argument("--prompts", required=True, metavar="IN.jsonl", help="requests, one JSON object per line")
+    io.add_argument("--output", required=True, metavar="OUT.jsonl", help="results, appended (resumable)")
+    io.add_argument("--skip-bad-lines", action="store_true",
+                    help="skip malformed input lines with a warning instead of failing")
+    io.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    io.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dec = p.add_argument_group("decoding")
+    dec.add_argument("--max-new-tokens", type=int, default=128,
+                     help="token budget of each request without its own max_new_tokens (default 128)")
+    dec.add_argument("--k", type=int, default=4, help="draft tokens per row per step (default 4)")
+    dec.add_argument("--selection", default="standard", choices=["standard", "tetris"],
+                     help="tetris: draft k + extra per row, verify the batch's most promising drafts")
+    dec.add_argument("--extra", type=int, default=0, help="extra draft tokens per row for --selection tetris")
+    dec.add_argument("--capacity", type=int, default=None,
+                     help="TETRIS drafts verified per step (default: batch * k)")
+    dec.add_argument("--policy", default="fixed", choices=["fixed", "goodput"],
+                     help="goodput: pick the draft length each step from a cost model and observed acceptance")
+    dec.add_argument("--cost-model", metavar="FILE", help="cost model JSON for --policy goodput (jaxspec profile)")
+    dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    dec.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    dec.add_argument("--top-p", type=float, default=1.0)
+    dec.add_argument("--seed", type=int, default=0,
+                     help="sampling seed; request i of the input file samples from stream i, so a resumed run "
+                          "gives the same tokens as an uninterrupted one")
+    dec.add_argument("--batch-size", type=int, default=8,
+                     help="slots decoded at once; a finished slot takes the next request (default 8)")
+    dec.add_argument("--eos", action=argparse.BooleanOptionalAction, default=True,
+                     help="stop a request at the tokenizer's end-of-sequence token (default on)")
+    par = p.add_argument_group("devices")
+    par.add_argument("--target-tp", type=int, default=1, help="tensor-parallel degree of the target")
+    par.add_argument("--target-dp", type=int, default=1, help="data-parallel degree of the target")
+    par.add_argument("--draft-tp", type=int, default=None,
+                     help="devices of the draft model's own slice (default: share the target's)")
+    par.add_argument("--pipeline", action="store_true",
+                     help="two pipelined batches: the draft drafts one while the target verifies the other")
+    p.set_defaults(run=generate)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="run the benchmark scripts (scripts/bench_*.py, mesh_sweep.py)",
+                       description="Runs the benchmark suite of a source checkout, each script in its own "
+                                   "process; each prints tables and writes docs/results/<name>.{json,md}. "
+                                   f"Benchmarks: {', '.join(BENCHES)}. Arguments after `--` go to the script "
+                                   "(with --only).",
+                       epilog="example: jaxspec bench --quick --only tetris")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and one repeat (minutes, not hours); results under <name>_quick")
+    p.add_argument("--only", choices=list(BENCHES), help="run this benchmark only")
+    p.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(run=bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxspec", description="Batch speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
     p = sub.add_parser("profile", help="time speculative steps on this device and fit a cost model",
                        description="Times the speculative decode step over batch sizes, draft lengths and cache "
                                    "sizes (inside a compiled loop), fits the linear latency models of the draft "
@@ -75,12 +353,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="cost_model.json")
     p.set_defaults(run=profile)
+    _add_bench(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status.
+
+    Library errors (bad input, bad values, missing files) print one line,
+    `jaxspec: error: <message>`, and return 2; set JAXSPEC_TRACEBACK=1 to see the traceback.
+    """
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        if args.command == "generate":
+            print(f"\njaxspec: interrupted; finished requests are saved in {args.output}: rerun the same command to "
+                  "resume", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as err:   # not TypeError & co: those are bugs, and need their traceback
+        if os.environ.get("JAXSPEC_TRACEBACK"):
+            raise
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in message:
+            message = f"{message}: {err.filename}"
+        print(f"jaxspec: error: {message}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) or isinstance(err, FileNotFoundError) else 1
 
 
 if __name__ == "__main__":

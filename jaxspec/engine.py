@@ -520,7 +520,7 @@ class SpeculativeDecoder:
         return self.target.config.vocab_size
 
     def generate(self, prompts, max_new_tokens=64, seed: int = 0, eos_token_id: int | None = None,
-                 batch_size: int | None = None, on_finish=None) -> GenerationResult:
+                 batch_size: int | None = None, on_finish=None, request_ids=None) -> GenerationResult:
         """Speculative generation; same arguments and result as `jaxspec.generate`.
 
         Args:
@@ -531,11 +531,14 @@ class SpeculativeDecoder:
             request at `prompts[index]` finishes (counters: its row_steps, drafted, verified,
             accepted and emitted). The loop then returns to the host once per finished request
             (not per token), so a batch job can save each result as it comes.
+          request_ids: distinct ints naming each prompt's RNG stream (default: its index), as in
+            `jaxspec.generate`.
         """
         cfg, k = self.target.config, self.spec.draft_len
         eos = check_eos(eos_token_id, cfg.vocab_size)
         batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
-                                    max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens)
+                                    max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens,
+                                    request_ids=request_ids)
         # Slots: prompt, every output token, and a window of k drafts past the last one.
         cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
         if self._sliced:

@@ -72,7 +72,7 @@ def _generate_on_device(graphdef, params, tokens_bp, prompt_len_b, max_new_b, re
 
 
 def generate(model: Model, prompts, max_new_tokens=64, sampling: SamplingConfig | None = None,
-             seed: int = 0, eos_token_id: int | None = None) -> GenerationResult:
+             seed: int = 0, eos_token_id: int | None = None, request_ids=None) -> GenerationResult:
     """Autoregressive generation for a batch of prompts of different lengths.
 
     Args:
@@ -83,6 +83,8 @@ def generate(model: Model, prompts, max_new_tokens=64, sampling: SamplingConfig 
       seed: RNG seed; request i's j-th token uses fold_in(fold_in(key(seed), i), j), so the output
         of a request does not depend on what else is in the batch.
       eos_token_id: a row stops after emitting this token (kept in its output); None: never.
+      request_ids: distinct ints naming each prompt's RNG stream in place of its index i, so a
+        request samples the same tokens whatever list it is passed in (a resumed batch job).
 
     Returns:
       GenerationResult with the new tokens of each prompt in prompt order.
@@ -94,7 +96,7 @@ def generate(model: Model, prompts, max_new_tokens=64, sampling: SamplingConfig 
     eos = check_eos(eos_token_id, cfg.vocab_size)
     batch = prompts_lib.prepare(prompts, model.tokenizer, vocab_size=cfg.vocab_size,
                                 max_positions=cfg.max_position_embeddings,
-                                max_new_tokens=max_new_tokens)
+                                max_new_tokens=max_new_tokens, request_ids=request_ids)
     keys = request_keys(seed, batch.request_ids_b)
     cache_len = batch.tokens_bp.shape[1] + batch.out_len
     start = time.perf_counter()

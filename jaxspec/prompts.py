@@ -39,7 +39,8 @@ class PromptBatch:
       tokens_bp: int32 [b, p] prompt ids, right-padded with 0.
       lengths_b: int32 [b] prompt lengths (1 for padding rows).
       max_new_b: int32 [b] token budget of each row (0 for padding rows).
-      request_ids_b: int32 [b] index of each row's prompt in the caller's list (seeds its RNG).
+      request_ids_b: int32 [b] each row's RNG stream id: its prompt's index in the caller's list
+        unless the caller named the streams (`request_ids`).
       num_prompts: how many rows are real.
       out_len: static size of the output buffer (bucketed max of max_new).
     """
@@ -98,10 +99,26 @@ def check_max_new_tokens(max_new_tokens, num_prompts: int) -> list[int]:
     return values
 
 
-def prepare(prompts, tokenizer, *, vocab_size: int, max_positions: int, max_new_tokens) -> PromptBatch:
+def check_request_ids(request_ids, num_prompts: int) -> np.ndarray:
+    """Each prompt's RNG stream id: its index by default, else the caller's distinct ints."""
+    if request_ids is None:
+        return np.arange(num_prompts, dtype=np.int32)
+    ids = list(request_ids)
+    if len(ids) != num_prompts or not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                                          and 0 <= i < 2**31 - 2**20 for i in ids):
+        raise ValueError(f"request_ids must be None or {num_prompts} ints in [0, 2**31 - 2**20), one per prompt, "
+                         f"got {request_ids!r}")
+    if len(set(ids)) != len(ids):
+        raise ValueError("request_ids must be distinct (equal ids would draw identical samples)")
+    return np.asarray(ids, np.int32)
+
+
+def prepare(prompts, tokenizer, *, vocab_size: int, max_positions: int, max_new_tokens,
+            request_ids=None) -> PromptBatch:
     """Validates, encodes, buckets and pads a list of prompts."""
     ids = encode_prompts(prompts, tokenizer, vocab_size)
     max_new = check_max_new_tokens(max_new_tokens, len(ids))
+    stream_ids = check_request_ids(request_ids, len(ids))
     for i, (p, n) in enumerate(zip(ids, max_new)):
         if len(p) + n > max_positions:
             raise ValueError(f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={n} that is "
@@ -115,9 +132,12 @@ def prepare(prompts, tokenizer, *, vocab_size: int, max_positions: int, max_new_
         tokens[i, :len(p)] = p
         lengths[i] = len(p)
         budgets[i] = n
-    return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets,
-                       request_ids_b=np.arange(batch, dtype=np.int32), num_prompts=len(ids),
-                       out_len=bucket_length(max(max_new)))
+    request_ids_b = np.zeros((batch,), np.int32)
+    request_ids_b[:len(ids)] = stream_ids
+    # Padding rows get ids past every real one, so no two rows share an RNG stream.
+    request_ids_b[len(ids):] = stream_ids.max() + 1 + np.arange(batch - len(ids))
+    return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets, request_ids_b=request_ids_b,
+                       num_prompts=len(ids), out_len=bucket_length(max(max_new)))
 
 
 def subset(batch: PromptBatch, rows, multiple: int = 1, min_rows: int = 0) -> PromptBatch:

@@ -8,7 +8,7 @@ cost model's prediction. Greedy outputs are checked identical to autoregressive 
 Configurations are timed round-robin and compared within a round (the machine's speed drifts).
 Writes docs/results/<name>.{json,md,png}.
 
-    python scripts/bench_goodput.py [--batches 1 4 16 64] [--new-tokens 48] [--cost-model FILE]
+    python scripts/bench_goodput.py [--batches 1 4 16 64] [--new-tokens 96] [--cost-model FILE]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--pair", default="tiny-8L", choices=sorted(PAIRS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
-    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds over all configurations")
     parser.add_argument("--cost-model", help="use this cost model JSON instead of profiling first")
     parser.add_argument("--name", default="bench_goodput")
@@ -115,6 +115,16 @@ def main() -> None:
             if label.startswith("goodput"):
                 trace = s.extra["k_trace"]
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
+                # The policy's own predictions (corrected online) against each segment's measured
+                # wall time per step, round trip included, over the segments after the first
+                # (which is judged by the profile alone).
+                segs = np.asarray([(n, p, m) for _, n, p, m in s.extra["segments"]], np.float64)
+                later = segs[1:] if len(segs) > 1 else segs
+                predicted, measured = (float(np.sum(later[:, 0] * later[:, i]) / np.sum(later[:, 0])) for i in (1, 2))
+                row.update(step_ms=1e3 * measured, predicted_step_ms=1e3 * predicted,
+                           prediction_error=predicted / measured - 1,
+                           segment_errors=f"{np.median(np.abs(later[:, 1] / later[:, 2] - 1)):.0%} median, "
+                                          f"{len(segs)} segments, first {segs[0, 1] / segs[0, 2] - 1:+.0%}")
             batch_rows.append(row)
             print(table([row], COLUMNS), flush=True)
         rows += batch_rows
@@ -126,7 +136,11 @@ def main() -> None:
         f"timed once per round for {args.rounds} rounds; `vs_ar` and `vs_best_fixed` are medians over rounds of "
         "ratios within a round (this shared VM's speed drifts by tens of percent over minutes, so times from "
         "different moments are not comparable). `step_ms`: one decode step at the run's compiled shape timed in a "
-        "compiled loop, against the cost model's `predicted_step_ms`. "
+        "compiled loop, against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall "
+        "time per step of the run's segments after the first (the loop returns to the host between segments, round "
+        "trip included) against the step times the policy used for them (the profile corrected online from the "
+        "segments before: `cost.StepTimeTracker`); `segment_errors`: the median error per segment and the first "
+        "segment's error (the profile alone). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
         f"Cost model profiled on this machine (real decode steps, batch 1..64, k 0..6): fit R^2 "
         f"{cost.fit['step']['r2']:.3f}, worst held-out error {cost.fit['step']['worst_heldout_rel_error']:.1%}.",
@@ -137,7 +151,7 @@ def main() -> None:
 
 
 COLUMNS = ["batch", "method", "tok_s", "vs_ar", "vs_best_fixed", "step_ms", "predicted_step_ms", "prediction_error",
-           "steps", "draft_len", "acceptance", "k_used", "same_output"]
+           "segment_errors", "steps", "draft_len", "acceptance", "k_used", "same_output"]
 
 
 def plot(rows, batches, path):

@@ -1,11 +1,330 @@
-"""The command line, run in-process."""
+"""The command line: `generate` end to end (same tokens as the Python API), resuming after a kill,
+torn-line repair, bad input, `--help`; `profile` and `bench` in-process."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import numpy as np
 import pytest
 
-from jaxspec import cli
+import jaxspec
+from jaxspec import cli, jobs
 from jaxspec.cost import CostModel
+
+CLI = [sys.executable, "-m", "jaxspec.cli"]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, tiny_model):
+    """The tiny random model as a jaxspec checkpoint folder (no tokenizer: token-id prompts)."""
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    tiny_model.save(path)
+    return str(path)
+
+
+def write_jobs(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def read_output(path) -> dict:
+    """Output records by id; fails on a repeated id."""
+    records = [json.loads(line) for line in open(path)]
+    by_id = {r["id"]: r for r in records}
+    assert len(by_id) == len(records), "an id was written twice"
+    return by_id
+
+
+def token_jobs(n: int, seed: int = 0, low: int = 3, high: int = 20) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"id": f"r{i}", "prompt": rng.integers(0, 256, int(rng.integers(low, high))).tolist()} for i in range(n)]
+
+
+def generate_args(target, prompts, output, *extra) -> list[str]:
+    return ["generate", "--target", target, "--prompts", prompts, "--output", str(output), "--no-progress", *extra]
+
+
+def test_generate_subprocess_matches_python_api(tiny_path, tmp_path):
+    records = token_jobs(10)
+    records[3]["max_new_tokens"] = 5
+    records[7]["id"] = 7        # ids may be ints; they are copied as they are
+    prompts = write_jobs(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(CLI + generate_args(tiny_path, prompts, out, "--draft", "ngram", "--k", "3",
+                                              "--max-new-tokens", "16", "--batch-size", "4"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "new_tokens" in proc.stdout and "acceptance" in proc.stdout   # the summary table
+
+    model = jaxspec.load(tiny_path)
+    ids = [r["prompt"] for r in records]
+    budgets = [r.get("max_new_tokens", 16) for r in records]
+    decoder = jaxspec.SpeculativeDecoder(model, jaxspec.NgramDrafter(max_ngram=3), spec=jaxspec.SpecConfig(k=3))
+    expected = decoder.generate(ids, max_new_tokens=budgets, batch_size=4)
+    assert expected.tokens == jaxspec.generate(model, ids, max_new_tokens=budgets).tokens   # greedy: lossless
+    got = read_output(out)
+    assert sorted(got, key=str) == sorted((r["id"] for r in records), key=str)
+    for record, tokens, budget in zip(records, expected.tokens, budgets):
+        line = got[record["id"]]
+        assert line["tokens"] == tokens and len(tokens) == budget and line["text"] is None
+        stats = line["stats"]
+        assert stats["new_tokens"] == budget and stats["steps"] >= 1 and 0 <= stats["accepted"] <= stats["drafted"]
+        assert stats["finish"] == "length"
+
+
+@pytest.mark.parametrize("draft_args", [["--draft", "none"],
+                                        ["--draft", "ngram", "--k", "2", "--selection", "tetris", "--extra", "1"],
+                                        ["--draft", "SELF", "--k", "2", "--target-tp", "2", "--draft-tp", "1",
+                                         "--pipeline"]])
+def test_generate_in_process_is_lossless(tiny_path, tiny_model, tmp_path, draft_args, capsys):
+    """Plain decoding (--draft none), TETRIS, and a draft model on its own device slice, pipelined,
+    all give the greedy tokens."""
+    records = token_jobs(6, seed=1)
+    prompts = write_jobs(tmp_path / "in.jsonl", records)
+    draft_args = [tiny_path if a == "SELF" else a for a in draft_args]
+    out = tmp_path / "out.jsonl"
+    assert cli.main(generate_args(tiny_path, prompts, out, "--max-new-tokens", "8", "--batch-size", "2",
+                                  *draft_args)) == 0
+    expected = jaxspec.generate(tiny_model, [r["prompt"] for r in records], max_new_tokens=8).tokens
+    got = read_output(out)
+    assert [got[r["id"]]["tokens"] for r in records] == expected
+    if draft_args[1] == "none":
+        assert all(line["stats"]["drafted"] == 0 for line in got.values())
+
+
+def test_generate_smollm2_strings_match_python_api(smollm2, smollm2_path, tmp_path):
+    texts = ["The cat sat on the mat. The cat sat on the", "1, 2, 3, 4, 5, 6,", "Repeat: red green blue red green"]
+    prompts = write_jobs(tmp_path / "in.jsonl", [{"id": f"p{i}", "prompt": t} for i, t in enumerate(texts)])
+    out = tmp_path / "out.jsonl"
+    assert cli.main(generate_args(smollm2_path, prompts, out, "--draft", "ngram", "--k", "3", "--chat",
+                                  "--max-new-tokens", "8")) == 0
+    tok = smollm2.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in texts]
+    decoder = jaxspec.SpeculativeDecoder(smollm2, jaxspec.NgramDrafter(max_ngram=3), spec=jaxspec.SpecConfig(k=3))
+    expected = decoder.generate(chats, max_new_tokens=8, eos_token_id=tok.eos_token_id)
+    got = read_output(out)
+    assert [got[f"p{i}"]["text"] for i in range(3)] == expected.texts
+    assert [got[f"p{i}"]["tokens"] for i in range(3)] == expected.tokens
+
+
+def test_killed_run_resumes_with_every_id_exactly_once(tiny_path, tiny_model, tmp_path):
+    records = token_jobs(100, seed=2)
+    prompts = write_jobs(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    args = CLI + generate_args(tiny_path, prompts, out, "--draft", "ngram", "--k", "2", "--max-new-tokens", "32",
+                               "--batch-size", "2")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= 3:
+                break
+            time.sleep(0.01)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finished = out.read_bytes().count(b"\n")
+    assert 3 <= finished < len(records), "the run was not killed mid-way"
+    # What a kill during a write leaves behind: a cut-off line.
+    with open(out, "a") as f:
+        f.write('{"id": "r99", "text": null, "tokens": [1, 2')
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "torn line" in rerun.stderr and "Traceback" not in rerun.stderr
+    skipped = int(rerun.stdout.split("skipped ")[1].split()[0])
+    assert finished <= skipped < len(records)
+    # The API with the same settings (100 rows in one jaxspec.generate call can flip a near-tie of
+    # the random model's logits: its float sums run in another order than at batch 2).
+    decoder = jaxspec.SpeculativeDecoder(tiny_model, jaxspec.NgramDrafter(max_ngram=3), spec=jaxspec.SpecConfig(k=2))
+    expected = decoder.generate([r["prompt"] for r in records], max_new_tokens=32, batch_size=2).tokens
+    got = read_output(out)   # also checks no id is there twice
+    assert [got[r["id"]]["tokens"] for r in records] == expected
+
+
+def test_torn_last_line_is_cut_and_a_whole_unterminated_line_kept(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = '{"id": "a", "tokens": [1]}\n{"id": 2, "tokens": [2]}\n'
+    out.write_text(good + '{"id": "c", "tok')
+    scan = jobs.scan_output(out)
+    assert scan.done == {jobs.id_key("a"), jobs.id_key(2)} and scan.torn == '{"id": "c", "tok'
+    jobs.repair_output(out, scan)
+    assert out.read_text() == good
+    # Invalid JSON on the last line, newline and all, is also a torn write.
+    out.write_text(good + '{"id": "c"\n')
+    scan = jobs.scan_output(out)
+    assert scan.torn and scan.valid_bytes == len(good)
+    # A whole record that only lacks its newline is kept, and completed.
+    out.write_text(good + '{"id": "c"}')
+    scan = jobs.scan_output(out)
+    assert not scan.torn and jobs.id_key("c") in scan.done
+    jobs.repair_output(out, scan)
+    assert out.read_text() == good + '{"id": "c"}\n'
+    assert jobs.scan_output(tmp_path / "absent.jsonl").done == frozenset()
+
+
+def test_invalid_line_in_the_middle_of_the_output_is_an_error(tiny_path, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    content = '{"id": "r0", "tokens": [1]}\nnot json\n{"id": "r1", "tokens": [1]}\n'
+    out.write_text(content)
+    with pytest.raises(jobs.JobFileError, match=r"out.jsonl:2: invalid line"):
+        jobs.scan_output(out)
+    prompts = write_jobs(tmp_path / "in.jsonl", token_jobs(3))
+    assert cli.main(generate_args(tiny_path, prompts, out)) == 2
+    assert "out.jsonl:2: invalid line" in capsys.readouterr().err
+    assert out.read_text() == content
+
+
+def test_rerun_skips_finished_ids_and_says_how_many(tiny_path, tiny_model, tmp_path, capsys):
+    records = token_jobs(6, seed=3)
+    out = tmp_path / "out.jsonl"
+    first = write_jobs(tmp_path / "first.jsonl", records[:4])
+    assert cli.main(generate_args(tiny_path, first, out, "--max-new-tokens", "6", "--batch-size", "2")) == 0
+    capsys.readouterr()
+    everything = write_jobs(tmp_path / "all.jsonl", records)
+    assert cli.main(generate_args(tiny_path, everything, out, "--max-new-tokens", "6", "--batch-size", "2")) == 0
+    assert "skipped 4 of 6" in capsys.readouterr().out
+    expected = jaxspec.generate(tiny_model, [r["prompt"] for r in records], max_new_tokens=6).tokens
+    got = read_output(out)
+    assert [got[r["id"]]["tokens"] for r in records] == expected
+    before = out.read_bytes()
+    assert cli.main(generate_args(tiny_path, everything, out, "--max-new-tokens", "6")) == 0
+    assert "nothing to do" in capsys.readouterr().out and out.read_bytes() == before
+
+
+def test_resumed_sampling_run_draws_what_an_uninterrupted_one_would(tiny_path, tiny_model, tmp_path, capsys):
+    """Request i of the input samples from RNG stream i, whichever run finishes it: drop some
+    finished lines (as if the run had died before them) and the rerun writes the same tokens."""
+    records = token_jobs(6, seed=4)
+    prompts, out = write_jobs(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
+    flags = ["--max-new-tokens", "8", "--batch-size", "2", "--temperature", "1.0", "--seed", "5"]
+    assert cli.main(generate_args(tiny_path, prompts, out, *flags)) == 0
+    first = read_output(out)
+    kept = [line for line in out.read_text().splitlines(keepends=True) if json.loads(line)["id"] in ("r1", "r4")]
+    out.write_text("".join(kept))
+    assert cli.main(generate_args(tiny_path, prompts, out, *flags)) == 0
+    assert "skipped 2 of 6" in capsys.readouterr().out
+    decoder = jaxspec.SpeculativeDecoder(tiny_model, jaxspec.NgramDrafter(max_ngram=3), spec=jaxspec.SpecConfig(k=4),
+                                         sampling=jaxspec.SamplingConfig(temperature=1.0))
+    want = decoder.generate([r["prompt"] for r in records], max_new_tokens=8, seed=5).tokens
+    got = read_output(out)
+    assert [got[r["id"]]["tokens"] for r in records] == [first[r["id"]]["tokens"] for r in records] == want
+
+
+def _long_prompt_file(path) -> str:
+    context = jaxspec.ModelConfig.preset("tiny").max_position_embeddings
+    return write_jobs(path, [{"id": "ok", "prompt": [1, 2, 3]}, {"id": "long", "prompt": [5] * (context - 4)}])
+
+
+BAD_INPUTS = {
+    "malformed": ('{"id": "a", "prompt": [1, 2]}\n{"id": "b", "prompt": [1, \n', "in.jsonl:2: invalid JSON"),
+    "missing_prompt": ('{"id": "a", "prompt": [1]}\n\n{"id": "b"}\n', "in.jsonl:3: missing field 'prompt'"),
+    "missing_both": ('{"text": "hi"}\n', "in.jsonl:1: missing fields 'id', 'prompt'"),
+    "not_an_object": ('[1, 2, 3]\n', "in.jsonl:1: expected a JSON object"),
+    "bad_tokens": ('{"id": "a", "prompt": [1, "x"]}\n', "in.jsonl:1: \"prompt\" must be"),
+    "duplicate": ('{"id": "a", "prompt": [1]}\n{"id": "b", "prompt": [2]}\n{"id": "a", "prompt": [3]}\n',
+                  "in.jsonl:3: duplicate id \"a\" (first on line 1)"),
+    "empty": ("\n\n", "contains no requests"),
+    "string_without_tokenizer": ('{"id": "a", "prompt": "hello"}\n', "in.jsonl:1: prompt is a string but the "
+                                                                     "model has no tokenizer"),
+    "out_of_vocabulary": ('{"id": "a", "prompt": [1, 999]}\n', "in.jsonl:1: prompt contains token id 999"),
+    "too_long": (None, "in.jsonl:2: prompt of id \"long\" has 1020 tokens; with max_new_tokens=8"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_fails_cleanly_and_writes_nothing(tiny_path, tmp_path, capsys, case):
+    content, message = BAD_INPUTS[case]
+    path = tmp_path / "in.jsonl"
+    prompts = _long_prompt_file(path) if content is None else str(path)
+    if content is not None:
+        path.write_text(content)
+    out = tmp_path / "out.jsonl"
+    assert cli.main(generate_args(tiny_path, prompts, out, "--max-new-tokens", "8")) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("jaxspec: error: ") and err.count("\n") == 1, err
+    assert not out.exists()
+    # An existing output file is left exactly as it was.
+    out.write_text('{"id": "zzz", "tokens": [1]}\n')
+    assert cli.main(generate_args(tiny_path, prompts, out, "--max-new-tokens", "8")) == 2
+    assert out.read_text() == '{"id": "zzz", "tokens": [1]}\n'
+
+
+def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": "a", "prompt": [1]}\n{oops\n')
+    out = tmp_path / "out.jsonl"
+    # The input is checked before the target is even looked at.
+    proc = subprocess.run(CLI + generate_args("/nonexistent/model", str(prompts), out), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("jaxspec: error: ") and "in.jsonl:2: invalid JSON" in proc.stderr
+    assert not out.exists()
+
+
+def test_skip_bad_lines_warns_and_runs_the_rest(tiny_path, tiny_model, tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": [1, 2, 3]}\n{broken\n{"id": "b", "prompt": [4, 5]}\n')
+    out = tmp_path / "out.jsonl"
+    assert cli.main(generate_args(tiny_path, str(path), out, "--max-new-tokens", "4", "--skip-bad-lines")) == 0
+    assert "warning: skipping" in capsys.readouterr().err
+    got = read_output(out)
+    expected = jaxspec.generate(tiny_model, [[1, 2, 3], [4, 5]], max_new_tokens=4).tokens
+    assert [got["a"]["tokens"], got["b"]["tokens"]] == expected
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--draft", "none", "--policy", "goodput", "--cost-model", "x.json"], "needs a drafter"),
+    (["--policy", "goodput"], "needs --cost-model"),
+    (["--extra", "2"], "only applies with --selection tetris"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--k", "-1"], "k must be an int >= 0"),
+])
+def test_bad_settings_fail_before_loading(tmp_path, capsys, args, message):
+    prompts = write_jobs(tmp_path / "in.jsonl", token_jobs(2))
+    assert cli.main(generate_args("/nonexistent/model", prompts, tmp_path / "out.jsonl", *args)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_missing_files_are_one_line_errors(tiny_path, tmp_path, capsys):
+    assert cli.main(generate_args(tiny_path, str(tmp_path / "absent.jsonl"), tmp_path / "out.jsonl")) == 2
+    assert "absent.jsonl" in capsys.readouterr().err
+    prompts = write_jobs(tmp_path / "in.jsonl", token_jobs(2))
+    assert cli.main(generate_args(str(tmp_path / "no_model"), prompts, tmp_path / "out.jsonl")) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, options", [
+    ([], ["generate", "profile", "bench"]),
+    (["generate"], ["--target", "--draft", "--prompts", "--output", "--max-new-tokens", "--k", "--selection",
+                    "--temperature", "--batch-size", "--policy", "--cost-model", "--chat", "--skip-bad-lines",
+                    "resum"]),
+    (["profile"], ["--target", "--draft", "--batches", "--ks", "--output"]),
+    (["bench"], ["--quick", "--only", "tetris"]),
+])
+def test_help_of_every_command(capsys, command, options):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*command, "--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    for option in options:
+        assert option in printed, option
+
+
+def test_bench_runs_the_chosen_script(capsys):
+    assert cli.main(["bench", "--quick", "--only", "tetris", "--dry-run", "--", "--batches", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "scripts/bench_tetris.py --part tiny" in printed and printed.rstrip().endswith("--batches 8")
+    assert cli.main(["bench", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in ("bench_speculative.py", "bench_goodput.py", "mesh_sweep.py"))
 
 
 def test_profile_writes_a_loadable_cost_model(tmp_path, capsys):

@@ -77,3 +77,23 @@ def test_stats_report_throughput_and_steps(tiny_model):
     s = result.stats
     assert s.new_tokens == 18 and s.steps == 8  # the first token comes from the prefill
     assert s.tokens_per_second == pytest.approx(s.new_tokens / s.seconds)
+
+
+def test_request_ids_name_each_prompts_random_stream(tiny_model):
+    """A request's samples depend on (seed, its id) only: alone or among others, any position."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (4, 9, 6)]
+    sampling = SamplingConfig(temperature=1.0)
+    together = jaxspec.generate(tiny_model, prompts, max_new_tokens=10, sampling=sampling, seed=3,
+                                request_ids=[7, 8, 9]).tokens
+    alone = jaxspec.generate(tiny_model, [prompts[2], prompts[0]], max_new_tokens=10, sampling=sampling, seed=3,
+                             request_ids=[9, 7]).tokens
+    assert alone == [together[2], together[0]]
+    default = jaxspec.generate(tiny_model, prompts, max_new_tokens=10, sampling=sampling, seed=3).tokens
+    assert default != together   # the default streams are the indices 0, 1, 2
+    spec = jaxspec.SpeculativeDecoder(tiny_model, jaxspec.NgramDrafter(), sampling=sampling)
+    assert spec.generate([prompts[1]], max_new_tokens=10, seed=3, request_ids=[8]).tokens == \
+        spec.generate(prompts, max_new_tokens=10, seed=3, request_ids=[7, 8, 9]).tokens[1:2]
+    for bad in ([1, 2], [1, 1, 2], [-1, 2, 3], [0.5, 1, 2]):
+        with pytest.raises(ValueError, match="request_ids"):
+            jaxspec.generate(tiny_model, prompts, max_new_tokens=4, request_ids=bad)
