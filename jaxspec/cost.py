@@ -227,7 +227,8 @@ class StepTimeTracker:
     It also proposes exploration: a plan the policy would not pick is run once, for a short
     segment, when nothing has been measured for it and the model's prediction for it is within
     `explore_margin` of the chosen plan's (the cost model may rank close plans wrongly; measuring
-    settles it for the rest of the run).
+    settles it for the rest of the run). Trials are held to `explore_budget` of the steps run so
+    far, so a short run is not spent exploring a flat goodput curve.
 
     Args:
       predicted_j: the cost model's seconds per step of each plan, at the run's compiled shape.
@@ -235,11 +236,14 @@ class StepTimeTracker:
       decay: per-segment decay of the sums (older segments count less as the machine drifts).
     """
 
-    def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15):
+    def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15,
+                 explore_budget: float = 0.1):
         self.predicted_j = np.asarray(predicted_j, np.float64)
         if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
             raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
-        self.prior_steps, self.decay, self.explore_margin = prior_steps, decay, explore_margin
+        self.prior_steps, self.decay = prior_steps, decay
+        self.explore_margin, self.explore_budget = explore_margin, explore_budget
+        self.total_steps = self.trial_steps = 0
         self.measured_j = np.zeros_like(self.predicted_j)   # decayed measured seconds
         self.expected_j = np.zeros_like(self.predicted_j)   # decayed predicted seconds of the same steps
         self.steps_j = np.zeros_like(self.predicted_j)      # decayed step counts
@@ -247,10 +251,13 @@ class StepTimeTracker:
         # (plan, steps, predicted seconds per step before the segment, measured seconds per step)
         self.history: list[tuple[int, int, float, float]] = []
 
-    def observe(self, plan: int, steps: int, seconds: float) -> None:
-        """Folds in one segment: `steps` steps of `plan` took `seconds` of wall time."""
+    def observe(self, plan: int, steps: int, seconds: float, trial: bool = False) -> None:
+        """Folds in one segment: `steps` steps of `plan` took `seconds` of wall time (`trial`: it
+        was run because `explore` proposed it)."""
         if steps <= 0:
             return
+        self.total_steps += steps
+        self.trial_steps += steps if trial else 0
         self.history.append((plan, steps, float(self.corrected()[plan]), seconds / steps))
         self.measured_j *= self.decay
         self.expected_j *= self.decay
@@ -281,6 +288,8 @@ class StepTimeTracker:
           chosen: the plan the policy picked.
           tokens_j: expected tokens per step of each plan under current acceptance estimates.
         """
+        if self.trial_steps > self.explore_budget * self.total_steps:
+            return None
         goodput_j = np.asarray(tokens_j, np.float64) / self.corrected()
         best = goodput_j[chosen]
         for j in np.argsort(-goodput_j):

@@ -580,7 +580,7 @@ class SpeculativeDecoder:
                 jax.block_until_ready(state)
                 self._warmed.add(warm_key)
         step_ks: list[int] = []
-        segment_cap = FIRST_SEGMENT_CAP
+        segment_cap, trial = FIRST_SEGMENT_CAP, None
         while True:
             # With requests waiting (or a caller waiting for each result), stop as soon as one
             # more row is done, to refill it or hand it over.
@@ -598,10 +598,9 @@ class SpeculativeDecoder:
             step_ks += ([schedule.plans[int(c)].k for c in trace if c >= 0] if goodput
                         else [schedule.plans[0].k] * (int(steps) - len(step_ks)))
             if goodput:
-                tracker.observe(plan_index, int(np.sum(trace >= 0)), segment_seconds)
+                tracker.observe(plan_index, int(np.sum(trace >= 0)), segment_seconds, trial=trial is not None)
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
-                tokens_j = np.asarray(policy_lib.goodput_of_ks(alpha_b, ~done_b, schedule.predict_ks,
-                                                               np.ones(len(schedule.plans), np.float32)))
+                tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
                 trial = tracker.explore(int(choice), tokens_j)
                 plan_index = int(choice) if trial is None else trial
                 segment_cap = min(2 * segment_cap, MAX_SEGMENT_CAP)
@@ -729,6 +728,13 @@ def _corrected(predicted: dict[str, np.ndarray], tracker: cost_lib.StepTimeTrack
     caps_ratio = ratio_j[tetris_j[0]] if tetris_j else 1.0
     return {"plans": (predicted["plans"] * ratio_j).astype(np.float32),
             "capacities": (predicted["capacities"] * caps_ratio).astype(np.float32)}
+
+
+def _expected_tokens(alpha_r: np.ndarray, ks) -> np.ndarray:
+    """Host twin of `policy.goodput_of_ks`' numerator (numpy: no device dispatch between segments)."""
+    alpha_r = np.clip(np.asarray(alpha_r, np.float64), 0.0, 1.0 - 1e-9)[None, :]
+    k_j = np.asarray(ks, np.float64)[:, None]
+    return np.sum((1.0 - alpha_r ** (k_j + 1.0)) / (1.0 - alpha_r), axis=1)
 
 
 def _as_arrays(seconds: dict[str, np.ndarray]) -> dict[str, jax.Array]:

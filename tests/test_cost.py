@@ -119,5 +119,13 @@ def test_tracker_explores_close_untried_plans_only():
     assert tracker.explore(0, tokens) == 1
     tracker.observe(1, 4, 4.0)
     assert tracker.explore(0, tokens) is None
+    # Trials are held to a tenth of the steps run: the next one waits until enough others ran.
+    tracker = StepTimeTracker(np.ones(4))
+    tokens = np.array([1.0, 0.95, 0.9, 0.5])
+    assert tracker.explore(0, tokens) == 1
+    tracker.observe(1, 4, 4.0, trial=True)
+    assert tracker.explore(0, tokens) is None
+    tracker.observe(0, 40, 40.0)
+    assert tracker.explore(0, tokens) == 2
     with pytest.raises(ValueError, match="predicted_j"):
         StepTimeTracker(np.array([1.0, 0.0]))
