@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput mesh-sweep multilevel clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput mesh-sweep multilevel distill-smollm2 clean
 
 .venv: $(STAMP)
 
@@ -49,6 +49,10 @@ mesh-sweep: $(STAMP)
 
 multilevel: $(STAMP)
 	$(BIN)/python scripts/multilevel_analysis.py
+
+# A distilled SmolLM2 draft in models/smollm2-draft (fixed seed; resumes from models/smollm2-draft-work).
+distill-smollm2: $(STAMP)
+	$(BIN)/python scripts/distill_smollm2.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

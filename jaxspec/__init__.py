@@ -2,6 +2,7 @@
 
 from jaxspec import multilevel, parallel, policy, tetris
 from jaxspec.cost import CostModel
+from jaxspec.distill import distill, draft_from_target
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
 from jaxspec.generate import generate
@@ -14,4 +15,4 @@ from jaxspec.spec import SpecConfig
 
 __all__ = ["CostModel", "Drafter", "GenerationResult", "GenerationStats", "KVCache", "MeshConfig", "Model",
            "ModelConfig", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
-           "generate", "load", "multilevel", "parallel", "policy", "tetris"]
+           "distill", "draft_from_target", "generate", "load", "multilevel", "parallel", "policy", "tetris"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -302,12 +303,14 @@ def test_missing_files_are_one_line_errors(tiny_path, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command, options", [
-    ([], ["generate", "profile", "bench"]),
+    ([], ["generate", "profile", "bench", "distill"]),
     (["generate"], ["--target", "--draft", "--prompts", "--output", "--max-new-tokens", "--k", "--selection",
                     "--temperature", "--batch-size", "--policy", "--cost-model", "--chat", "--skip-bad-lines",
                     "resum"]),
     (["profile"], ["--target", "--draft", "--batches", "--ks", "--output"]),
     (["bench"], ["--quick", "--only", "tetris"]),
+    (["distill"], ["--target", "--draft", "--init-layers", "--prompts", "--heldout", "--steps", "--loss",
+                   "--checkpoint-dir", "--data-cache", "--output"]),
 ])
 def test_help_of_every_command(capsys, command, options):
     with pytest.raises(SystemExit) as exit_info:
@@ -343,3 +346,32 @@ def test_bad_arguments_exit_with_a_message(capsys):
     with pytest.raises(SystemExit):
         cli.main(["profile", "--target", "preset:tiny", "--batches", "0,2"])
     assert "expected positive integers" in capsys.readouterr().err
+
+
+def test_distill_saves_the_draft_the_python_api_trains(tiny_path, tiny_model, tmp_path, capsys):
+    records = token_jobs(8, seed=6)
+    prompts, heldout = write_jobs(tmp_path / "train.jsonl", records[:6]), write_jobs(tmp_path / "held.jsonl",
+                                                                                         records[6:])
+    out = tmp_path / "draft"
+    assert cli.main(["distill", "--target", tiny_path, "--init-layers", "1", "--prompts", prompts, "--heldout",
+                     heldout, "--steps", "4", "--batch-size", "2", "--max-new-tokens", "6", "--learning-rate",
+                     "3e-3", "--output", str(out), "--no-progress"]) == 0
+    assert "wrote the draft" in capsys.readouterr().out
+    draft = jaxspec.load(str(out))
+    want, history = jaxspec.distill(tiny_model, jaxspec.draft_from_target(tiny_model, 1), [r["prompt"] for r in
+                                    records[:6]], steps=4, learning_rate=3e-3, batch_size=2, max_new_tokens=6,
+                                    heldout_prompts=[r["prompt"] for r in records[6:]], progress=False)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(draft.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-6)
+    saved = json.loads((out / "history.json").read_text())
+    assert saved["loss"] == pytest.approx(history["loss"]) and saved["eval_step"] == [0, 4]
+
+
+def test_distill_bad_arguments_are_one_line_errors(tiny_path, tmp_path, capsys):
+    prompts = write_jobs(tmp_path / "train.jsonl", token_jobs(2))
+    for flags, needle in ((["--steps", "0"], "--steps must be >= 1"), (["--learning-rate", "0"], "--learning-rate"),
+                          (["--init-layers", "3"], "num_layers must be at most the target's 2")):
+        assert cli.main(["distill", "--target", tiny_path, "--prompts", prompts, "--output", str(tmp_path / "d"),
+                         "--no-progress", "--init-layers", "1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and not (tmp_path / "d").exists()

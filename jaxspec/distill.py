@@ -1,0 +1,424 @@
+"""Draft distillation: train a draft model to match its target's next-token distributions.
+
+Shape key: b batch rows, t sequence positions, v vocabulary, n training sequences.
+
+The data are the target's own continuations of the prompts (generated once with
+`jaxspec.generate`, optionally cached on disk), because speculative decoding only ever asks the
+draft to predict the target's text. Each training step is one compiled pure function of
+(draft params, optimizer state, target params, batch): the target's logits are computed inside it,
+once per batch, under `stop_gradient`, so no [n, t, v] tensor is ever stored. The loss is a
+divergence between the two next-token distributions at the continuation positions only.
+
+Everything a run depends on is a function of the seed and the step number: the data order is a
+per-epoch permutation drawn from (seed, epoch), so batch s is known without replaying batches
+0..s-1. A checkpoint therefore needs only the params, the optimizer state, the step and the
+history, and a resumed run continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxspec import prompts as prompts_lib
+from jaxspec.generate import generate
+from jaxspec.models.init_draft import draft_from_target
+from jaxspec.models.model import Model
+from jaxspec.sampling import SamplingConfig
+
+LOSSES = ("forward_kl", "reverse_kl", "tvd")
+_DATA_FORMAT = 1
+_F32 = jnp.float32
+
+
+def distribution_loss(target_logits, draft_logits, loss: str = "tvd") -> jax.Array:
+    """Per-position divergence between the target's and the draft's next-token distributions.
+
+    Args:
+      target_logits: float [..., v], the target's logits (p = softmax).
+      draft_logits: float [..., v], the draft's logits (q = softmax).
+      loss: "forward_kl" = KL(p || q) (mass-covering; the usual distillation loss), "reverse_kl" =
+        KL(q || p) (mode-seeking), or "tvd" = 0.5 * sum |p - q|. Speculative sampling accepts a
+        draft token with probability exactly 1 - TVD, so "tvd" optimises acceptance directly.
+
+    Returns:
+      float32 [...]: the divergence at each position.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    logp = jax.nn.log_softmax(jnp.asarray(target_logits, _F32), axis=-1)
+    logq = jax.nn.log_softmax(jnp.asarray(draft_logits, _F32), axis=-1)
+    if loss == "forward_kl":
+        return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+    if loss == "reverse_kl":
+        return jnp.sum(jnp.exp(logq) * (logq - logp), axis=-1)
+    return 0.5 * jnp.sum(jnp.abs(jnp.exp(logp) - jnp.exp(logq)), axis=-1)
+
+
+def _logits(graphdef, params, tokens_bt):
+    decoder = nnx.merge(graphdef, params)
+    return decoder.head(decoder.hidden_uncached(tokens_bt))
+
+
+def _objective(params, target_logits_btv, tokens_bt, mask_bt, draft_graphdef, loss):
+    per_position_bt = distribution_loss(target_logits_btv, _logits(draft_graphdef, params, tokens_bt), loss)
+    # Mean over real continuation positions; max(.., 1) keeps an all-padding batch finite.
+    return jnp.sum(per_position_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+
+
+# Donating the old params and optimizer state lets XLA update them in place (halves their memory).
+@functools.partial(jax.jit, static_argnames=("draft_graphdef", "target_graphdef", "hparams", "loss"),
+                   donate_argnums=(0, 1))
+def _train_step(params, opt_state, target_params, tokens_bt, mask_bt, *, draft_graphdef, target_graphdef,
+                hparams: tuple, loss: str):
+    """One optimizer step; returns (params, opt_state, {"loss", "grad_norm"}).
+
+    The optimizer is rebuilt from its hashable hyperparameters inside the trace, so every run with
+    the same settings and shapes reuses one compiled program.
+    """
+    optimizer, _ = make_optimizer(*hparams)
+    target_logits_btv = jax.lax.stop_gradient(_logits(target_graphdef, target_params, tokens_bt))
+    value, grads = jax.value_and_grad(_objective)(params, target_logits_btv, tokens_bt, mask_bt, draft_graphdef,
+                                                  loss)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads)}
+
+
+def make_optimizer(learning_rate: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
+                   clip_norm: float | None = 1.0):
+    """AdamW with linear warm-up to `learning_rate`, cosine decay to 10% of it, and global-norm clipping.
+
+    Returns:
+      (optax.GradientTransformation, schedule): the schedule maps a step to its learning rate.
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup_steps else learning_rate, peak_value=learning_rate,
+        warmup_steps=warmup_steps, decay_steps=max(steps, warmup_steps + 1), end_value=0.1 * learning_rate)
+    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
+    parts.append(optax.adamw(schedule, weight_decay=weight_decay))
+    return optax.chain(*parts), schedule
+
+
+# --- data: the target's continuations ---
+
+def _continuations(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
+                   max_len, generate_batch_size, progress):
+    """Generates (sequences, prompt lengths) with the target; one set per temperature."""
+    from tqdm.auto import tqdm
+
+    sequences, prompt_lens = [], []
+    chunks = [(temperature, start) for temperature in temperatures
+              for start in range(0, len(prompt_ids), generate_batch_size)]
+    for temperature, start in tqdm(chunks, desc="target continuations", disable=not progress, leave=False):
+        chunk = prompt_ids[start:start + generate_batch_size]
+        budgets = [max(1, min(max_new_tokens, max_len - len(p))) for p in chunk]
+        result = generate(target, chunk, max_new_tokens=budgets, sampling=SamplingConfig(temperature=temperature),
+                          seed=seed + start, eos_token_id=eos_token_id)
+        for prompt, new in zip(chunk, result.tokens):
+            sequences.append(list(prompt) + list(new))
+            prompt_lens.append(len(prompt))
+    return sequences, prompt_lens
+
+
+def _pack(sequences, prompt_lens):
+    """Right-pads sequences into int32 [n, t] plus the loss mask of positions predicting a new token.
+
+    Position j's logits predict token j + 1, so the mask covers j in [prompt_len - 1, length - 1).
+    """
+    width = -(-max(len(s) for s in sequences) // 8) * 8
+    tokens_nt = np.zeros((len(sequences), width), np.int32)
+    mask_nt = np.zeros((len(sequences), width), np.float32)
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
+        tokens_nt[i, :len(seq)] = seq
+        mask_nt[i, p - 1:len(seq) - 1] = 1.0
+    return tokens_nt, mask_nt
+
+
+def _params_digest(params) -> str:
+    """A cheap fingerprint of a parameter pytree (so a cache made by other weights is not reused)."""
+    sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(jnp.abs(x.astype(_F32))), params))
+    return hashlib.sha256(np.asarray(jax.tree.leaves(sums), np.float64).tobytes()).hexdigest()[:16]
+
+
+def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
+                          max_len, data_cache=None, generate_batch_size=64, progress=True):
+    """The packed training data, read from `data_cache` when it holds data made the same way.
+
+    Returns:
+      (tokens int32 [n, t], mask float32 [n, t], digest str of the data).
+    """
+    meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(), "target_params": _params_digest(target.params),
+            "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
+            "max_new_tokens": max_new_tokens, "temperatures": list(temperatures), "seed": seed,
+            "eos_token_id": eos_token_id, "max_len": max_len}
+    if data_cache is not None:
+        folder = Path(data_cache)
+        meta_path, data_path = folder / "meta.json", folder / "data.npz"
+        if meta_path.exists() and data_path.exists() and json.loads(meta_path.read_text()).get("settings") == meta:
+            with np.load(data_path) as data:
+                tokens_nt, mask_nt = data["tokens"], data["mask"]
+            return tokens_nt, mask_nt, _data_digest(tokens_nt, mask_nt)
+    sequences, prompt_lens = _continuations(
+        target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=temperatures, seed=seed,
+        eos_token_id=eos_token_id, max_len=max_len, generate_batch_size=generate_batch_size, progress=progress)
+    tokens_nt, mask_nt = _pack(sequences, prompt_lens)
+    if data_cache is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so a run killed mid-write never leaves a cache that looks complete.
+        tmp = folder / "data.tmp.npz"
+        np.savez(tmp, tokens=tokens_nt, mask=mask_nt)
+        os.replace(tmp, data_path)
+        tmp_meta = folder / "meta.tmp.json"
+        tmp_meta.write_text(json.dumps({"settings": meta, "sequences": len(sequences)}, indent=2))
+        os.replace(tmp_meta, meta_path)
+    return tokens_nt, mask_nt, _data_digest(tokens_nt, mask_nt)
+
+
+def _data_digest(tokens_nt, mask_nt) -> str:
+    return hashlib.sha256(tokens_nt.tobytes() + mask_nt.tobytes()).hexdigest()[:16]
+
+
+def batch_indices(seed: int, step: int, batch_size: int, num_sequences: int) -> np.ndarray:
+    """Rows of batch `step`: consecutive slices of per-epoch permutations drawn from (seed, epoch)."""
+    flat = np.arange(step * batch_size, (step + 1) * batch_size)
+    epochs, offsets = np.divmod(flat, num_sequences)
+    rows = np.empty_like(flat)
+    for epoch in np.unique(epochs):
+        order = np.random.default_rng([seed, int(epoch)]).permutation(num_sequences)
+        rows[epochs == epoch] = order[offsets[epochs == epoch]]
+    return rows
+
+
+# --- held-out acceptance ---
+
+def heldout_acceptance(target: Model, draft: Model, prompts, *, k: int = 4, max_new_tokens: int = 32,
+                       seed: int = 0) -> dict:
+    """Greedy speculative decoding of `prompts` with this draft: acceptance rate and accepted length."""
+    from jaxspec.engine import SpeculativeDecoder
+    from jaxspec.spec import SpecConfig
+
+    stats = SpeculativeDecoder(target, draft, spec=SpecConfig(k=k)).generate(
+        prompts, max_new_tokens=max_new_tokens, seed=seed).stats
+    return {"acceptance_rate": float(stats.acceptance_rate),
+            "mean_accepted_length": float(stats.mean_accepted_length)}
+
+
+# --- the training loop ---
+
+def _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_steps, weight_decay, clip_norm,
+                checkpoint_every, eval_every, temperature):
+    if not isinstance(target, Model):
+        raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
+    if not isinstance(draft, Model):
+        raise ValueError(f"draft must be a jaxspec.Model, got {type(draft).__name__}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft vocab_size ({draft.config.vocab_size}) must equal the target's "
+                         f"({target.config.vocab_size}): distillation matches distributions over the same tokens")
+    for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0),
+                             ("checkpoint_every", checkpoint_every, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
+        raise ValueError(f"eval_every must be None or an int >= 1, got {eval_every!r}")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if clip_norm is not None and (not isinstance(clip_norm, (int, float)) or clip_norm <= 0):
+        raise ValueError(f"clip_norm must be None (no clipping) or > 0, got {clip_norm!r}")
+    temperatures = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature]
+    if not temperatures:
+        raise ValueError("temperature must be a number >= 0 or a non-empty list of them")
+    for t in temperatures:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t!r}")
+    return [float(t) for t in temperatures]
+
+
+def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: float, seed: int = 0, *,
+            loss: str = "tvd", batch_size: int = 8, max_new_tokens: int = 64, temperature=0.0,
+            eos_token_id: int | None = None, warmup_steps: int = 0, weight_decay: float = 0.0,
+            clip_norm: float | None = 1.0, checkpoint_dir=None, checkpoint_every: int = 100,
+            data_cache=None, heldout_prompts=None, eval_every: int | None = None, eval_k: int = 4,
+            eval_max_new_tokens: int | None = None, progress: bool = True,
+            callback: Callable[[int, dict], None] | None = None) -> tuple[Model, dict]:
+    """Trains `draft` to match `target`'s next-token distributions on the target's own continuations.
+
+    Args:
+      target: the jaxspec.Model the draft will serve.
+      draft: the starting draft (same vocabulary), e.g. from `draft_from_target`. Not modified.
+      prompts: token-id lists (or strings, with a tokenizer) the target continues to make the data.
+      steps: total optimizer steps of the run (a resumed run counts the steps already done).
+      learning_rate: peak AdamW learning rate.
+      seed: seeds the data order and the target's sampling (when temperature > 0).
+      loss: "tvd" (default), "forward_kl" or "reverse_kl"; see `distribution_loss`.
+      batch_size: sequences per step.
+      max_new_tokens: continuation length generated per prompt.
+      temperature: sampling temperature of the target's continuations (0 = greedy), or a list of
+        temperatures to generate one set of continuations per entry (e.g. [0.0, 1.0] for both).
+      eos_token_id: continuations stop after this token; None: never.
+      warmup_steps: linear warm-up from 0 before the cosine decay (to 10% of the peak at `steps`).
+      weight_decay: AdamW decoupled weight decay.
+      clip_norm: gradients are rescaled to at most this global norm; None disables clipping.
+      checkpoint_dir: where orbax keeps training-state checkpoints; an existing run there resumes
+        from its latest checkpoint (and must have been started with the same settings and data).
+      checkpoint_every: steps between checkpoints (the last step is always saved).
+      data_cache: a folder for the generated continuations (data.npz + meta.json); reused when
+        made with the same target, prompts and generation settings, so a restart does not regenerate.
+      heldout_prompts: prompts kept out of training on which greedy speculative acceptance
+        (SpeculativeDecoder, k=eval_k) is measured before training, every `eval_every` steps and
+        at the end. None: no evaluation.
+      eval_every: steps between held-out evaluations; None: only before and after training.
+      eval_k: draft tokens per speculative step during evaluation.
+      eval_max_new_tokens: tokens generated per held-out prompt; None: max_new_tokens.
+      progress: show a tqdm bar with the loss and the last held-out acceptance.
+      callback: called as `callback(step, metrics)` after each step (and its checkpoint); raising
+        from it stops the run, which a later call with the same checkpoint_dir resumes.
+
+    Returns:
+      (draft, history): the trained draft (the draft's config, dtype and tokenizer) and a dict of
+      lists: "step", "loss", "learning_rate", "grad_norm" (one entry per step), and "eval_step",
+      "acceptance_rate", "mean_accepted_length" (one entry per held-out evaluation).
+
+    Raises:
+      ValueError: naming the argument, for a vocabulary mismatch, steps < 1, empty prompts, an
+        unknown loss, learning_rate <= 0, or a checkpoint made with different settings.
+    """
+    from tqdm.auto import tqdm
+
+    temperatures = _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_steps, weight_decay,
+                               clip_norm, checkpoint_every, eval_every, temperature)
+    prompt_ids = prompts_lib.encode_prompts(prompts, target.tokenizer, target.config.vocab_size)
+    max_len = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    prompts_lib.check_max_new_tokens(max_new_tokens, len(prompt_ids))
+    for i, p in enumerate(prompt_ids):
+        if len(p) >= max_len:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens, leaving no room for a continuation within "
+                             f"max_position_embeddings={max_len}")
+    heldout_ids = None
+    if heldout_prompts is not None:
+        heldout_ids = prompts_lib.encode_prompts(heldout_prompts, target.tokenizer, target.config.vocab_size)
+    eval_new = max_new_tokens if eval_max_new_tokens is None else eval_max_new_tokens
+
+    tokens_nt, mask_nt, data_digest = load_or_generate_data(
+        target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=temperatures, seed=seed,
+        eos_token_id=eos_token_id, max_len=max_len, data_cache=data_cache, progress=progress)
+    num_sequences = tokens_nt.shape[0]
+
+    hparams = (float(learning_rate), int(steps), int(warmup_steps), float(weight_decay),
+               None if clip_norm is None else float(clip_norm))
+    optimizer, schedule = make_optimizer(*hparams)
+    # Train in float32 whatever the draft's dtype: Adam's small updates vanish in bfloat16.
+    params = jax.tree.map(lambda x: jnp.array(x, dtype=_F32), draft.params)
+    opt_state = optimizer.init(params)
+    history = {"step": [], "loss": [], "learning_rate": [], "grad_norm": [], "eval_step": [],
+               "acceptance_rate": [], "mean_accepted_length": []}
+    settings = {"steps": steps, "learning_rate": learning_rate, "seed": seed, "loss": loss,
+                "batch_size": batch_size, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
+                "clip_norm": clip_norm, "data": data_digest, "draft": draft.config.to_dict()}
+    start = 0
+    manager = _checkpoint_manager(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
+    if manager is not None and manager.latest_step() is not None:
+        params, opt_state, start, history = _restore(manager, params, opt_state, settings, checkpoint_dir)
+
+    def as_model(p):
+        cast = jax.tree.map(lambda x, ref: x.astype(ref.dtype), p, draft.params)
+        return Model(draft.config, cast, dtype=draft.dtype, tokenizer=draft.tokenizer)
+
+    def evaluate(step, p):
+        result = heldout_acceptance(target, as_model(p), heldout_ids, k=eval_k, max_new_tokens=eval_new, seed=seed)
+        history["eval_step"].append(step)
+        history["acceptance_rate"].append(result["acceptance_rate"])
+        history["mean_accepted_length"].append(result["mean_accepted_length"])
+
+    static = dict(draft_graphdef=draft.graphdef, target_graphdef=target.graphdef, hparams=hparams, loss=loss)
+    if heldout_ids is not None and start == 0:
+        evaluate(0, params)
+    bar = tqdm(total=steps, initial=start, desc="distill", disable=not progress)
+    try:
+        for step in range(start, steps):
+            rows = batch_indices(seed, step, batch_size, num_sequences)
+            params, opt_state, metrics = _train_step(params, opt_state, target.params, jnp.asarray(tokens_nt[rows]),
+                                                     jnp.asarray(mask_nt[rows]), **static)
+            metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+            done = step + 1
+            history["step"].append(done)
+            history["loss"].append(metrics["loss"])
+            history["grad_norm"].append(metrics["grad_norm"])
+            history["learning_rate"].append(float(schedule(step)))
+            if heldout_ids is not None and ((eval_every and done % eval_every == 0) or done == steps):
+                evaluate(done, params)
+            if manager is not None and (done % checkpoint_every == 0 or done == steps):
+                _save(manager, done, params, opt_state, history, settings, batch_size)
+            postfix = {"loss": f"{metrics['loss']:.4f}"}
+            if history["acceptance_rate"]:
+                postfix["heldout_acc"] = f"{history['acceptance_rate'][-1]:.3f}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+            if callback is not None:
+                callback(done, metrics)
+    finally:
+        bar.close()
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
+    return as_model(params), history
+
+
+# --- checkpoints ---
+
+def _checkpoint_manager(directory, every: int):
+    import orbax.checkpoint as ocp
+
+    # Saving is decided here (every `every` steps and at the end), so orbax keeps every save asked for.
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def _save(manager, step, params, opt_state, history, settings, batch_size):
+    import orbax.checkpoint as ocp
+
+    state = {"params": params, "opt_state": opt_state, "step": np.int64(step),
+             "sequences_seen": np.int64(step * batch_size)}
+    # A snapshot: orbax writes in the background while the loop goes on appending to `history`.
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               history=ocp.args.JsonSave(_json_roundtrip(history)),
+                                               settings=ocp.args.JsonSave(settings)), force=True)
+
+
+def _restore(manager, params, opt_state, settings, directory):
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step()
+    saved = manager.restore(step, args=ocp.args.Composite(settings=ocp.args.JsonRestore()))["settings"]
+    different = sorted(k for k in settings if saved.get(k) != _json_roundtrip(settings[k]))
+    if different:
+        raise ValueError(f"checkpoint_dir {str(directory)!r} holds a run with different "
+                         f"{', '.join(different)}; use a new checkpoint_dir or the same settings")
+    abstract = {"params": params, "opt_state": opt_state, "step": np.int64(0), "sequences_seen": np.int64(0)}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), abstract)
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                             history=ocp.args.JsonRestore()))
+    state = restored["state"]
+    return state["params"], state["opt_state"], int(state["step"]), restored["history"]
+
+
+def _json_roundtrip(value):
+    return json.loads(json.dumps(value))
+
+
+__all__ = ["LOSSES", "batch_indices", "distill", "distribution_loss", "draft_from_target", "heldout_acceptance",
+           "load_or_generate_data", "make_optimizer"]

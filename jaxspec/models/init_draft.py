@@ -1,0 +1,121 @@
+"""Initialising a draft model from its target: same tokenizer, a shallower (and maybe narrower) stack.
+
+Shape key: v vocabulary, d target width, e draft width.
+
+A draft that starts from the target's own embedding and head already speaks the target's token
+space, so distillation only has to teach the blocks. Two cases:
+
+- Same width (`hidden_size` None or equal to the target's): the draft is the target's first
+  `num_layers` blocks plus its embedding, final norm and LM head, copied exactly. With every layer
+  kept, the draft *is* the target.
+- Narrower width e < d: the blocks cannot be reused, so they are freshly initialised. The embedding
+  is projected onto its top-e right singular vectors (truncated SVD), which keeps the most variance
+  of the token vectors that fits in e dimensions. An untied head is projected the same way, with
+  the target's final-norm scale folded into it (the norm's per-dimension scale does not survive a
+  rotation of the basis), and the draft's final norm starts at one. A tied head is the projected
+  embedding itself; its final-norm scale starts at the RMS of the target's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.model import Model, resolve_dtype
+
+
+def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None = None,
+                      intermediate_size: int | None = None, num_heads: int | None = None,
+                      num_kv_heads: int | None = None, seed: int = 0, dtype=None) -> Model:
+    """A draft model initialised from `target`, sharing its vocabulary and tokenizer.
+
+    Args:
+      target: the jaxspec.Model to copy from.
+      num_layers: decoder blocks of the draft, in [1, target layers] when the width is kept.
+      hidden_size: the draft's width; None keeps the target's (and copies its first blocks).
+        Smaller widths project the embedding by truncated SVD and initialise the blocks randomly.
+      intermediate_size: MLP width; None keeps the target's ratio to the hidden size.
+      num_heads: query heads; None keeps the target's head dimension (hidden_size // head_dim heads).
+      num_kv_heads: key/value heads; None: the largest divisor of num_heads not above the target's.
+      seed: seeds the weights that are not copied.
+      dtype: the draft's dtype; None uses the target's.
+
+    Returns:
+      A jaxspec.Model with the target's tokenizer attached.
+
+    Raises:
+      ValueError: if num_layers or hidden_size is out of range.
+    """
+    cfg = target.config
+    dtype = target.dtype if dtype is None else dtype
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    width = cfg.hidden_size if hidden_size is None else hidden_size
+    if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= cfg.hidden_size:
+        raise ValueError(f"hidden_size must be an int in [1, {cfg.hidden_size}] (the target's width), "
+                         f"got {hidden_size!r}")
+    same_width = width == cfg.hidden_size
+    name = f"{cfg.name}-draft{num_layers}x{width}"
+    copy_blocks = same_width and intermediate_size in (None, cfg.intermediate_size) \
+        and num_heads in (None, cfg.num_heads) and num_kv_heads in (None, cfg.num_kv_heads)
+    if copy_blocks:
+        if num_layers > cfg.num_layers:
+            raise ValueError(f"num_layers must be at most the target's {cfg.num_layers} when its blocks are "
+                             f"copied (same width and block shapes), got {num_layers}")
+        config = cfg.replace(num_layers=num_layers, name=name)
+        params = jax.tree.map(lambda x: x, target.params)  # a new tree; arrays are immutable
+        params["layers"] = {i: target.params["layers"][i] for i in range(num_layers)}
+        return _cast(Model(config, params, dtype=target.dtype, tokenizer=target.tokenizer), dtype)
+
+    config = _narrow_config(cfg, num_layers, width, intermediate_size, num_heads, num_kv_heads, name)
+    fresh = Model.random(config, seed=seed, dtype="float32")
+    params = jax.tree.map(np.asarray, fresh.params)
+    embed_vd = np.asarray(target.params["embed_vd"], np.float32)
+    gain_d = np.asarray(target.params["final_norm"]["scale"], np.float32)
+    if same_width:
+        basis_de = np.eye(cfg.hidden_size, dtype=np.float32)
+    else:
+        # Right singular vectors: the directions along which the token vectors vary most.
+        _, _, vt = np.linalg.svd(embed_vd, full_matrices=False)
+        basis_de = vt[:width].T
+    params["embed_vd"] = embed_vd @ basis_de
+    if config.tie_word_embeddings:
+        params["final_norm"]["scale"] = np.full((width,), np.sqrt(np.mean(gain_d ** 2)), np.float32)
+    else:
+        head_dv = np.asarray(target.params["lm_head_dv"], np.float32)
+        params["lm_head_dv"] = basis_de.T @ (gain_d[:, None] * head_dv)
+        params["final_norm"]["scale"] = np.ones((width,), np.float32)
+    if same_width:
+        # Width kept but block shapes changed: the head and norm are copied as they are.
+        params["embed_vd"] = embed_vd
+        params["final_norm"]["scale"] = gain_d
+        if not config.tie_word_embeddings:
+            params["lm_head_dv"] = np.asarray(target.params["lm_head_dv"], np.float32)
+    return _cast(Model(config, jax.tree.map(np.asarray, params), dtype="float32", tokenizer=target.tokenizer),
+                 dtype)
+
+
+def _narrow_config(cfg: ModelConfig, num_layers, width, intermediate_size, num_heads, num_kv_heads,
+                   name) -> ModelConfig:
+    head_dim = cfg.resolved_head_dim
+    if num_heads is None:
+        num_heads = max(1, width // head_dim)
+    if num_kv_heads is None:
+        num_kv_heads = max(k for k in range(1, min(num_heads, cfg.num_kv_heads) + 1) if num_heads % k == 0)
+    if intermediate_size is None:
+        intermediate_size = max(1, round(cfg.intermediate_size * width / cfg.hidden_size))
+    # Keep the target's head dimension (RoPE frequencies then mean the same thing in both models).
+    explicit_head_dim = None if width == num_heads * head_dim else head_dim
+    return cfg.replace(num_layers=num_layers, hidden_size=width, intermediate_size=intermediate_size,
+                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=explicit_head_dim, name=name)
+
+
+def _cast(model: Model, dtype) -> Model:
+    dtype = resolve_dtype(dtype)
+    if dtype == model.dtype:
+        return model
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
+    return Model(model.config, params, dtype=dtype, tokenizer=model.tokenizer)
+
