@@ -63,6 +63,7 @@ def test_bad_coefficients_and_files_are_rejected(tmp_path):
         CostModel.load(tmp_path / "bad.json")
 
 
+@pytest.mark.slow  # a minute of timing; the CLI profile test covers the path
 def test_profile_predicts_the_steps_it_timed(tiny_model):
     """A real (small) profile: the fit reproduces its own timings, drafting and longer windows cost more."""
     draft = jaxspec.Model.random(tiny_model.config.replace(num_layers=1, name="tiny-1L"), seed=1)

@@ -79,6 +79,7 @@ def test_greedy_lossless_three_level_chain(small):
         check_greedy_lossless(target, chain, ks, prompts)
 
 
+@pytest.mark.slow  # real model, a minute
 def test_greedy_lossless_ngram_on_smollm2(smollm2):
     text = ("Roses are red, violets are blue. Roses are red, violets are blue. Roses are red, "
             "violets are")
@@ -96,6 +97,7 @@ def tetris_specs():
                                        (3, 2, 1), (2, 1, 0), (2, 2, 100)]]
 
 
+@pytest.mark.slow  # a minute; TETRIS greedy also in test_batching and test_tetris
 def test_greedy_lossless_tetris(small):
     target, draft, _ = small
     for d, seed in ((target, 1), (draft, 2)):
@@ -109,6 +111,7 @@ def test_greedy_lossless_tetris(small):
                 assert s.vsr == 1.0, spec
 
 
+@pytest.mark.slow  # chains of TETRIS decoders; chains also in test_batching
 def test_greedy_lossless_tetris_chains(small):
     target, middle, smallest = small
     prompts = ragged_prompts(SMALL_VOCAB, 3)
@@ -117,6 +120,7 @@ def test_greedy_lossless_tetris_chains(small):
         check_greedy_lossless(target, chain, [tetris_specs()[i] for i in (1, 4, 5)], prompts)
 
 
+@pytest.mark.slow  # real model, a minute
 def test_greedy_lossless_tetris_ngram_on_smollm2(smollm2):
     prompts = [smollm2.tokenizer(text)["input_ids"] for text in (
         "one two three four, one two three four, one two three four, one two",

@@ -54,6 +54,7 @@ def check_gguf_parity(ours, path):
     return rel
 
 
+@pytest.mark.slow  # real model against transformers, a minute
 def test_smollm2_gguf_matches_transformers(smollm2, smollm2_path):
     check_gguf_parity(smollm2, smollm2_path)
 

@@ -155,6 +155,7 @@ def test_goodput_with_a_separate_slice_is_rejected(pair):
                                                                           pipeline=True))
 
 
+@pytest.mark.slow  # two processes, 45 s
 def test_two_processes_on_localhost_share_one_mesh(tmp_path):
     """jax.distributed with a local coordinator: the target's tensor axis spans two processes, and
     each process gets the single-device greedy output (scripts/multihost_smoke.py)."""

@@ -126,6 +126,7 @@ BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, t
                                        target_per_token=5e-4)
 
 
+@pytest.mark.slow  # two minutes; goodput greedy also in test_batching
 @pytest.mark.parametrize("selection", ["standard", "tetris"])
 def test_goodput_policy_is_lossless(pair, selection):
     target, draft = pair
@@ -177,7 +178,7 @@ def test_drafter_catches_up_after_steps_without_drafting(pair):
             np.testing.assert_allclose(caught.v[layer][i, :n], full.v[layer][i, :n], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("selection", ["standard", "tetris"])
+@pytest.mark.parametrize("selection", [pytest.param("standard", marks=pytest.mark.slow), "tetris"])
 def test_goodput_policy_is_lossless_under_sampling(selection):
     from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
