@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -41,6 +42,45 @@ def timed(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> tuple[flo
         result = fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def finish_times(fn: Callable[[Callable | None], Any]) -> tuple[float, list[float], Any]:
+    """Runs `fn(on_finish)` once; returns its wall time, each request's seconds from the call's
+    start until it finished, and fn's GenerationResult.
+
+    fn passes `on_finish` to `SpeculativeDecoder.generate`, which calls it on the host as each
+    request finishes; requests it does not report (`jaxspec.generate` returns every row at once)
+    finish at the end of the call.
+    """
+    finished: dict[int, float] = {}
+    start = time.perf_counter()
+
+    def on_finish(index, tokens, counters):
+        finished[index] = time.perf_counter() - start
+
+    result = fn(on_finish)
+    seconds = time.perf_counter() - start
+    return seconds, [finished.get(i, seconds) for i in range(len(result.tokens))], result
+
+
+def round_robin(fns: dict[str, Callable[[Callable | None], Any]], rounds: int):
+    """Warms every configuration up (compiles), then times each once per round, in turn.
+
+    This shared VM's speed drifts by tens of percent over minutes, so configurations are compared
+    by ratios within a round (`np.median(seconds[a] / seconds[b])`), never across moments.
+    Returns (results, seconds, latencies): each configuration's last GenerationResult, its wall
+    times, shape (rounds,), and its requests' finish times (`finish_times`), shape (rounds, requests).
+    """
+    results = {label: finish_times(fn)[2] for label, fn in fns.items()}
+    seconds: dict[str, list[float]] = {label: [] for label in fns}
+    latencies: dict[str, list[list[float]]] = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            wall, finish, results[label] = finish_times(fn)
+            seconds[label].append(wall)
+            latencies[label].append(finish)
+    return (results, {label: np.asarray(v) for label, v in seconds.items()},
+            {label: np.asarray(v) for label, v in latencies.items()})
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:

@@ -222,9 +222,11 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 # name -> (script, arguments of a quick run: small sizes, one repeat, results under a *_quick name).
 BENCHES: dict[str, tuple[str, list[str]]] = {
-    "speculative": ("bench_speculative.py", ["--part", "sonnet", "--new-tokens", "32", "--batches", "1",
-                                             "--ks", "2", "4", "--skip-transformers", "--name",
-                                             "bench_speculative_quick"]),
+    "speculative": ("bench_speculative.py", ["--part", "sonnet", "--new-tokens", "32", "--batches", "4",
+                                             "--ks", "2", "4", "--tetris-ks", "2", "--extras", "1", "3",
+                                             "--pipeline-ks", "2", "--rounds", "1", "--profile-batches", "4",
+                                             "--profile-cache-lens", "296",
+                                             "--skip-transformers", "--name", "bench_speculative_quick"]),
     "tetris": ("bench_tetris.py", ["--part", "tiny", "--batches", "8", "--ks", "2", "--extras", "1",
                                    "--new-tokens", "32", "--repeats", "1", "--name", "bench_tetris_quick"]),
     "goodput": ("bench_goodput.py", ["--batches", "4", "--ks", "1", "2", "--new-tokens", "24", "--rounds", "1",

@@ -1,14 +1,23 @@
-"""Speculative decoding speed on CPU: the Qwen2.5-Coder pair and SmolLM2 with n-gram lookup.
+"""Speculative decoding on CPU: every method, over batch sizes and k, with real models.
 
-Qwen part (needs `make models-qwen`): 1.5B target, 0.5B draft, greedy, the code prompts in
-data/code_prompts.jsonl, batch 1 and 4: jaxspec autoregressive, jaxspec speculative k = 1..6, and
-transformers' assisted generation (assistant_model=, batch 1: transformers supports no larger) on
-the same GGUF files and prompts. Sonnet part: SmolLM2-135M-Instruct with NgramDrafter, asked to
-repeat lines of Sonnet 18 (the TETRIS paper's sonnet task). Every configuration is warmed up (same
-compiled shapes), then timed once; outputs are checked identical to autoregressive decoding.
-Prints tables and writes docs/results/bench_speculative.{json,md}.
+Parts:
+  sonnet  SmolLM2-135M-Instruct with n-gram lookup, asked to repeat lines of Sonnet 18 (the TETRIS
+          paper's sonnet task).
+  qwen    Qwen2.5-Coder 1.5B target, 0.5B draft, on the code prompts in data/code_prompts.jsonl
+          (needs `make models-qwen`); then, at batch 1, transformers' autoregressive and assisted
+          generation (assistant_model=; it supports no larger batch) on the same GGUF files and prompts.
 
-    python scripts/bench_speculative.py [--part qwen sonnet] [--new-tokens 128] [--ks 1 2 3 4 5 6]
+For each batch size, greedy: autoregressive decoding, standard speculative decoding at each k,
+TETRIS at k with extra = 1..3 (budget C = N * k, standard's), the goodput policy (k chosen per step
+in 0..max k, with a cost model profiled here first or read from --cost-model), and pipelined
+decoding (draft and target alternate two half batches; one device). Throughput (tokens/s) and each
+request's latency (seconds from the call's start until it finished, reported by `on_finish`; p50
+and p90 over the batch) are measured in the same calls. Configurations are warmed up, then timed
+round-robin, one call each per round; `vs_ar` is the median over rounds of the ratio to
+autoregressive within a round (this VM's speed drifts). Outputs are checked identical to
+autoregressive decoding. Writes docs/results/<name>.{json,md} and <name>_{throughput,vsr}.png.
+
+    python scripts/bench_speculative.py [--part sonnet qwen] [--batches 1 4] [--ks 1 2 3 4 5 6]
 """
 
 from __future__ import annotations
@@ -19,13 +28,98 @@ import json
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
+
 import jaxspec
-from jaxspec.benchmarking import machine, table, write_results
+from jaxspec.benchmarking import RESULTS_DIR, machine, round_robin, table, write_results
 from jaxspec.models.loading import smollm2_gguf_path
+from jaxspec.prompts import bucket_batch, bucket_length
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFT = REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+METHODS = ("speculative", "tetris", "goodput", "pipelined")
+COLUMNS = ["task", "batch", "method", "k", "extra", "tok_s", "vs_ar", "latency_p50_s", "latency_p90_s",
+           "acceptance", "vsr", "ter", "mean_accepted", "k_used", "same_output"]
+
+
+def configurations(args, cost):
+    """(method, k, extra, SpecConfig or None) for every configuration timed at one batch size."""
+    configs = [("autoregressive", 0, 0, None)]
+    if "speculative" in args.methods:
+        configs += [("speculative", k, 0, jaxspec.SpecConfig(k=k)) for k in args.ks]
+    if "tetris" in args.methods:
+        configs += [("tetris", k, e, jaxspec.SpecConfig(k=k, extra=e, selection="tetris"))
+                    for k in args.tetris_ks or args.ks for e in args.extras]
+    if "goodput" in args.methods:
+        configs += [("goodput", max(args.ks), 0, jaxspec.SpecConfig(k=max(args.ks), policy="goodput",
+                                                                      cost_model=cost))]
+    if "pipelined" in args.methods:
+        configs += [("pipelined", k, 0, jaxspec.SpecConfig(k=k, pipeline=True)) for k in args.pipeline_ks or args.ks]
+    return configs
+
+
+def cost_model(part, target, draft, prompts, args):
+    """The --cost-model file profiled for this pair, else a fresh profile (saved next to the results)."""
+    draft_name = draft.config.name if isinstance(draft, jaxspec.Model) else "ngram"
+    for path in args.cost_model:
+        cost = jaxspec.CostModel.load(path)
+        if (cost.target_name, cost.draft_name) == (target.config.name, draft_name):
+            print(f"{part}: cost model from {path}", flush=True)
+            return cost
+    # Profiled at the cache size the runs compile for (and half of it) and at their batch buckets.
+    cache_len = (bucket_length(max(map(len, prompts))) + bucket_length(args.new_tokens)
+                 + bucket_length(max(args.ks) + 2, 8))
+    batches = args.profile_batches or sorted({1, 2} | {bucket_batch(b) for b in args.batches})
+    start = time.perf_counter()
+    cost = jaxspec.CostModel.profile(target, draft if isinstance(draft, jaxspec.Model) else None, batches=batches,
+                                     ks=(0, 1, 2, 4), cache_lens=args.profile_cache_lens or (cache_len // 2, cache_len),
+                                     repeats=2)
+    print(f"{part}: cost model profiled in {time.perf_counter() - start:.0f} s (batches {batches}), "
+          f"R^2 {cost.fit['step']['r2']:.3f}", flush=True)
+    cost.save(RESULTS_DIR / f"{args.name}_{part}_cost_model.json")
+    jax.clear_caches()
+    return cost
+
+
+def run_grid(part, task, target, draft, prompts, args):
+    """Rows of every configuration at every batch size; also the autoregressive outputs by batch."""
+    cost = cost_model(part, target, draft, prompts, args) if "goodput" in args.methods else None
+    rows, reference = [], {}
+    for batch in args.batches:
+        ids = [prompts[i % len(prompts)] for i in range(batch)]
+        configs = configurations(args, cost)
+        fns = {}
+        for method, k, extra, spec in configs:
+            label = (method, k, extra)
+            if spec is None:
+                fns[label] = lambda on_finish: jaxspec.generate(target, ids, max_new_tokens=args.new_tokens)
+            else:
+                decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
+                fns[label] = (lambda on_finish, decoder=decoder:
+                              decoder.generate(ids, max_new_tokens=args.new_tokens, on_finish=on_finish))
+        print(f"{task}, batch {batch}: {len(fns)} configurations, warm-up and {args.rounds} round(s)", flush=True)
+        results, seconds, latencies = round_robin(fns, args.rounds)
+        ar = ("autoregressive", 0, 0)
+        reference[batch] = results[ar].tokens
+        for method, k, extra, spec in configs:
+            label = (method, k, extra)
+            res, s = results[label], results[label].stats
+            p50, p90 = (float(np.median(np.percentile(latencies[label], q, axis=1))) for q in (50, 90))
+            row = {"task": task, "batch": batch, "method": method, "k": k, "extra": extra,
+                   "tok_s": sum(map(len, res.tokens)) / float(np.median(seconds[label])),
+                   "vs_ar": float(np.median(seconds[ar] / seconds[label])),
+                   "latency_p50_s": p50, "latency_p90_s": p90,
+                   "acceptance": s.acceptance_rate if spec else None, "vsr": s.vsr if spec else None,
+                   "ter": s.ter if spec else None, "mean_accepted": s.mean_accepted_length if spec else 1.0,
+                   "k_used": float(np.mean(s.extra["k_trace"])) if method == "goodput" else None,
+                   "same_output": res.tokens == reference[batch]}
+            rows.append(row)
+            print(table([row], COLUMNS), flush=True)
+        del fns, results
+        jax.clear_caches()   # programs of this batch size are not reused; keep memory bounded
+    return rows, reference, cost
 
 
 def timed_run(fn, warm):
@@ -35,36 +129,7 @@ def timed_run(fn, warm):
     return time.perf_counter() - start, result
 
 
-def jaxspec_rows(label, target, draft, prompts, batches, ks, new_tokens):
-    """AR and speculative rows for each batch size; returns rows and the AR outputs."""
-    rows, reference = [], {}
-    for batch in batches:
-        ids = prompts[:batch]
-        half = new_tokens // 2 + 1  # same compiled program (output bucket), half the warm-up work
-        seconds, ar = timed_run(lambda: jaxspec.generate(target, ids, max_new_tokens=new_tokens),
-                                lambda: jaxspec.generate(target, ids, max_new_tokens=half))
-        reference[batch] = ar.tokens
-        total = sum(map(len, ar.tokens))
-        base = total / seconds
-        rows.append({"task": label, "batch": batch, "method": "jaxspec autoregressive", "k": 0,
-                     "tok_s": base, "speedup": 1.0, "acceptance": None, "mean_accepted": 1.0,
-                     "same_output": True})
-        print(table(rows[-1:]), flush=True)
-        for k in ks:
-            dec = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k))
-            seconds, res = timed_run(lambda: dec.generate(ids, max_new_tokens=new_tokens),
-                                     lambda: dec.generate(ids, max_new_tokens=half))
-            tok_s = sum(map(len, res.tokens)) / seconds
-            rows.append({"task": label, "batch": batch, "method": "jaxspec speculative", "k": k,
-                         "tok_s": tok_s, "speedup": tok_s / base,
-                         "acceptance": res.stats.acceptance_rate,
-                         "mean_accepted": res.stats.mean_accepted_length,
-                         "same_output": res.tokens == ar.tokens})
-            print(table(rows[-1:]), flush=True)
-    return rows, reference
-
-
-def transformers_rows(label, prompts, new_tokens, reference, jax_ar_tok_s):
+def transformers_rows(task, prompts, new_tokens, reference, jax_ar_tok_s):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -86,10 +151,10 @@ def transformers_rows(label, prompts, new_tokens, reference, jax_ar_tok_s):
                                                                   do_sample=False, pad_token_id=0, **kwargs))
             tokens = out[0, len(prompts[0]):].tolist()
             tok_s = len(tokens) / seconds
-            rows.append({"task": label, "batch": 1, "method": method, "k": None, "tok_s": tok_s,
-                         "speedup": tok_s / jax_ar_tok_s, "acceptance": None, "mean_accepted": None,
+            rows.append({"task": task, "batch": 1, "method": method, "k": None, "extra": None, "tok_s": tok_s,
+                         "vs_ar": tok_s / jax_ar_tok_s, "latency_p50_s": seconds, "latency_p90_s": seconds,
                          "same_output": tokens == reference[1][0]})
-            print(table(rows[-1:]), flush=True)
+            print(table(rows[-1:], COLUMNS), flush=True)
     return rows
 
 
@@ -102,14 +167,15 @@ def qwen_part(args):
     print(f"loaded the Qwen pair in {time.perf_counter() - start:.0f}s", flush=True)
     lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
     prompts = [target.tokenizer(line["prompt"])["input_ids"] for line in lines]
-    rows, reference = jaxspec_rows("qwen-coder 1.5B <- 0.5B, code", target, draft, prompts, args.batches,
-                                   args.ks, args.new_tokens)
-    ar_b1 = next(r["tok_s"] for r in rows if r["batch"] == 1 and r["k"] == 0)
+    task = "qwen-coder 1.5B <- 0.5B, code"
+    rows, reference, cost = run_grid("qwen", task, target, draft, prompts, args)
     del target, draft
     gc.collect()
-    if not args.skip_transformers:
-        rows += transformers_rows("qwen-coder 1.5B <- 0.5B, code", prompts, args.new_tokens, reference, ar_b1)
-    return rows
+    if not args.skip_transformers and 1 in reference:
+        # Against jaxspec at batch 1, timed minutes earlier: a ratio across moments, so rougher.
+        ar_b1 = next(r["tok_s"] for r in rows if r["batch"] == 1 and r["method"] == "autoregressive")
+        rows += transformers_rows(task, prompts, args.new_tokens, reference, ar_b1)
+    return rows, cost
 
 
 def sonnet_part(args):
@@ -122,9 +188,60 @@ def sonnet_part(args):
         chat = model.tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=False,
                                                    add_generation_prompt=True)
         prompts.append(model.tokenizer(chat)["input_ids"])
-    rows, _ = jaxspec_rows("smollm2-135m + n-gram, sonnet", model, jaxspec.NgramDrafter(max_ngram=3),
-                           prompts, args.batches, args.ks, args.new_tokens)
-    return rows
+    rows, _, cost = run_grid("sonnet", "smollm2-135m + n-gram, sonnet", model, jaxspec.NgramDrafter(max_ngram=3),
+                             prompts, args)
+    return rows, cost
+
+
+def plot(rows, name):
+    """<name>_throughput.png: tokens/s against k, one line per method, a panel per task and batch;
+    <name>_vsr.png: TETRIS VSR against extra draft tokens (extra 0 = standard), a line per k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    panels = list(dict.fromkeys((r["task"], r["batch"]) for r in rows if r["k"] is not None))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (task, batch) in zip(axes[0], panels):
+        here = [r for r in rows if (r["task"], r["batch"]) == (task, batch) and r["k"] is not None]
+        lines = {}
+        for r in here:
+            line = r["method"] + (f" extra={r['extra']}" if r["method"] == "tetris" else "")
+            lines.setdefault(line, []).append((r["k"], r["tok_s"]))
+        for line, points in lines.items():
+            ks, tok_s = zip(*sorted(points))
+            if line == "autoregressive":
+                ax.axhline(tok_s[0], color="grey", lw=1, label=line)
+            elif line == "goodput":   # k chosen per step: one value
+                ax.axhline(tok_s[0], color="k", ls="--", lw=1, label=f"goodput (k <= {ks[0]})")
+            else:
+                ax.plot(ks, tok_s, marker="o", lw=2 if line == "speculative" else 1, label=line)
+        ax.set(xlabel="k (draft tokens verified per row)", ylabel="tokens/s", title=f"{task}, batch {batch}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS_DIR / f"{name}_throughput.png", dpi=110)
+    plt.close(fig)
+
+    panels = [p for p in panels if any(r["method"] == "tetris" and (r["task"], r["batch"]) == p for r in rows)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (task, batch) in zip(axes[0], panels):
+        here = [r for r in rows if (r["task"], r["batch"]) == (task, batch)]
+        for k in sorted({r["k"] for r in here if r["method"] == "tetris"}):
+            points = sorted((r["extra"], r["vsr"]) for r in here
+                            if r["k"] == k and r["method"] in ("speculative", "tetris"))
+            ax.plot(*zip(*points), marker="o", label=f"k={k}")
+        ax.set(xlabel="extra draft tokens per row (0 = standard)", ylabel="VSR (accepted / verified)",
+               title=f"TETRIS, {task}, batch {batch}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS_DIR / f"{name}_vsr.png", dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -133,21 +250,55 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                        help="besides autoregressive decoding (always run)")
+    parser.add_argument("--tetris-ks", type=int, nargs="+", help="k of the TETRIS rows (default: --ks)")
+    parser.add_argument("--extras", type=int, nargs="+", default=[1, 2, 3], help="TETRIS extra draft tokens")
+    parser.add_argument("--pipeline-ks", type=int, nargs="+", help="k of the pipelined rows (default: --ks)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds over all configurations")
+    parser.add_argument("--cost-model", nargs="+", default=[], metavar="FILE",
+                        help="cost models to use for the goodput policy (one per pair, matched by the model "
+                             "names in the file); pairs without one are profiled first")
+    parser.add_argument("--profile-batches", type=int, nargs="+",
+                        help="batch sizes the cost model is profiled at (default: 1, 2 and --batches' buckets)")
+    parser.add_argument("--profile-cache-lens", type=int, nargs="+",
+                        help="cache sizes the cost model is profiled at (default: the runs' and half of it)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--name", default="bench_speculative")
     args = parser.parse_args()
-    rows = []
-    if "sonnet" in args.part:
-        rows += sonnet_part(args)
-    if "qwen" in args.part:
-        rows += qwen_part(args)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    rows, costs = [], {}
+    for part, run in (("sonnet", sonnet_part), ("qwen", qwen_part)):
+        if part in args.part:
+            part_rows, cost = run(args)
+            rows += part_rows
+            costs[part] = cost.to_dict() if cost is not None else None
     m = machine()
-    md = (f"Greedy, {args.new_tokens} new tokens, float32 weights dequantised from the GGUF files; each "
-          f"configuration warmed up, then timed once. Machine: {m['processor']}, {m['cpu_count']} cores, "
-          f"{m['device_kind']}, jax {m['jax']}. `speedup` is against jaxspec autoregressive at the same "
-          f"batch (transformers rows: against jaxspec autoregressive at batch 1).\n\n" + table(rows))
+    md = "\n".join([
+        f"Greedy, {args.new_tokens} new tokens per request, float32 weights dequantised from the GGUF files. "
+        f"Every configuration is warmed up, then timed once per round for {args.rounds} round(s), round-robin: "
+        "`tok_s` uses its median time; `vs_ar` is the median over rounds of its speed relative to "
+        "autoregressive decoding within the round (this VM's speed drifts by tens of percent over minutes). "
+        "`latency_p50_s` / `latency_p90_s`: seconds from the call's start until a request finished (reported "
+        "by `on_finish`; the loop then returns to the host once per finished request), median and 90th "
+        "percentile over the batch's requests, median over rounds; autoregressive decoding "
+        "(`jaxspec.generate`) returns every request at the end of the call. TETRIS uses the standard budget "
+        "C = N * k; `goodput` chooses k in 0..max k per step (`k_used`: mean over steps) from a cost model "
+        "(profiled on this machine first, or --cost-model); `pipelined` alternates draft and target over two "
+        "half batches on one device (at batch 1: one batch, stepped from the host). VSR = accepted / verified drafts, "
+        "TER = emitted / (verified + one per row-step). "
+        "`same_output`: identical to autoregressive decoding. Transformers rows (batch 1, timed once after a "
+        "short warm-up): `vs_ar` against jaxspec autoregressive at batch 1, timed minutes apart. "
+        f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
+        f"Total time {time.perf_counter() - start:.0f} s.",
+        "", table(rows, COLUMNS), "", f"![throughput against k]({args.name}_throughput.png)"]
+        + (["", f"![TETRIS VSR]({args.name}_vsr.png)"] if "tetris" in args.methods else []))
+    plot(rows, args.name)
     print("\n" + md)
-    write_results(args.name, {"new_tokens": args.new_tokens, "rows": rows}, md)
+    write_results(args.name, {"args": vars(args), "cost_models": costs, "rows": rows}, md)
 
 
 if __name__ == "__main__":

