@@ -96,6 +96,7 @@ def test_refill_after_eos_and_ngram_drafter(pair, requests):
     assert decoder.generate(requests, max_new_tokens=30, eos_token_id=eos, batch_size=2).tokens == want
 
 
+@pytest.mark.slow  # 25 s; sampling with refills also chi-square tested here
 def test_sampling_is_independent_of_slots(pair, requests):
     """Standard selection only: under TETRIS which drafts a row verifies depends on its neighbours,
     so sampled tokens (not their distribution, tested below) change with the batch."""

@@ -57,6 +57,7 @@ def check_greedy_lossless(target, draft, ks, prompts, max_new=20, **spec_kwargs)
     return results
 
 
+@pytest.mark.slow  # 30 s; standard greedy also in test_batching
 def test_greedy_lossless_draft_equals_target(small):
     target = small[0]
     stats_by_k = check_greedy_lossless(target, target, range(1, 7), ragged_prompts(SMALL_VOCAB))
@@ -64,6 +65,7 @@ def test_greedy_lossless_draft_equals_target(small):
         assert s.acceptance_rate == 1.0, k
 
 
+@pytest.mark.slow  # 25 s; standard greedy also in test_batching
 def test_greedy_lossless_unrelated_draft(small):
     target, draft, _ = small
     stats_by_k = check_greedy_lossless(target, draft, range(1, 7), ragged_prompts(SMALL_VOCAB, 1))
@@ -71,6 +73,7 @@ def test_greedy_lossless_unrelated_draft(small):
     assert np.mean(rates) > 0.01 and max(rates) < 0.6, rates
 
 
+@pytest.mark.slow  # 35 s; chains also in test_batching
 def test_greedy_lossless_three_level_chain(small):
     target, middle, smallest = small
     prompts = ragged_prompts(SMALL_VOCAB, 2)
@@ -230,6 +233,7 @@ def test_sampling_lossless_tetris(vocab6, sampling):
     assert 0 < result.stats.vsr < 1 and result.stats.mean_draft_length <= 0.5
 
 
+@pytest.mark.slow  # 35 s; TETRIS sampling also in test_sampling_lossless_tetris
 def test_sampling_lossless_tetris_greedy_draft_ngram_and_chain(vocab6):
     target, middle, smallest = vocab6
     sampling = SamplingConfig(temperature=1.0)
