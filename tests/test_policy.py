@@ -20,6 +20,16 @@ def test_expected_tokens_per_step_matches_simulation(alpha, k):
     assert float(policy.expected_tokens_per_step(alpha, k)) == pytest.approx(emitted.mean(), rel=0.01)
 
 
+def test_host_expected_tokens_equal_the_device_formula():
+    """The engine's numpy twin (used between segments) agrees with `expected_tokens_per_step`."""
+    from jaxspec.engine import _expected_tokens
+
+    alpha = np.array([0.0, 0.3, 0.8, 0.999, 1.0])
+    ks = (0, 1, 4, 7)
+    want = [float(np.sum(policy.expected_tokens_per_step(alpha, k))) for k in ks]
+    np.testing.assert_allclose(_expected_tokens(alpha, ks), want, rtol=1e-5)
+
+
 def test_expected_tokens_per_step_at_alpha_one_is_exact():
     assert float(policy.expected_tokens_per_step(1.0, 5)) == 6.0
 
