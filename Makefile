@@ -35,7 +35,7 @@ bench-decode: $(STAMP)
 	$(BIN)/python scripts/bench_decode.py
 
 bench-speculative: $(STAMP)
-	$(BIN)/python scripts/bench_speculative.py --part sonnet --name bench_speculative_sonnet
+	$(BIN)/python scripts/bench_speculative.py --part sonnet --tetris-ks 2 4 --pipeline-ks 2 4 --rounds 2 --name bench_speculative_sonnet
 	$(BIN)/python scripts/bench_speculative.py --part qwen --tetris-ks 2 4 --pipeline-ks 2 4 --rounds 2 --name bench_speculative_qwen
 
 bench-tetris: $(STAMP)
