@@ -459,7 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default="none", help="path, preset:NAME, or none/ngram (no draft model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batches", type=_ints, default=(1, 2, 4, 8, 16), help="comma-separated batch sizes")
-    p.add_argument("--ks", type=_draft_lengths, default=(0, 1, 2, 4), help="draft lengths timed (must include 0)")
+    p.add_argument("--ks", type=_draft_lengths, default=(0, 1, 2, 4),
+                   help="draft lengths timed (0 and at least two values >= 1)")
     p.add_argument("--cache-lens", type=_ints, default=(128, 512), help="cache sizes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output", default="cost_model.json")

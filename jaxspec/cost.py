@@ -7,18 +7,26 @@ shapes it has not run yet. Both models are linear in the work that scales:
     target verification        = target_fixed + target_per_token * batched_tokens
                                  + target_per_context_token * context_tokens
                                  + target_per_attention * attention_pairs
+    speculation (any k >= 1)   = speculation_fixed + speculation_per_row * batch
 
 with batched_tokens the tokens the target runs (N * (k + 1) padded, N + C packed), context_tokens
 the key/value slots attention reads (rows * cache length: the compiled attention reads every slot
 of the static cache, masked), and attention_pairs the query x key products it computes (rows *
 window * cache length: attention runs in the padded per-row layout even when the token-wise work
 is packed). The first three terms are the contract's; the last is what makes a window of k + 1
-tokens dearer than k + 1 separate decode steps at long contexts. Seconds throughout.
+tokens dearer than k + 1 separate decode steps at long contexts. The speculation terms are what a
+step that drafts at all pays on top (the drafter's catch-up on the last emitted tokens, the draft
+sampling, acceptance and bookkeeping over a window): measured steps jump from k = 0 to k = 1 by
+much more than from k = 1 to k = 2, and a model linear in k alone put plain decoding at 1.75x its
+real cost at batch 1, which is exactly the comparison the policy must get right. Seconds
+throughout.
 
 `CostModel.profile` times the real decode step (draft k positions, verify, accept, commit) over a
 grid of batch sizes, draft lengths and cache sizes, inside one compiled loop as the decode loop runs
 it (no per-call dispatch, caches updated in place), after warm-up, with `block_until_ready`,
-medians over repeats, and fits all coefficients at once by non-negative least squares, reporting
+medians over repeats, and fits all coefficients at once by non-negative least squares on relative
+errors (step times span two orders of magnitude over the grid, and the policy compares ratios:
+an absolute fit lets the large-batch points decide and leaves small batches 50-80% off), reporting
 R^2 and the worst relative error on held-out points. (Timing the draft and target forwards one jit
 call at a time, as a first version did, measured host dispatch and a copy of the whole cache that
 the loop never pays, and missed the step's sampling and bookkeeping: predictions were off by up to
@@ -39,7 +47,7 @@ import jax
 import numpy as np
 
 REQUIRED = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token")
-COEFFICIENTS = REQUIRED + ("target_per_attention",)
+COEFFICIENTS = REQUIRED + ("target_per_attention", "speculation_fixed", "speculation_per_row")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +59,8 @@ class CostModel:
       target_fixed, target_per_token, target_per_context_token, target_per_attention: one
         verification = fixed + per_token * batched tokens + per_context_token * key/value slots
         read + per_attention * query x key products.
+      speculation_fixed, speculation_per_row: added to a step that drafts (k >= 1): fixed +
+        per_row * batch.
       target_name, draft_name, dtype, mesh_shape, device_kind: provenance (checked on load).
       fit: quality of the fit (R^2, worst held-out relative error, number of points).
     """
@@ -61,6 +71,8 @@ class CostModel:
     target_per_token: float
     target_per_context_token: float
     target_per_attention: float = 0.0
+    speculation_fixed: float = 0.0
+    speculation_per_row: float = 0.0
     target_name: str = ""
     draft_name: str = ""
     dtype: str = ""
@@ -77,12 +89,14 @@ class CostModel:
     @classmethod
     def from_coefficients(cls, *, draft_fixed: float, draft_per_token: float, target_fixed: float,
                           target_per_token: float, target_per_context_token: float = 0.0,
-                          target_per_attention: float = 0.0, **provenance) -> CostModel:
+                          target_per_attention: float = 0.0, speculation_fixed: float = 0.0,
+                          speculation_per_row: float = 0.0, **provenance) -> CostModel:
         """A cost model from known coefficients (tests, what-if studies)."""
         return cls(draft_fixed=float(draft_fixed), draft_per_token=float(draft_per_token),
                    target_fixed=float(target_fixed), target_per_token=float(target_per_token),
                    target_per_context_token=float(target_per_context_token),
-                   target_per_attention=float(target_per_attention), **provenance)
+                   target_per_attention=float(target_per_attention), speculation_fixed=float(speculation_fixed),
+                   speculation_per_row=float(speculation_per_row), **provenance)
 
     # --- predictions ---
 
@@ -101,8 +115,9 @@ class CostModel:
         k = 0 is a plain decoding step. `cache_len` is the compiled cache size."""
         window = k + 1 if window is None else window
         tokens = batch * (k + 1) if packed_tokens is None else packed_tokens
-        return self.draft_seconds(batch, k) + self.verify_seconds(tokens, batch * cache_len,
-                                                                  batch * window * cache_len)
+        speculation = self.speculation_fixed + self.speculation_per_row * batch if k > 0 else 0.0
+        return (self.draft_seconds(batch, k) + speculation
+                + self.verify_seconds(tokens, batch * cache_len, batch * window * cache_len))
 
     # --- persistence ---
 
@@ -160,39 +175,50 @@ class CostModel:
             raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
         if draft is not None and not isinstance(draft, Model):
             raise ValueError(f"draft must be a jaxspec.Model or None, got {type(draft).__name__}")
-        if 0 not in ks or max(ks) < 1:
-            raise ValueError(f"ks must include 0 and some k >= 1 to separate draft from verify costs, got {ks}")
+        if 0 not in ks or len({k for k in ks if k >= 1}) < 2:
+            raise ValueError(f"ks must include 0 and at least two values >= 1 to separate drafting, speculation "
+                             f"and verification costs, got {ks}")
         drafter = (ModelDrafter(draft) if draft is not None
                    else NgramDrafter().bind_vocab(target.config.vocab_size))
         points = [(b, k, s, time_steps(target, drafter, k, b, s, repeats=repeats))
                   for b in batches for k in ks for s in cache_lens]
-        # Step = k * draft(b) + verify(b * (k + 1) tokens, b * s slots, b * (k + 1) * s pairs), with
-        # s the compiled cache size the step ran at.
-        x = np.array([[k, k * b, 1.0, b * (k + 1), b * s, b * (k + 1) * s] for b, k, s, _ in points])
-        y = np.array([sec for *_, sec in points])
+        return cls.fit_points(points, target_name=target.config.name,
+                              draft_name=draft.config.name if draft is not None else "ngram", dtype=str(target.dtype),
+                              mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind)
+
+    @classmethod
+    def fit_points(cls, points, **provenance) -> CostModel:
+        """Fits every coefficient to measured steps `(batch, k, cache_len, seconds)` (a profile's
+        `fit["step"]["points_seconds"]` can be refitted this way)."""
+        points = [tuple(p) for p in points]
+        # Step = k * draft(b) + [k > 0] * speculation(b) + verify(b * (k + 1) tokens, b * s slots,
+        # b * (k + 1) * s pairs), with s the compiled cache size the step ran at.
+        x = np.array([[k, k * b, 1.0, b * (k + 1), b * s, b * (k + 1) * s, float(k > 0), float(k > 0) * b]
+                      for b, k, s, _ in points], np.float64)
+        y = np.array([sec for *_, sec in points], np.float64)
         coef, fit = fit_linear(x, y)
-        fit["points_seconds"] = [[b, k, s, sec] for b, k, s, sec in points]
-        return cls(draft_fixed=float(coef[0]), draft_per_token=float(coef[1]), target_fixed=float(coef[2]),
-                   target_per_token=float(coef[3]), target_per_context_token=float(coef[4]),
-                   target_per_attention=float(coef[5]), target_name=target.config.name,
-                   draft_name=draft.config.name if draft is not None else "ngram", dtype=str(target.dtype),
-                   mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind, fit={"step": fit})
+        fit["points_seconds"] = [[int(b), int(k), int(s), float(sec)] for b, k, s, sec in points]
+        names = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token",
+                 "target_per_attention", "speculation_fixed", "speculation_per_row")
+        return cls(**{name: float(c) for name, c in zip(names, coef)}, **provenance, fit={"step": fit})
 
 
-def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4) -> tuple[np.ndarray, dict]:
+def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: bool = True) -> tuple[np.ndarray, dict]:
     """Non-negative least squares of y on the columns of x, with a held-out check.
 
     Every `holdout_every`-th point is held out of a first fit to measure the worst relative error
     of predictions on shapes the fit has not seen; the returned coefficients then use all points.
-    Coefficients are clipped at zero (a negative cost is noise) and the rest refitted.
+    Coefficients are clipped at zero (a negative cost is noise) and the rest refitted. `relative`:
+    minimise squared relative errors (each point weighted by 1 / y), not absolute ones.
     """
     x, y = np.asarray(x, float), np.asarray(y, float)
+    w = 1.0 / np.abs(y) if relative else np.ones_like(y)
     held = np.zeros(len(y), bool)
     if len(y) >= 2 * x.shape[1] and holdout_every > 1:
         held[holdout_every - 1::holdout_every] = True
-    coef_train = _nonnegative_lstsq(x[~held], y[~held])
+    coef_train = _nonnegative_lstsq(x[~held] * w[~held, None], y[~held] * w[~held])
     worst = float(np.max(np.abs(x[held] @ coef_train - y[held]) / y[held])) if held.any() else None
-    coef = _nonnegative_lstsq(x, y)
+    coef = _nonnegative_lstsq(x * w[:, None], y * w)
     residual = y - x @ coef
     r2 = 1.0 - float(residual @ residual) / float(((y - y.mean()) ** 2).sum()) if len(y) > 1 and y.std() > 0 else 1.0
     return coef, {"r2": r2, "worst_heldout_rel_error": worst, "points": int(len(y)), "heldout": int(held.sum())}

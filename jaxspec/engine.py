@@ -196,7 +196,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
     state = state.replace(target_cache=target_cache)
-    if state.policy is not None:
+    if state.policy is not None and k > 0:   # a plain step observes nothing (see `policy.age`)
         state = state.replace(policy=policy_lib.observe(state.policy, proposal.logprob_bk, verify_b, accepted_b,
                                                         live_b))
     record = _record_for_level_above(logits_bk1v, emitted_bk1, sampling) if state.probs_bov is not None else None
@@ -316,7 +316,7 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     if schedule.drafts:
         state = state.replace(draft_state=drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len))
     if schedule.predict_ks is not None:
-        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], out_len, 0)
+        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0)
         policy = policy.replace(choice=policy_lib.choose_k(policy, ~state.done_b, schedule.predict_ks,
                                                            seconds["plans"]))
         state = state.replace(policy=policy)
@@ -347,41 +347,47 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     now and then so the host can correct the cost model with measured times). A negative
     `stop_on_finish` returns at once (compile only).
 
-    Under the goodput policy, after each step the policy chooses the next step's plan on device
-    from the statistics that step has just updated; while it keeps choosing this plan the loop
-    goes on, and once it has chosen another (and this plan ran MIN_SEGMENT steps) the loop returns
-    so the host can run the chosen plan's program. Each plan is its own program: choosing among
-    branches inside one loop (`lax.switch`) made XLA copy the loop state, caches included, every
-    step (1.3-1.4x the step time at batch 64, scripts/switch_overhead.py). The trace of plans run
-    restarts at each call (a call runs at most out_len steps).
+    Under the goodput policy, after each drafting step the policy chooses the next step's plan
+    on device from the statistics that step has just updated; while it keeps choosing this plan
+    the loop goes on, and once it has chosen another (and this plan ran MIN_SEGMENT steps) the
+    loop returns so the host can run the chosen plan's program. A plain decoding plan (k = 0)
+    observes nothing, so its steps skip the policy entirely (they cost what an autoregressive step
+    does) and it chooses once, on return, after ageing the evidence for the steps run
+    (`policy.age`). Each plan is its own program: choosing among branches inside one loop
+    (`lax.switch`) made XLA copy the loop state, caches included, every step (1.3-1.4x the step
+    time at batch 64, scripts/switch_overhead.py). A call runs one plan, so the host counts its
+    steps from `state.steps`.
     """
     b = state.seq_bl.shape[0]
     plan = schedule.plans[plan_index]
     goodput = schedule.predict_ks is not None
+    choose_each_step = goodput and plan.k > 0
     entry_steps = state.steps
     entry_done = jnp.sum(state.done_b.astype(jnp.int32))
     stop_at_done = jnp.where(stop_on_finish > 0, entry_done + 1, jnp.where(stop_on_finish < 0, 0, b + 1))
-    if goodput:
-        state = state.replace(policy=state.policy.replace(trace_s=jnp.full_like(state.policy.trace_s, -1)))
+
+    def choose(state, optimistic):
+        return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic)
 
     def body(state):
         state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
                                  request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
-        if not goodput:
-            return state
-        pol = state.policy
-        next_choice = policy_lib.choose_k(pol, ~state.done_b, schedule.predict_ks, seconds["plans"])
-        return state.replace(policy=pol.replace(choice=next_choice,
-                                                trace_s=pol.trace_s.at[state.steps - 1 - entry_steps].set(plan_index)))
+        if choose_each_step:
+            state = state.replace(policy=state.policy.replace(choice=choose(state, optimistic=False)))
+        return state
 
     def running(state):
         done = jnp.sum(state.done_b.astype(jnp.int32))
         go = (done < b) & (done < stop_at_done) & (state.steps - entry_steps < max_steps)
-        if goodput:
+        if choose_each_step:
             go &= (state.policy.choice == plan_index) | (state.steps - entry_steps < MIN_SEGMENT)
         return go
 
-    return jax.lax.while_loop(running, body, state)
+    state = jax.lax.while_loop(running, body, state)
+    if goodput and not choose_each_step:
+        state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
+        state = state.replace(policy=state.policy.replace(choice=choose(state, optimistic=True)))
+    return state
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(6,))
@@ -590,15 +596,14 @@ class SpeculativeDecoder:
                                   max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop)),
                                   put(jnp.int32(segment_cap)) if goodput else no_cap,
                                   **static, plan_index=plan_index)
-            done_b, out_bo, n_out_b, counters, steps, trace, choice, alpha_b = jax.device_get(
+            done_b, out_bo, n_out_b, counters, steps, choice, alpha_b = jax.device_get(
                 (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
-                 state.policy.trace_s if goodput else None, state.policy.choice if goodput else None,
-                 state.policy.planning_alpha_b() if goodput else None))
+                 state.policy.choice if goodput else None, state.policy.alpha_b() if goodput else None))
             segment_seconds = time.perf_counter() - segment_start
-            step_ks += ([schedule.plans[int(c)].k for c in trace if c >= 0] if goodput
-                        else [schedule.plans[0].k] * (int(steps) - len(step_ks)))
+            segment_steps = int(steps) - len(step_ks)
+            step_ks += [schedule.plans[plan_index].k] * segment_steps
             if goodput:
-                tracker.observe(plan_index, int(np.sum(trace >= 0)), segment_seconds, trial=trial is not None)
+                tracker.observe(plan_index, segment_steps, segment_seconds, trial=trial is not None)
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
                 tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
                 trial = tracker.explore(int(choice), tokens_j)

@@ -29,6 +29,7 @@ CALIBRATION_BINS = 16
 PRIOR_ALPHA = 0.6      # acceptance assumed before anything is observed
 PRIOR_WEIGHT = 2.0     # how many observations the prior is worth
 DECAY = 0.9            # per-step decay of the counts (a moving average over ~10 steps)
+OFF_DECAY = 0.97       # per-step decay while speculation is off (nothing observed; see `age`)
 EXPLORE = 0.3          # optimism bonus for rows with little recent evidence (see `planning_alpha_b`)
 
 
@@ -48,20 +49,20 @@ class PolicyState:
     calib_tried_c: jax.Array    # decayed verified slots per confidence bin
     calib_accepted_c: jax.Array  # decayed accepted slots per confidence bin
     choice: jax.Array           # candidate index for the next step
-    trace_s: jax.Array          # the candidate index used at each step (-1: no step)
 
     @classmethod
-    def init(cls, b: int, max_steps: int, first_choice: int, bins: int = CALIBRATION_BINS) -> PolicyState:
+    def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS) -> PolicyState:
         return cls(accepted_b=jnp.zeros((b,), jnp.float32), trials_b=jnp.zeros((b,), jnp.float32),
                    calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
-                   choice=jnp.int32(first_choice), trace_s=jnp.full((max_steps,), -1, jnp.int32))
+                   choice=jnp.int32(first_choice))
 
     def alpha_b(self) -> jax.Array:
         """Per-row acceptance estimate, shrunk toward the prior when little has been seen."""
         return (self.accepted_b + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.trials_b + PRIOR_WEIGHT)
 
     def planning_alpha_b(self) -> jax.Array:
-        """The estimate plans use: optimistic in proportion to how little was seen lately.
+        """The estimate used to decide whether to (re)start speculating: optimistic in proportion
+        to how little was seen lately.
 
         While speculation is off nothing is observed and the counts decay, so the bonus grows
         back and a row whose acceptance might now pay for drafting gets probed again; a cost model
@@ -110,6 +111,19 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
         calib_accepted_c=state.calib_accepted_c * decay + hit_c)
 
 
+def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
+    """The counts after `steps` steps without drafting (traced count, applied once).
+
+    Plain decoding steps observe nothing, so the decode loop skips the policy in them and ages the
+    evidence once when it returns. The rate is slower than `DECAY`: it sets how often a batch that
+    switched speculation off probes it again (the planning estimate's optimism grows back as the
+    counts shrink), and every probe of a draft length that does not pay costs steps.
+    """
+    factor = jnp.asarray(decay, jnp.float32) ** jnp.asarray(steps, jnp.float32)
+    return state.replace(accepted_b=state.accepted_b * factor, trials_b=state.trials_b * factor,
+                         calib_tried_c=state.calib_tried_c * factor, calib_accepted_c=state.calib_accepted_c * factor)
+
+
 def goodput_of_ks(alpha_b, live_b, ks, seconds_j):
     """Predicted goodput (tokens per second) of each candidate draft length.
 
@@ -126,9 +140,16 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j):
     return tokens_j / seconds_j
 
 
-def choose_k(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
-    """Index into `ks` of the candidate with the highest predicted goodput (first on ties)."""
-    return jnp.argmax(goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j)).astype(jnp.int32)
+def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True) -> jax.Array:
+    """Index into `ks` of the candidate with the highest predicted goodput (first on ties).
+
+    `optimistic`: plan with `planning_alpha_b` (the decode loop does when speculation is off or
+    nothing has been seen yet, to decide whether to probe it); else with the plain estimate
+    `alpha_b` (while drafting, evidence flows every step: a bonus would only keep speculation on
+    where it does not pay, e.g. at large batches where plain decoding wins by a few percent).
+    """
+    alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
+    return jnp.argmax(goodput_of_ks(alpha_b, live_b, ks, seconds_j)).astype(jnp.int32)
 
 
 def goodput_of_capacities(cum_logprob_flat, num_live, capacities, seconds_j):

@@ -20,6 +20,37 @@ def test_fit_recovers_known_coefficients_from_noisy_timings():
     assert fit["r2"] > 0.98 and fit["worst_heldout_rel_error"] < 0.15 and fit["heldout"] == len(grid) // 4
 
 
+def test_fit_points_recovers_every_step_coefficient_including_the_cost_of_speculating():
+    """Synthetic steps over the profile's grid, from known coefficients with multiplicative noise:
+    the fit recovers them, and predicts plain decoding and k = 1 at batch 1 (where the old model,
+    linear in k, was 75% off) within a few percent."""
+    true = CostModel.from_coefficients(draft_fixed=4e-4, draft_per_token=2e-6, target_fixed=1.2e-3,
+                                       target_per_token=1e-4, target_per_context_token=2e-7,
+                                       target_per_attention=5e-8, speculation_fixed=1.5e-3,
+                                       speculation_per_row=8e-5)
+    rng = np.random.default_rng(4)
+    points = [(b, k, s, true.step_seconds(b, k, s) * rng.normal(1.0, 0.02))
+              for b in (1, 2, 4, 8, 16, 32, 64) for k in (0, 1, 2, 4, 6) for s in (128, 256)]
+    fitted = CostModel.fit_points(points, target_name="t")
+    for name in ("target_fixed", "target_per_token", "speculation_fixed", "speculation_per_row"):
+        assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=0.25), name
+    for b, k in ((1, 0), (1, 1), (64, 0), (64, 1), (16, 4)):
+        assert fitted.step_seconds(b, k, 200) == pytest.approx(true.step_seconds(b, k, 200), rel=0.05), (b, k)
+    assert fitted.fit["step"]["points"] == len(points) and fitted.target_name == "t"
+    # Without the speculation terms the same points cannot be described.
+    x = np.array([[k, k * b, 1.0, b * (k + 1), b * s, b * (k + 1) * s] for b, k, s, _ in points])
+    _, linear_in_k = fit_linear(x, np.array([p[3] for p in points]))
+    assert linear_in_k["worst_heldout_rel_error"] > 2 * fitted.fit["step"]["worst_heldout_rel_error"]
+
+
+def test_speculation_terms_apply_only_to_drafting_steps():
+    cost = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1.0, target_per_token=0.0,
+                                       speculation_fixed=2.0, speculation_per_row=0.5)
+    assert cost.step_seconds(4, 0, 10) == pytest.approx(1.0)
+    assert cost.step_seconds(4, 1, 10) == pytest.approx(1.0 + 2.0 + 2.0)
+    assert cost.step_seconds(4, 5, 10, packed_tokens=9) == pytest.approx(1.0 + 2.0 + 2.0)
+
+
 def test_fit_never_returns_negative_costs():
     rng = np.random.default_rng(1)
     x = np.array([[1.0, b] for b in range(1, 17)])

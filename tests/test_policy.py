@@ -36,7 +36,7 @@ def test_expected_tokens_per_step_at_alpha_one_is_exact():
 
 def state_with_alpha(alpha_b, weight=1e4):
     alpha_b = jnp.asarray(alpha_b, jnp.float32)
-    state = policy.PolicyState.init(len(alpha_b), 8, 0)
+    state = policy.PolicyState.init(len(alpha_b), 0)
     return state.replace(accepted_b=alpha_b * weight, trials_b=jnp.full_like(alpha_b, weight))
 
 
@@ -60,12 +60,35 @@ def test_choice_is_the_brute_force_argmax():
         cost = CostModel.from_coefficients(draft_fixed=rng.uniform(0, 2e-3), draft_per_token=rng.uniform(0, 1e-4),
                                            target_fixed=rng.uniform(1e-3, 2e-2), target_per_token=rng.uniform(0, 1e-3),
                                            target_per_context_token=rng.uniform(0, 1e-6),
-                                           target_per_attention=rng.uniform(0, 1e-7))
+                                           target_per_attention=rng.uniform(0, 1e-7),
+                                           speculation_fixed=rng.uniform(0, 2e-3),
+                                           speculation_per_row=rng.uniform(0, 1e-4))
         seconds = jnp.asarray([cost.step_seconds(b, k, 256) for k in ks], jnp.float32)
-        got = policy.choose_k(state_with_alpha(alpha_b), jnp.asarray(live_b), ks, seconds)
-        want = brute_force_k(state_with_alpha(alpha_b).planning_alpha_b(), live_b, ks, cost, b, 256)
-        if live_b.any():
-            assert int(got) == want
+        # Little evidence (a few trials' worth), so the optimistic estimate differs from the plain one.
+        state = state_with_alpha(alpha_b, weight=float(rng.uniform(0.5, 20)))
+        for optimistic, alpha_used in ((True, state.planning_alpha_b()), (False, state.alpha_b())):
+            got = policy.choose_k(state, jnp.asarray(live_b), ks, seconds, optimistic=optimistic)
+            want = brute_force_k(np.asarray(alpha_used), live_b, ks, cost, b, 256)
+            if live_b.any():
+                assert int(got) == want
+
+
+def test_ageing_shrinks_the_evidence_so_speculation_that_was_switched_off_is_probed_again():
+    """After speculation went off on alpha = 0.5, the plain estimate keeps it off; the optimistic one
+    probes it again only once the evidence has aged (about 100 steps without drafting)."""
+    ks = (0, 1, 2, 3)
+    cost = CostModel.from_coefficients(draft_fixed=8e-4, draft_per_token=0.0, target_fixed=2e-3,
+                                       target_per_token=0.0, speculation_fixed=1e-3)
+    seconds = jnp.asarray([cost.step_seconds(4, k, 64) for k in ks], jnp.float32)
+    live = jnp.ones((4,), bool)
+    state = state_with_alpha([0.5] * 4, weight=20.0)
+    aged = policy.age(state, 10)
+    np.testing.assert_allclose(aged.trials_b, 20.0 * policy.OFF_DECAY ** 10, rtol=1e-5)
+    np.testing.assert_allclose(aged.alpha_b(), policy.age(state, 0).alpha_b(), atol=0.02)   # alpha itself kept
+    assert int(policy.choose_k(state, live, ks, seconds, optimistic=False)) == 0
+    assert int(policy.choose_k(policy.age(state, 10), live, ks, seconds, optimistic=True)) == 0
+    assert int(policy.choose_k(policy.age(state, 150), live, ks, seconds, optimistic=True)) > 0
+    assert int(policy.choose_k(policy.age(state, 150), live, ks, seconds, optimistic=False)) == 0
 
 
 def test_expensive_draft_turns_speculation_off_and_free_perfect_draft_maxes_k():
@@ -101,7 +124,7 @@ def test_calibration_converges_to_the_true_acceptance_curve():
     """A synthetic drafter whose slot is accepted with probability conf**2."""
     rng = np.random.default_rng(3)
     b, k, steps = 16, 4, 400
-    state = policy.PolicyState.init(b, 8, 0)
+    state = policy.PolicyState.init(b, 0)
     observe = jax.jit(lambda s, lp, v, a: policy.observe(s, lp, v, a, jnp.ones((b,), bool), decay=1.0))
     for _ in range(steps):
         conf = rng.uniform(0.02, 1.0, (b, k))
