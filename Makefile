@@ -36,7 +36,7 @@ bench-decode: $(STAMP)
 
 bench-speculative: $(STAMP)
 	$(BIN)/python scripts/bench_speculative.py --part sonnet --tetris-ks 2 4 --pipeline-ks 2 4 --rounds 2 --name bench_speculative_sonnet
-	$(BIN)/python scripts/bench_speculative.py --part qwen --tetris-ks 2 4 --pipeline-ks 2 4 --rounds 2 --name bench_speculative_qwen
+	$(BIN)/python scripts/bench_speculative.py --part qwen --new-tokens 64 --ks 1 2 3 4 --tetris-ks 2 --pipeline-ks 2 --rounds 2 --profile-batches 1 4 --name bench_speculative_qwen
 
 bench-tetris: $(STAMP)
 	$(BIN)/python scripts/bench_tetris.py --part tiny
