@@ -307,17 +307,24 @@ class StepTimeTracker:
         """Seconds per step of each plan: the prediction times its ratio."""
         return self.predicted_j * self.ratio()
 
-    def explore(self, chosen: int, tokens_j) -> int | None:
+    def explore(self, chosen: int, tokens_j, baseline: int | None = None) -> int | None:
         """A plan worth one short trial instead of `chosen`, or None.
 
         Args:
           chosen: the plan the policy picked.
           tokens_j: expected tokens per step of each plan under current acceptance estimates.
+          baseline: plain decoding's plan. It is trialled first and outside the budget while it is
+            untried and within the margin: at the batch sizes where speculation stops paying the
+            two are within a few percent, closer than any profile ranks them, and a trial of the
+            baseline can cost no more than the speculation it forgoes.
         """
-        if self.trial_steps > self.explore_budget * self.total_steps:
-            return None
         goodput_j = np.asarray(tokens_j, np.float64) / self.corrected()
         best = goodput_j[chosen]
+        if (baseline is not None and baseline != chosen and not self.tried_j[baseline]
+                and goodput_j[baseline] >= (1.0 - self.explore_margin) * best):
+            return int(baseline)
+        if self.trial_steps > self.explore_budget * self.total_steps:
+            return None
         for j in np.argsort(-goodput_j):
             if j != chosen and not self.tried_j[j] and goodput_j[j] >= (1.0 - self.explore_margin) * best:
                 return int(j)

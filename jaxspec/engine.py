@@ -606,7 +606,11 @@ class SpeculativeDecoder:
                 tracker.observe(plan_index, segment_steps, segment_seconds, trial=trial is not None)
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
                 tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
-                trial = tracker.explore(int(choice), tokens_j)
+                if trial is not None and schedule.plans[plan_index].k == 0 and tokens_j.size:
+                    # The baseline was just measured: decide on the measurement now (the device
+                    # chose with the step times from before it).
+                    choice = int(np.argmax(tokens_j / tracker.corrected()))
+                trial = tracker.explore(int(choice), tokens_j, baseline=schedule.predict_ks.index(0))
                 plan_index = int(choice) if trial is None else trial
                 segment_cap = min(2 * segment_cap, MAX_SEGMENT_CAP)
             table.harvest(done_b, out_bo, n_out_b, counters)

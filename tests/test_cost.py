@@ -161,3 +161,15 @@ def test_tracker_explores_close_untried_plans_only():
     assert tracker.explore(0, tokens) == 2
     with pytest.raises(ValueError, match="predicted_j"):
         StepTimeTracker(np.array([1.0, 0.0]))
+
+
+def test_tracker_trials_the_plain_decoding_baseline_first_and_outside_the_budget():
+    tracker = StepTimeTracker(np.ones(4))
+    tokens = np.array([0.9, 1.0, 0.98, 0.5])          # baseline (plan 0) within 15% of the chosen plan 1
+    tracker.observe(2, 4, 4.0, trial=True)             # the trial budget is spent
+    assert tracker.explore(1, tokens) is None
+    assert tracker.explore(1, tokens, baseline=0) == 0
+    tracker.observe(0, 4, 4.0, trial=True)
+    assert tracker.explore(1, tokens, baseline=0) is None          # measured once is enough
+    far = StepTimeTracker(np.ones(3))
+    assert far.explore(1, np.array([0.5, 1.0, 0.99]), baseline=0) == 2   # not within the margin
