@@ -192,15 +192,15 @@ class CostModel:
         `fit["step"]["points_seconds"]` can be refitted this way)."""
         points = [tuple(p) for p in points]
         # Step = k * draft(b) + [k > 0] * speculation(b) + verify(b * (k + 1) tokens, b * s slots,
-        # b * (k + 1) * s pairs), with s the compiled cache size the step ran at.
+        # b * (k + 1) * s pairs), with s the compiled cache size the step ran at; columns in the
+        # order of COEFFICIENTS.
         x = np.array([[k, k * b, 1.0, b * (k + 1), b * s, b * (k + 1) * s, float(k > 0), float(k > 0) * b]
                       for b, k, s, _ in points], np.float64)
         y = np.array([sec for *_, sec in points], np.float64)
         coef, fit = fit_linear(x, y)
         fit["points_seconds"] = [[int(b), int(k), int(s), float(sec)] for b, k, s, sec in points]
-        names = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token",
-                 "target_per_attention", "speculation_fixed", "speculation_per_row")
-        return cls(**{name: float(c) for name, c in zip(names, coef)}, **provenance, fit={"step": fit})
+        return cls(**{name: float(c) for name, c in zip(COEFFICIENTS, coef, strict=True)}, **provenance,
+                   fit={"step": fit})
 
 
 def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: bool = True) -> tuple[np.ndarray, dict]:
