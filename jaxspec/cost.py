@@ -247,8 +247,10 @@ class StepTimeTracker:
     steps each plan ran and how long that took. For each plan j the tracker keeps decayed sums of
     measured seconds and of the model's predicted seconds for the same steps; the corrected time is
     prediction_j * ratio_j, where ratio_j shrinks the plan's own measured/predicted ratio toward the
-    ratio over all plans (`prior_steps` steps' worth), so one noisy segment does not swing a plan,
-    and a plan not run yet still follows the machine's overall drift.
+    ratio of its kind's plans (`prior_steps` steps' worth; the ratio over all plans while none of
+    its kind ran), so one noisy segment does not swing a plan, and a plan not run yet still follows
+    the machine's drift and its kind's error: a profile's errors are not uniform over plans, e.g.
+    drafting steps mispredicted by 2x where plain steps were right.
 
     It also proposes exploration: a plan the policy would not pick is run once, for a short
     segment, when nothing has been measured for it and the model's prediction for it is within
@@ -260,13 +262,17 @@ class StepTimeTracker:
       predicted_j: the cost model's seconds per step of each plan, at the run's compiled shape.
       prior_steps: how many steps of the overall ratio a plan's own ratio is shrunk toward.
       decay: per-segment decay of the sums (older segments count less as the machine drifts).
+      kinds: a label per plan (the engine: whether the plan drafts); default one kind for all.
     """
 
     def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15,
-                 explore_budget: float = 0.1):
+                 explore_budget: float = 0.1, kinds=None):
         self.predicted_j = np.asarray(predicted_j, np.float64)
         if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
             raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
+        self.kind_j = np.zeros(self.predicted_j.shape, np.int64) if kinds is None else np.asarray(kinds)
+        if self.kind_j.shape != self.predicted_j.shape:
+            raise ValueError(f"kinds must give one label per plan ({self.predicted_j.size}), got {kinds!r}")
         self.prior_steps, self.decay = prior_steps, decay
         self.explore_margin, self.explore_budget = explore_margin, explore_budget
         self.total_steps = self.trial_steps = 0
@@ -298,10 +304,15 @@ class StepTimeTracker:
         return float(self.measured_j.sum() / total) if total > 0 else 1.0
 
     def ratio(self) -> np.ndarray:
-        """Measured over predicted time per plan, shrunk toward the overall ratio."""
-        prior = self.overall_ratio()
+        """Measured over predicted time per plan, shrunk toward its kind's ratio."""
+        prior_j = np.full(self.predicted_j.shape, self.overall_ratio())
+        for kind in np.unique(self.kind_j):
+            members = self.kind_j == kind
+            expected = self.expected_j[members].sum()
+            if expected > 0:
+                prior_j[members] = self.measured_j[members].sum() / expected
         weight_j = self.prior_steps * self.predicted_j
-        return (self.measured_j + prior * weight_j) / (self.expected_j + weight_j)
+        return (self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j)
 
     def corrected(self) -> np.ndarray:
         """Seconds per step of each plan: the prediction times its ratio."""

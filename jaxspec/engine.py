@@ -317,10 +317,17 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
         state = state.replace(draft_state=drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len))
     if schedule.predict_ks is not None:
         policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0)
-        policy = policy.replace(choice=policy_lib.choose_k(policy, ~state.done_b, schedule.predict_ks,
-                                                           seconds["plans"]))
-        state = state.replace(policy=policy)
+        policy = policy.replace(choice=policy_lib.opening_choice(policy, ~state.done_b, schedule.predict_ks,
+                                                                 seconds["plans"]))
+        state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds))
     return state
+
+
+def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, seconds) -> policy_lib.PolicyState:
+    """Sets `policy.hold` (how long a plain segment may run) when the next plan is plain decoding."""
+    plain = jnp.asarray(schedule.predict_ks)[policy.choice] == 0
+    horizon = policy_lib.plain_horizon(policy, live_b, schedule.predict_ks, seconds["plans"])
+    return policy.replace(hold=jnp.where(plain, horizon, 0).astype(jnp.int32))
 
 
 start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_rows)
@@ -330,8 +337,9 @@ start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_row
 # policy that changes its mind every step costs a host round trip every few steps, not every step.
 MIN_SEGMENT = 4
 # ... and at most this many at first, doubling per segment up to the second cap: each return lets
-# the host correct the cost model from the segment's measured time (`cost.StepTimeTracker`).
-FIRST_SEGMENT_CAP = 8
+# the host correct the cost model from the segment's measured time (`cost.StepTimeTracker`). The
+# first segment is judged by the profile alone, so it is kept as short as a segment can be.
+FIRST_SEGMENT_CAP = MIN_SEGMENT
 MAX_SEGMENT_CAP = 64
 
 
@@ -366,14 +374,16 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     entry_done = jnp.sum(state.done_b.astype(jnp.int32))
     stop_at_done = jnp.where(stop_on_finish > 0, entry_done + 1, jnp.where(stop_on_finish < 0, 0, b + 1))
 
-    def choose(state, optimistic):
-        return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic)
+    def choose(state, optimistic, current=None):
+        return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic,
+                                   current)
 
     def body(state):
         state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
                                  request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
         if choose_each_step:
-            state = state.replace(policy=state.policy.replace(choice=choose(state, optimistic=False)))
+            choice = choose(state, optimistic=False, current=plan_index)
+            state = state.replace(policy=state.policy.replace(choice=choice))
         return state
 
     def running(state):
@@ -387,6 +397,8 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     if goodput and not choose_each_step:
         state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
         state = state.replace(policy=state.policy.replace(choice=choose(state, optimistic=True)))
+    if goodput:
+        state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds))
     return state
 
 
@@ -559,7 +571,8 @@ class SpeculativeDecoder:
         goodput = schedule.predict_ks is not None
         predicted = self._predicted_seconds(schedule, slots, cache_len)
         # Goodput: the cost model's step times, corrected as segments are measured (traced: no recompile).
-        tracker = cost_lib.StepTimeTracker(predicted["plans"]) if goodput else None
+        tracker = cost_lib.StepTimeTracker(predicted["plans"], kinds=[p.k > 0 for p in schedule.plans]) \
+            if goodput else None
         static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=self._target_mesh)
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
         put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
@@ -572,7 +585,8 @@ class SpeculativeDecoder:
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
                                 seconds, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
-        plan_index = int(jax.device_get(state.policy.choice)) if goodput else 0
+        plan_index, hold = (int(x) for x in jax.device_get((state.policy.choice, state.policy.hold))) \
+            if goodput else (0, 0)
         no_cap = put(jnp.int32(batch.out_len + 1))
         if goodput:
             # Compile every plan's program now (each call returns at once), so a plan first chosen
@@ -591,14 +605,17 @@ class SpeculativeDecoder:
             # With requests waiting (or a caller waiting for each result), stop as soon as one
             # more row is done, to refill it or hand it over.
             stop = 1 if len(queue) or (on_finish is not None and table.active > 1) else 0
+            # A plain segment runs until the policy would probe speculation again
+            # (`policy.plain_horizon`): no round trips in between.
+            plain = goodput and trial is None and schedule.plans[plan_index].k == 0 and hold > 0
             segment_start = time.perf_counter()
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
                                   max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop)),
-                                  put(jnp.int32(segment_cap)) if goodput else no_cap,
+                                  put(jnp.int32(hold if plain else segment_cap)) if goodput else no_cap,
                                   **static, plan_index=plan_index)
-            done_b, out_bo, n_out_b, counters, steps, choice, alpha_b = jax.device_get(
+            done_b, out_bo, n_out_b, counters, steps, choice, hold, alpha_b = jax.device_get(
                 (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
-                 state.policy.choice if goodput else None, state.policy.alpha_b() if goodput else None))
+                 *((state.policy.choice, state.policy.hold, state.policy.alpha_b()) if goodput else (None,) * 3)))
             segment_seconds = time.perf_counter() - segment_start
             segment_steps = int(steps) - len(step_ks)
             step_ks += [schedule.plans[plan_index].k] * segment_steps
@@ -702,10 +719,16 @@ class SpeculativeDecoder:
             return Schedule(plans=plans, predict_ks=ks), 0
         capacities = tuple(sorted({0} | {tetris.capacity_bucket(round(f * budget), rows, big_k)
                                          for f in (0.25, 0.5, 1.0, 1.5, 2.0)}))
-        plans = (StepPlan(k=0, cache_len=cache_len),
-                 StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len,
-                          threshold=threshold))
-        return Schedule(plans=plans, predict_ks=(0, max(spec.k, 1))), 0
+        tetris_plan = StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len,
+                               threshold=threshold)
+        if spec.k < 2:
+            return Schedule(plans=(StepPlan(k=0, cache_len=cache_len), tetris_plan), predict_ks=(0, 1)), 0
+        # Drafting k + extra positions costs the same whatever budget is then verified, so a
+        # standard k = 1 plan is the cheap middle ground (and the opening probe, see
+        # `policy.opening_choice`).
+        plans = (StepPlan(k=0, cache_len=cache_len), StepPlan(k=1, cache_len=cache_len, threshold=threshold),
+                 tetris_plan)
+        return Schedule(plans=plans, predict_ks=(0, 1, spec.k)), 0
 
     def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict[str, np.ndarray]:
         """The cost model's step time for each compiled branch and each TETRIS budget, computed

@@ -31,6 +31,7 @@ PRIOR_WEIGHT = 2.0     # how many observations the prior is worth
 DECAY = 0.9            # per-step decay of the counts (a moving average over ~10 steps)
 OFF_DECAY = 0.97       # per-step decay while speculation is off (nothing observed; see `age`)
 EXPLORE = 0.3          # optimism bonus for rows with little recent evidence (see `planning_alpha_b`)
+SWITCH_MARGIN = 0.04   # predicted gain that makes the running plan switch (see `choose_k`)
 
 
 def expected_tokens_per_step(alpha, k):
@@ -49,12 +50,13 @@ class PolicyState:
     calib_tried_c: jax.Array    # decayed verified slots per confidence bin
     calib_accepted_c: jax.Array  # decayed accepted slots per confidence bin
     choice: jax.Array           # candidate index for the next step
+    hold: jax.Array             # when choice is plain decoding: its steps before a re-probe (see `plain_horizon`)
 
     @classmethod
     def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS) -> PolicyState:
         return cls(accepted_b=jnp.zeros((b,), jnp.float32), trials_b=jnp.zeros((b,), jnp.float32),
                    calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
-                   choice=jnp.int32(first_choice))
+                   choice=jnp.int32(first_choice), hold=jnp.int32(0))
 
     def alpha_b(self) -> jax.Array:
         """Per-row acceptance estimate, shrunk toward the prior when little has been seen."""
@@ -64,11 +66,14 @@ class PolicyState:
         """The estimate used to decide whether to (re)start speculating: optimistic in proportion
         to how little was seen lately.
 
-        While speculation is off nothing is observed and the counts decay, so the bonus grows
-        back and a row whose acceptance might now pay for drafting gets probed again; a cost model
-        under which even alpha = 1 does not pay keeps speculation off for good.
+        The bonus shrinks with the trials of the whole batch, not of each row: the decision is
+        one draft length for every row, so what matters is how well the batch's acceptance is
+        known (a per-row bonus summed over 64 rows kept re-probing speculation that had just been
+        measured not to pay). While speculation is off nothing is observed and the counts decay,
+        so the bonus grows back and a batch whose acceptance might now pay for drafting is probed
+        again; a cost model under which even alpha = 1 does not pay keeps speculation off for good.
         """
-        return jnp.minimum(1.0, self.alpha_b() + EXPLORE / jnp.sqrt(1.0 + self.trials_b))
+        return jnp.minimum(1.0, self.alpha_b() + EXPLORE / jnp.sqrt(1.0 + jnp.sum(self.trials_b)))
 
     def calibration_curve(self) -> jax.Array:
         """Observed acceptance per confidence bin (the bin centre where nothing was observed)."""
@@ -140,16 +145,64 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j):
     return tokens_j / seconds_j
 
 
-def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True) -> jax.Array:
+def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True, current=None,
+             margin: float = SWITCH_MARGIN) -> jax.Array:
     """Index into `ks` of the candidate with the highest predicted goodput (first on ties).
 
-    `optimistic`: plan with `planning_alpha_b` (the decode loop does when speculation is off or
-    nothing has been seen yet, to decide whether to probe it); else with the plain estimate
-    `alpha_b` (while drafting, evidence flows every step: a bonus would only keep speculation on
-    where it does not pay, e.g. at large batches where plain decoding wins by a few percent).
+    Args:
+      optimistic: plan with `planning_alpha_b` (the decode loop does when speculation is off or
+        nothing has been seen yet, to decide whether to probe it); else with the plain estimate
+        `alpha_b` (while drafting, evidence flows every step: a bonus would only keep speculation
+        on where it does not pay, e.g. at large batches where plain decoding wins by a few percent).
+      current: the index of the plan running now, if any: it is kept unless the best candidate's
+        predicted goodput beats it by more than `margin`. A switch costs a host round trip, and
+        where goodput is flat over k (a few percent apart, closer than step times are predicted)
+        switching back and forth costs more than it can gain.
     """
     alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
-    return jnp.argmax(goodput_of_ks(alpha_b, live_b, ks, seconds_j)).astype(jnp.int32)
+    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j)
+    best = jnp.argmax(goodput_j).astype(jnp.int32)
+    if current is None:
+        return best
+    return jnp.where(goodput_j[best] > (1.0 + margin) * goodput_j[current], best, jnp.int32(current))
+
+
+def opening_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
+    """The first plan of a run, before anything is observed.
+
+    The plan the prior expects to be best when that plan drafts. Where the prior expects plain
+    decoding to win but the optimistic estimate does not rule speculation out, the cheapest
+    drafting plan (the smallest k > 0) probes it: a few steps of it measure acceptance for about
+    what plain decoding would have cost, where probing with the optimistic choice (k = 4-6 at
+    small batches) cost 5-15% of a short run whenever speculation then did not pay.
+    """
+    ks_j = jnp.asarray(ks)
+    plain = choose_k(state, live_b, ks, seconds_j, optimistic=False)
+    hopeful = choose_k(state, live_b, ks, seconds_j, optimistic=True)
+    cheapest = jnp.argmin(jnp.where(ks_j > 0, ks_j, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
+    return jnp.where(ks_j[plain] > 0, plain, jnp.where(ks_j[hopeful] > 0, cheapest, plain))
+
+
+# Step counts at which `plain_horizon` looks ahead: 4 * 2^(g/4), 4 to 1024 steps.
+HORIZON_GRID = tuple(sorted({int(round(4 * 2 ** (g / 4))) for g in range(33)}))
+
+
+def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID) -> jax.Array:
+    """Plain decoding steps until the aged optimistic estimate would probe speculation again.
+
+    While speculation is off nothing is observed, so the next choice depends only on how many
+    plain steps have aged the counts (`age`). Looking ahead over a grid of step counts once, at
+    the end of a segment, lets the next plain segment run that long without returning to the
+    host to re-ask (each return is a round trip). Returns the first grid count at which the choice
+    drafts, or the grid's largest count when it never does (e.g. a cost model under which even
+    alpha = 1 loses).
+    """
+    def probes(steps):
+        return jnp.asarray(ks)[choose_k(age(state, steps), live_b, ks, seconds_j)] > 0
+
+    grid_g = jnp.asarray(grid, jnp.int32)
+    probe_g = jax.vmap(probes)(grid_g)
+    return jnp.where(jnp.any(probe_g), grid_g[jnp.argmax(probe_g)], grid_g[-1]).astype(jnp.int32)
 
 
 def goodput_of_capacities(cum_logprob_flat, num_live, capacities, seconds_j):

@@ -125,6 +125,21 @@ def test_tracker_follows_the_machines_drift_for_plans_it_has_not_run():
     np.testing.assert_allclose(tracker.corrected(), 1.5 * predicted, rtol=1e-9)
 
 
+def test_tracker_corrects_untried_plans_by_the_error_of_their_kind():
+    """The profile got plain steps right and drafting steps 2x too fast: an untried drafting plan
+    follows the drafting plans' error, not the average over all plans."""
+    predicted = np.array([1.0, 2.0, 3.0, 4.0])
+    true = predicted * np.array([1.0, 2.0, 2.0, 2.0])
+    tracker = StepTimeTracker(predicted, kinds=[False, True, True, True])
+    run_segments(tracker, true, [0, 1, 0, 1, 0])
+    np.testing.assert_allclose(tracker.corrected(), true, rtol=1e-9)
+    one_kind = StepTimeTracker(predicted)
+    run_segments(one_kind, true, [0, 1, 0, 1, 0])
+    assert one_kind.corrected()[3] < 0.8 * true[3]
+    with pytest.raises(ValueError, match="kinds"):
+        StepTimeTracker(predicted, kinds=[True, False])
+
+
 def test_tracker_learns_each_plans_own_error_under_noise():
     predicted = np.array([1.0, 2.0, 3.0])
     true = np.array([1.2, 2.0, 5.0])                          # plan 2 mispredicted by 40%
