@@ -156,8 +156,8 @@ def main() -> None:
     write_results(args.name, {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows}, md)
 
 
-COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "step_ms", "predicted_step_ms", "prediction_error",
-           "segment_errors", "steps", "draft_len", "acceptance", "k_used", "same_output"]
+COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "step_ms", "predicted_step_ms",
+           "prediction_error", "segment_errors", "steps", "draft_len", "acceptance", "k_used", "same_output"]
 
 
 def plot(rows, batches, path):
