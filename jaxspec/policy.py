@@ -30,7 +30,7 @@ PRIOR_ALPHA = 0.6      # acceptance assumed before anything is observed
 PRIOR_WEIGHT = 2.0     # how many observations the prior is worth
 DECAY = 0.9            # per-step decay of the counts (a moving average over ~10 steps)
 OFF_DECAY = 0.97       # per-step decay while speculation is off (nothing observed; see `age`)
-EXPLORE = 0.3          # optimism bonus for rows with little recent evidence (see `planning_alpha_b`)
+EXPLORE = 0.3          # optimism bonus while the batch has little recent evidence (see `planning_alpha_b`)
 SWITCH_MARGIN = 0.04   # predicted gain that makes the running plan switch (see `choose_k`)
 
 
