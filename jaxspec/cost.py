@@ -255,8 +255,8 @@ class StepTimeTracker:
     It also proposes exploration: a plan the policy would not pick is run once, for a short
     segment, when nothing has been measured for it and the model's prediction for it is within
     `explore_margin` of the chosen plan's (the cost model may rank close plans wrongly; measuring
-    settles it for the rest of the run). Trials are held to `explore_budget` of the steps run so
-    far, so a short run is not spent exploring a flat goodput curve.
+    settles it for the rest of the run). Trials are held to `explore_budget` of the run's time so
+    far, their own included, so a short run is not spent exploring a flat goodput curve.
 
     Args:
       predicted_j: the cost model's seconds per step of each plan, at the run's compiled shape.
@@ -275,7 +275,7 @@ class StepTimeTracker:
             raise ValueError(f"kinds must give one label per plan ({self.predicted_j.size}), got {kinds!r}")
         self.prior_steps, self.decay = prior_steps, decay
         self.explore_margin, self.explore_budget = explore_margin, explore_budget
-        self.total_steps = self.trial_steps = 0
+        self.total_seconds = self.trial_seconds = 0.0
         self.measured_j = np.zeros_like(self.predicted_j)   # decayed measured seconds
         self.expected_j = np.zeros_like(self.predicted_j)   # decayed predicted seconds of the same steps
         self.steps_j = np.zeros_like(self.predicted_j)      # decayed step counts
@@ -288,8 +288,8 @@ class StepTimeTracker:
         was run because `explore` proposed it)."""
         if steps <= 0:
             return
-        self.total_steps += steps
-        self.trial_steps += steps if trial else 0
+        self.total_seconds += seconds
+        self.trial_seconds += seconds if trial else 0.0
         self.history.append((plan, steps, float(self.corrected()[plan]), seconds / steps))
         self.measured_j *= self.decay
         self.expected_j *= self.decay
@@ -318,7 +318,7 @@ class StepTimeTracker:
         """Seconds per step of each plan: the prediction times its ratio."""
         return self.predicted_j * self.ratio()
 
-    def explore(self, chosen: int, tokens_j, baseline: int | None = None) -> int | None:
+    def explore(self, chosen: int, tokens_j, baseline: int | None = None, steps: int = 4) -> int | None:
         """A plan worth one short trial instead of `chosen`, or None.
 
         Args:
@@ -328,15 +328,19 @@ class StepTimeTracker:
             untried and within the margin: at the batch sizes where speculation stops paying the
             two are within a few percent, closer than any profile ranks them, and a trial of the
             baseline can cost no more than the speculation it forgoes.
+          steps: the length of a trial segment; a trial is proposed only if its predicted time
+            keeps all trials within `explore_budget` of the run's time (a drafting trial at
+            batch 64 costs 2.5 plain steps per step, too dear early in a short run).
         """
-        goodput_j = np.asarray(tokens_j, np.float64) / self.corrected()
+        corrected_j = self.corrected()
+        goodput_j = np.asarray(tokens_j, np.float64) / corrected_j
         best = goodput_j[chosen]
         if (baseline is not None and baseline != chosen and not self.tried_j[baseline]
                 and goodput_j[baseline] >= (1.0 - self.explore_margin) * best):
             return int(baseline)
-        if self.trial_steps > self.explore_budget * self.total_steps:
-            return None
         for j in np.argsort(-goodput_j):
             if j != chosen and not self.tried_j[j] and goodput_j[j] >= (1.0 - self.explore_margin) * best:
-                return int(j)
+                cost = steps * corrected_j[j]
+                affordable = self.trial_seconds + cost <= self.explore_budget * (self.total_seconds + cost)
+                return int(j) if affordable else None
         return None

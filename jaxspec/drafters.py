@@ -84,6 +84,12 @@ class Drafter:
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
         return ()
 
+    def init_deferred(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        """The state for rows that may not draft for a while (the goodput policy starts them with
+        plain decoding): a drafter whose `propose` catches up on tokens it has not seen may skip
+        its prefill here; by default the same as `init`. Same structure and shapes as `init`."""
+        return self.init(params, tokens_bp, prompt_len_b, cache_len)
+
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         raise NotImplementedError
 
@@ -160,6 +166,11 @@ class ModelDrafter(Drafter):
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
         return _ModelDraftState(cache=prefill_cache(self.model.graphdef, params, tokens_bp, prompt_len_b, cache_len))
+
+    def init_deferred(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        # An empty cache: the first propose feeds the prompt through `catch_up`. Where speculation
+        # never starts (large batches) this saves the draft's prefill, 3-4% of a 96-token run.
+        return _ModelDraftState(cache=init_cache(self.model.graphdef, params, tokens_bp.shape[0], cache_len))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef = self.model.graphdef

@@ -307,19 +307,32 @@ _STATIC = ("target_graphdef", "drafter", "schedule", "sampling", "cache_len", "s
 
 
 def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
-                draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id, seconds, *, cache_len: int,
-                seq_len: int, out_len: int, mesh=None) -> DecodeState:
+                draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id, seconds, next_choice=None,
+                *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
     """Loop state for freshly prefilled rows: target and drafter caches, policy counts, and the
-    policy's first choice."""
+    policy's first choice.
+
+    Goodput policy: when the next plan is plain decoding (the opening choice, or `next_choice`,
+    the running batch's, for rows refilled into it) the drafter starts from `init_deferred` and
+    catches up if and when drafting starts.
+    """
     state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
                           request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
-    if schedule.drafts:
-        state = state.replace(draft_state=drafter.init(draft_params, tokens_bp, prompt_len_b, cache_len))
     if schedule.predict_ks is not None:
         policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0)
         policy = policy.replace(choice=policy_lib.opening_choice(policy, ~state.done_b, schedule.predict_ks,
                                                                  seconds["plans"]))
         state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds))
+        next_choice = policy.choice if next_choice is None else next_choice
+    if schedule.drafts:
+        init = functools.partial(drafter.init, cache_len=cache_len)
+        if schedule.predict_ks is None:
+            draft_state = init(draft_params, tokens_bp, prompt_len_b)
+        else:
+            draft_state = jax.lax.cond(jnp.asarray(schedule.predict_ks)[next_choice] > 0, init,
+                                       functools.partial(drafter.init_deferred, cache_len=cache_len),
+                                       draft_params, tokens_bp, prompt_len_b)
+        state = state.replace(draft_state=draft_state)
     return state
 
 
@@ -361,7 +374,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     loop returns so the host can run the chosen plan's program. A plain decoding plan (k = 0)
     observes nothing, so its steps skip the policy entirely (they cost what an autoregressive step
     does) and it chooses once, on return, after ageing the evidence for the steps run
-    (`policy.age`). Each plan is its own program: choosing among branches inside one loop
+    (`policy.age`): plain decoding again, or a probe of speculation (`policy.probe_choice`). Each plan is its own program: choosing among branches inside one loop
     (`lax.switch`) made XLA copy the loop state, caches included, every step (1.3-1.4x the step
     time at batch 64, scripts/switch_overhead.py). A call runs one plan, so the host counts its
     steps from `state.steps`.
@@ -396,7 +409,8 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     state = jax.lax.while_loop(running, body, state)
     if goodput and not choose_each_step:
         state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
-        state = state.replace(policy=state.policy.replace(choice=choose(state, optimistic=True)))
+        choice = policy_lib.probe_choice(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"])
+        state = state.replace(policy=state.policy.replace(choice=choice))
     if goodput:
         state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds))
     return state
@@ -410,7 +424,8 @@ def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samp
     its row). Everything per row is replaced; the step counter, the calibration of draft
     confidence and the policy's next choice carry over."""
     fresh = _fresh_rows(target_graphdef, drafter, schedule, sampling, target_params, draft_params, tokens_rp,
-                        prompt_len_r, max_new_r, request_keys_r, eos_id, seconds, cache_len=cache_len,
+                        prompt_len_r, max_new_r, request_keys_r, eos_id, seconds,
+                        state.policy.choice if state.policy is not None else None, cache_len=cache_len,
                         seq_len=seq_len, out_len=out_len, mesh=mesh)
 
     def put(old, new):
@@ -629,9 +644,10 @@ class SpeculativeDecoder:
                     # The baseline was just measured: decide on the measurement now (the device
                     # chose with the step times from before it).
                     choice = int(np.argmax(tokens_j / tracker.corrected()))
-                trial = tracker.explore(int(choice), tokens_j, baseline=schedule.predict_ks.index(0))
-                plan_index = int(choice) if trial is None else trial
                 segment_cap = min(2 * segment_cap, MAX_SEGMENT_CAP)
+                trial = tracker.explore(int(choice), tokens_j, baseline=schedule.predict_ks.index(0),
+                                        steps=segment_cap)
+                plan_index = int(choice) if trial is None else trial
             table.harvest(done_b, out_bo, n_out_b, counters)
             refill = table.refill()
             if refill is None:

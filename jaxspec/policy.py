@@ -167,20 +167,27 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     return jnp.where(goodput_j[best] > (1.0 + margin) * goodput_j[current], best, jnp.int32(current))
 
 
-def opening_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
-    """The first plan of a run, before anything is observed.
+def probe_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
+    """The next plan while speculation is off: a probe with the cheapest drafting plan (the
+    smallest k > 0) if the optimistic estimate expects some k > 0 to pay, else plain decoding.
 
-    The plan the prior expects to be best when that plan drafts. Where the prior expects plain
-    decoding to win but the optimistic estimate does not rule speculation out, the cheapest
-    drafting plan (the smallest k > 0) probes it: a few steps of it measure acceptance for about
-    what plain decoding would have cost, where probing with the optimistic choice (k = 4-6 at
-    small batches) cost 5-15% of a short run whenever speculation then did not pay.
+    A few steps of k = 1 measure acceptance for about what plain steps would have cost; probing
+    with the optimistic argmax instead (k = 4-6 at small batches) cost 5-15% of a short run each
+    time speculation then did not pay. Where it does pay, the per-step choice moves on to the best
+    k after `MIN_SEGMENT` steps of evidence.
     """
     ks_j = jnp.asarray(ks)
-    plain = choose_k(state, live_b, ks, seconds_j, optimistic=False)
     hopeful = choose_k(state, live_b, ks, seconds_j, optimistic=True)
     cheapest = jnp.argmin(jnp.where(ks_j > 0, ks_j, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
-    return jnp.where(ks_j[plain] > 0, plain, jnp.where(ks_j[hopeful] > 0, cheapest, plain))
+    return jnp.where(ks_j[hopeful] > 0, cheapest, hopeful)
+
+
+def opening_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
+    """The first plan of a run, before anything is observed: the plan the prior expects to be
+    best when that plan drafts, else `probe_choice` (the prior expects plain decoding to win, but
+    speculation is probed if the optimistic estimate does not rule it out)."""
+    plain = choose_k(state, live_b, ks, seconds_j, optimistic=False)
+    return jnp.where(jnp.asarray(ks)[plain] > 0, plain, probe_choice(state, live_b, ks, seconds_j))
 
 
 # Step counts at which `plain_horizon` looks ahead: 4 * 2^(g/4), 4 to 1024 steps.

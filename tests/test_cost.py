@@ -163,17 +163,23 @@ def test_one_segment_moves_a_plan_only_part_way():
 def test_tracker_explores_close_untried_plans_only():
     tracker = StepTimeTracker(np.array([1.0, 1.0, 1.0]))
     tokens = np.array([1.0, 0.95, 0.5])                       # plan 1 is within 15% of plan 0, plan 2 is not
+    tracker.observe(0, 40, 40.0)
     assert tracker.explore(0, tokens) == 1
     tracker.observe(1, 4, 4.0)
     assert tracker.explore(0, tokens) is None
-    # Trials are held to a tenth of the steps run: the next one waits until enough others ran.
+    # Trials are held to a tenth of the run's time, their own included: a trial waits until
+    # enough else ran, and the next one too.
     tracker = StepTimeTracker(np.ones(4))
     tokens = np.array([1.0, 0.95, 0.9, 0.5])
-    assert tracker.explore(0, tokens) == 1
+    tracker.observe(0, 30, 30.0)
+    assert tracker.explore(0, tokens, steps=4) is None          # 4 s of trial in 34 s: too much
+    tracker.observe(0, 10, 10.0)
+    assert tracker.explore(0, tokens, steps=4) == 1             # 4 s in 44 s
     tracker.observe(1, 4, 4.0, trial=True)
-    assert tracker.explore(0, tokens) is None
+    assert tracker.explore(0, tokens, steps=4) is None
     tracker.observe(0, 40, 40.0)
-    assert tracker.explore(0, tokens) == 2
+    assert tracker.explore(0, tokens, steps=4) == 2
+    assert tracker.explore(0, tokens, steps=40) is None         # a longer trial is dearer
     with pytest.raises(ValueError, match="predicted_j"):
         StepTimeTracker(np.array([1.0, 0.0]))
 
@@ -187,4 +193,5 @@ def test_tracker_trials_the_plain_decoding_baseline_first_and_outside_the_budget
     tracker.observe(0, 4, 4.0, trial=True)
     assert tracker.explore(1, tokens, baseline=0) is None          # measured once is enough
     far = StepTimeTracker(np.ones(3))
+    far.observe(1, 40, 40.0)
     assert far.explore(1, np.array([0.5, 1.0, 0.99]), baseline=0) == 2   # not within the margin

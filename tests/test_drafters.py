@@ -1,5 +1,6 @@
 """Drafters against brute-force references."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,3 +42,26 @@ def test_ngram_proposals_match_brute_force(max_n, min_n):
 def test_ngram_config_is_checked():
     with pytest.raises(ValueError, match="min_ngram"):
         jaxspec.NgramDrafter(max_ngram=1, min_ngram=2)
+
+
+def test_deferred_draft_state_catches_up_to_the_same_proposals_as_a_prefilled_one():
+    """A ModelDrafter started without its prefill (`init_deferred`, for rows that begin with plain
+    decoding) proposes what a prefilled one proposes, after any number of tokens it never saw."""
+    from jaxspec.drafters import ModelDrafter
+
+    cfg = jaxspec.ModelConfig.preset("tiny")
+    drafter = ModelDrafter(jaxspec.Model.random(cfg.replace(num_layers=1, name="tiny-1L"), seed=2))
+    rng = np.random.default_rng(4)
+    seq_bl = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 64)), jnp.int32)
+    prompt_len_b = jnp.asarray([5, 12, 9], jnp.int32)
+    p = int(prompt_len_b.max())
+    for pending_b in ([5, 12, 9], [30, 13, 41]):     # right after the prompt, and after plain steps
+        pending_b = jnp.asarray(pending_b, jnp.int32)
+        keys_b = jax.random.split(jax.random.key(0), 3)
+        eager = drafter.init(drafter.params, seq_bl[:, :p], prompt_len_b, 64)
+        deferred = drafter.init_deferred(drafter.params, seq_bl[:, :p], prompt_len_b, 64)
+        assert int(jnp.max(deferred.cache.lengths)) == 0
+        want, _ = drafter.propose(drafter.params, eager, seq_bl, pending_b, 3, keys_b, SamplingConfig())
+        got, _ = drafter.propose(drafter.params, deferred, seq_bl, pending_b, 3, keys_b, SamplingConfig())
+        np.testing.assert_array_equal(got.tokens_bk, want.tokens_bk)
+        np.testing.assert_allclose(got.logprob_bk, want.logprob_bk, rtol=1e-5, atol=1e-5)

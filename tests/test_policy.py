@@ -71,6 +71,9 @@ def test_choice_is_the_brute_force_argmax():
             want = brute_force_k(np.asarray(alpha_used), live_b, ks, cost, b, 256)
             if live_b.any():
                 assert int(got) == want
+                if optimistic:   # while speculation is off: probe with k = 1 if any k > 0 may pay
+                    probe = policy.probe_choice(state, jnp.asarray(live_b), ks, seconds)
+                    assert int(probe) == (1 if ks[want] > 0 else 0)
                 # With a plan running, it is kept unless the best beats it by more than the margin.
                 current = int(rng.integers(len(ks)))
                 got = policy.choose_k(state, jnp.asarray(live_b), ks, seconds, optimistic=optimistic,
