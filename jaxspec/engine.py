@@ -374,10 +374,11 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     loop returns so the host can run the chosen plan's program. A plain decoding plan (k = 0)
     observes nothing, so its steps skip the policy entirely (they cost what an autoregressive step
     does) and it chooses once, on return, after ageing the evidence for the steps run
-    (`policy.age`): plain decoding again, or a probe of speculation (`policy.probe_choice`). Each plan is its own program: choosing among branches inside one loop
-    (`lax.switch`) made XLA copy the loop state, caches included, every step (1.3-1.4x the step
-    time at batch 64, scripts/switch_overhead.py). A call runs one plan, so the host counts its
-    steps from `state.steps`.
+    (`policy.age`): plain decoding again, or a probe of speculation (`policy.probe_choice`).
+    Each plan is its own program: choosing among branches inside one loop (`lax.switch`) made
+    XLA copy the loop state, caches included, every step (1.3-1.4x the step time at batch 64,
+    scripts/switch_overhead.py). A call runs one plan, so the host counts its steps from
+    `state.steps`.
     """
     b = state.seq_bl.shape[0]
     plan = schedule.plans[plan_index]
