@@ -263,24 +263,29 @@ class StepTimeTracker:
       prior_steps: how many steps of the overall ratio a plan's own ratio is shrunk toward.
       decay: per-segment decay of the sums (older segments count less as the machine drifts).
       kinds: a label per plan (the engine: whether the plan drafts); default one kind for all.
+      round_trip: seconds each segment spends besides its steps (the call and the fetch of its
+        outputs). It is taken out of each measured segment before the per-step times are
+        corrected, and added back in the segment predictions of `history`.
     """
 
     def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15,
-                 explore_budget: float = 0.1, kinds=None):
+                 explore_budget: float = 0.1, kinds=None, round_trip: float = 0.0):
         self.predicted_j = np.asarray(predicted_j, np.float64)
         if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
             raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
         self.kind_j = np.zeros(self.predicted_j.shape, np.int64) if kinds is None else np.asarray(kinds)
         if self.kind_j.shape != self.predicted_j.shape:
             raise ValueError(f"kinds must give one label per plan ({self.predicted_j.size}), got {kinds!r}")
-        self.prior_steps, self.decay = prior_steps, decay
+        if not np.isfinite(round_trip) or round_trip < 0:
+            raise ValueError(f"round_trip must be seconds >= 0, got {round_trip!r}")
+        self.prior_steps, self.decay, self.round_trip = prior_steps, decay, float(round_trip)
         self.explore_margin, self.explore_budget = explore_margin, explore_budget
         self.total_seconds = self.trial_seconds = 0.0
         self.measured_j = np.zeros_like(self.predicted_j)   # decayed measured seconds
         self.expected_j = np.zeros_like(self.predicted_j)   # decayed predicted seconds of the same steps
         self.steps_j = np.zeros_like(self.predicted_j)      # decayed step counts
         self.tried_j = np.zeros(self.predicted_j.shape, bool)
-        # (plan, steps, predicted seconds per step before the segment, measured seconds per step)
+        # (plan, steps, predicted and measured wall seconds per step, round trip included)
         self.history: list[tuple[int, int, float, float]] = []
 
     def observe(self, plan: int, steps: int, seconds: float, trial: bool = False) -> None:
@@ -290,11 +295,12 @@ class StepTimeTracker:
             return
         self.total_seconds += seconds
         self.trial_seconds += seconds if trial else 0.0
-        self.history.append((plan, steps, float(self.corrected()[plan]), seconds / steps))
+        self.history.append((plan, steps, float(self.corrected()[plan]) + self.round_trip / steps, seconds / steps))
         self.measured_j *= self.decay
         self.expected_j *= self.decay
         self.steps_j *= self.decay
-        self.measured_j[plan] += seconds
+        # A segment faster than the round trip is timing noise; keep a sliver so the ratio stays positive.
+        self.measured_j[plan] += max(seconds - self.round_trip, 0.1 * seconds)
         self.expected_j[plan] += steps * self.predicted_j[plan]
         self.steps_j[plan] += steps
         self.tried_j[plan] = True
@@ -340,7 +346,7 @@ class StepTimeTracker:
             return int(baseline)
         for j in np.argsort(-goodput_j):
             if j != chosen and not self.tried_j[j] and goodput_j[j] >= (1.0 - self.explore_margin) * best:
-                cost = steps * corrected_j[j]
+                cost = steps * corrected_j[j] + self.round_trip
                 affordable = self.trial_seconds + cost <= self.explore_budget * (self.total_seconds + cost)
                 return int(j) if affordable else None
         return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -354,6 +355,10 @@ MIN_SEGMENT = 4
 # first segment is judged by the profile alone, so it is kept as short as a segment can be.
 FIRST_SEGMENT_CAP = MIN_SEGMENT
 MAX_SEGMENT_CAP = 64
+# Goodput warm-up with `SpecConfig.measure_plans`: each plan is timed in this many passes of this
+# many steps, after one untimed step (`SpeculativeDecoder._warm_up`).
+MEASURE_PASSES = 2
+MEASURE_STEPS = 3
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
@@ -544,7 +549,7 @@ class SpeculativeDecoder:
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
-        self._warmed: set = set()   # goodput: shapes whose plan programs are compiled
+        self._warm: dict = {}   # goodput: per compiled shape, what `_warm_up` measured
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -586,9 +591,6 @@ class SpeculativeDecoder:
         schedule, budget = self._schedule(slots, first.num_prompts, cache_len)
         goodput = schedule.predict_ks is not None
         predicted = self._predicted_seconds(schedule, slots, cache_len)
-        # Goodput: the cost model's step times, corrected as segments are measured (traced: no recompile).
-        tracker = cost_lib.StepTimeTracker(predicted["plans"], kinds=[p.k > 0 for p in schedule.plans]) \
-            if goodput else None
         static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=self._target_mesh)
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
         put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
@@ -596,27 +598,27 @@ class SpeculativeDecoder:
         keys_b = request_keys(seed, first.request_ids_b)
         rows_in = put((jnp.asarray(first.tokens_bp), jnp.asarray(first.lengths_b), jnp.asarray(first.max_new_b),
                        keys_b))
-        eos_t, budget_t, seconds = put((jnp.int32(eos), jnp.int32(budget), _as_arrays(predicted)))
+        eos_t, budget_t = put((np.int32(eos), np.int32(budget)))
+        tracker = None
+        if goodput:
+            shape_key = (slots, cache_len, batch.out_len, schedule)
+            if shape_key not in self._warm:
+                self._warm[shape_key] = self._warm_up(schedule, rows_in, eos_t, budget_t, put(_as_arrays(predicted)),
+                                                      static, put)
+            warm = self._warm[shape_key]
+            if warm.plan_seconds is not None:
+                predicted = _with_measured(predicted, warm.plan_seconds, schedule)
+            # Step times corrected as segments are measured (passed traced: no recompile).
+            tracker = cost_lib.StepTimeTracker(predicted["plans"], kinds=[p.k > 0 for p in schedule.plans],
+                                               round_trip=warm.round_trip)
+        seconds = put(_as_arrays(predicted))
         start = time.perf_counter()
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
                                 seconds, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
         plan_index, hold = (int(x) for x in jax.device_get((state.policy.choice, state.policy.hold))) \
             if goodput else (0, 0)
-        no_cap = put(jnp.int32(batch.out_len + 1))
-        if goodput:
-            # Compile and run one step of every plan's program now, on a scratch copy of the
-            # state, so a plan first chosen mid-run does not stall it: not only with a compilation,
-            # a compiled program's first steps also ran slowly (on XLA:CPU, 150 ms over 4 steps
-            # of 10 ms). Once per shape and decoder.
-            warm_key = (slots, cache_len, batch.out_len, schedule)
-            if warm_key not in self._warmed:
-                one = put(jnp.int32(1))
-                for i in range(len(schedule.plans)):
-                    jax.block_until_ready(run_on_device(
-                        graphdef, self.drafter, schedule, self.sampling, params, dparams, jax.tree.map(jnp.copy, state),
-                        keys_b, max_new_b, eos_t, budget_t, seconds, put(jnp.int32(0)), one, **static, plan_index=i))
-                self._warmed.add(warm_key)
+        no_cap = put(np.int32(batch.out_len + 1))
         step_ks: list[int] = []
         segment_cap, trial = FIRST_SEGMENT_CAP, None
         while True:
@@ -628,16 +630,15 @@ class SpeculativeDecoder:
             plain = goodput and trial is None and schedule.plans[plan_index].k == 0 and hold > 0
             segment_start = time.perf_counter()
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
-                                  max_new_b, eos_t, budget_t, seconds, put(jnp.int32(stop)),
-                                  put(jnp.int32(hold if plain else segment_cap)) if goodput else no_cap,
+                                  max_new_b, eos_t, budget_t, seconds, put(np.int32(stop)),
+                                  put(np.int32(hold if plain else segment_cap)) if goodput else no_cap,
                                   **static, plan_index=plan_index)
-            done_b, out_bo, n_out_b, counters, steps, choice, hold, alpha_b = jax.device_get(
-                (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps,
-                 *((state.policy.choice, state.policy.hold, state.policy.alpha_b()) if goodput else (None,) * 3)))
+            done_b, out_bo, n_out_b, counters, steps, policy = _segment_outputs(state)
             segment_seconds = time.perf_counter() - segment_start
             segment_steps = int(steps) - len(step_ks)
             step_ks += [schedule.plans[plan_index].k] * segment_steps
             if goodput:
+                choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
                 tracker.observe(plan_index, segment_steps, segment_seconds, trial=trial is not None)
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
                 tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
@@ -749,6 +750,55 @@ class SpeculativeDecoder:
                  tetris_plan)
         return Schedule(plans=plans, predict_ks=(0, 1, spec.k)), 0
 
+    def _warm_up(self, schedule: Schedule, rows_in, eos_t, budget_t, seconds, static, put) -> _Warm:
+        """Goodput: compiles every plan's program and runs it on a scratch state prefilled with
+        this call's first rows; times a segment's round trip there and, with
+        `spec.measure_plans`, each plan's steps. Once per decoder and shape.
+
+        Running, not only compiling: a compiled program's first steps ran slowly (on XLA:CPU,
+        150 ms over 4 steps of 10 ms), which stalled a run where a plan was first chosen mid-run.
+        Timing the plans: a cost model fitted across shapes misses single shapes by up to 15-25%
+        (its worst held-out error), more than the goodput gap between neighbouring draft lengths
+        at small batches, where the profile alone made the policy run k = 2-3 where k = 1 was
+        best. A few steps at the run's own shape rank the plans. The passes go round the plans in
+        turn, so a slow moment of a shared machine does not fall on one plan only, and each plan
+        keeps its fastest pass (the machine's slow moments only add time). The round trip (a call
+        that runs no step, and the fetch of its outputs; 1.7 ms on XLA:CPU) is taken out of every
+        timed segment: it would otherwise add a third of a step to each step of a 4-step
+        segment at batch 1, and make short segments' plans look slower than long ones'.
+        """
+        graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
+        max_new_b, keys_b = rows_in[2], rows_in[3]
+        no_stop = put(np.int32(0))
+
+        def timed(state, plan_index: int, steps: int):
+            start = time.perf_counter()
+            state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
+                                  max_new_b, eos_t, budget_t, seconds, no_stop, put(np.int32(steps)), **static,
+                                  plan_index=plan_index)
+            ran = int(_segment_outputs(state)[4])
+            return state, ran, time.perf_counter() - start
+
+        scratch = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
+                                  seconds, **static)
+        runs = [timed(jax.tree.map(jnp.copy, scratch), i, 1) for i in range(len(schedule.plans))]
+        del scratch
+        states, steps_j = [r[0] for r in runs], [r[1] for r in runs]
+        round_trip = np.inf
+        for _ in range(3):
+            states[0], _, elapsed = timed(states[0], 0, 0)
+            round_trip = min(round_trip, elapsed)
+        if not self.spec.measure_plans:
+            return _Warm(None, round_trip)
+        fastest_j = np.full(len(states), np.inf)
+        for _ in range(MEASURE_PASSES):
+            for i, state in enumerate(states):
+                states[i], steps, elapsed = timed(state, i, MEASURE_STEPS)
+                if steps > steps_j[i]:
+                    fastest_j[i] = min(fastest_j[i], max(elapsed - round_trip, 0.0) / (steps - steps_j[i]))
+                steps_j[i] = steps
+        return _Warm(np.where(np.isfinite(fastest_j), fastest_j, np.nan), round_trip)
+
     def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict[str, np.ndarray]:
         """The cost model's step time for each compiled branch and each TETRIS budget, computed
         here once per call and passed in traced (a new cost model does not recompile)."""
@@ -770,15 +820,40 @@ class SpeculativeDecoder:
         return {"plans": np.asarray(plan_seconds, np.float32), "capacities": np.asarray(cap_seconds, np.float32)}
 
 
-def _corrected(predicted: dict[str, np.ndarray], tracker: cost_lib.StepTimeTracker,
-               schedule: Schedule) -> dict[str, np.ndarray]:
-    """Predicted step times scaled by what the run has measured; a TETRIS plan's budgets follow
-    that plan's correction."""
-    ratio_j = tracker.ratio()
+class _Warm(NamedTuple):
+    plan_seconds: np.ndarray | None   # each plan's seconds per step at the shape (None: not measured)
+    round_trip: float                 # seconds of a segment's call and fetch, besides its steps
+
+
+def _segment_outputs(state: DecodeState):
+    """What the host reads after each segment (one transfer)."""
+    return jax.device_get((state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps, state.policy))
+
+
+def _scaled(predicted: dict[str, np.ndarray], ratio_j: np.ndarray, schedule: Schedule) -> dict[str, np.ndarray]:
+    """Predicted step times with each plan's scaled by `ratio_j`; a TETRIS plan's budgets follow
+    that plan's ratio."""
     tetris_j = [j for j, p in enumerate(schedule.plans) if p.capacities is not None]
     caps_ratio = ratio_j[tetris_j[0]] if tetris_j else 1.0
     return {"plans": (predicted["plans"] * ratio_j).astype(np.float32),
             "capacities": (predicted["capacities"] * caps_ratio).astype(np.float32)}
+
+
+def _corrected(predicted: dict[str, np.ndarray], tracker: cost_lib.StepTimeTracker,
+               schedule: Schedule) -> dict[str, np.ndarray]:
+    """Predicted step times scaled by what the run has measured."""
+    return _scaled(predicted, tracker.ratio(), schedule)
+
+
+def _with_measured(predicted: dict[str, np.ndarray], measured_j: np.ndarray,
+                   schedule: Schedule) -> dict[str, np.ndarray]:
+    """The cost model's step times with each plan's replaced by its time measured at warm-up; a
+    plan that ran no timed step keeps the model's time, scaled by the measured plans' overall
+    ratio."""
+    model_j = np.asarray(predicted["plans"], np.float64)
+    ok = np.isfinite(measured_j)
+    overall = measured_j[ok].sum() / model_j[ok].sum() if ok.any() else 1.0
+    return _scaled(predicted, np.where(ok, measured_j / model_j, overall), schedule)
 
 
 def _expected_tokens(alpha_r: np.ndarray, ks) -> np.ndarray:
@@ -788,8 +863,8 @@ def _expected_tokens(alpha_r: np.ndarray, ks) -> np.ndarray:
     return np.sum((1.0 - alpha_r ** (k_j + 1.0)) / (1.0 - alpha_r), axis=1)
 
 
-def _as_arrays(seconds: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return {name: jnp.asarray(v, jnp.float32) for name, v in seconds.items()}
+def _as_arrays(seconds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {name: np.asarray(v, np.float32) for name, v in seconds.items()}
 
 
 def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:

@@ -119,8 +119,13 @@ def generate(model: Model, prompts, max_new_tokens=64, sampling: SamplingConfig 
 def request_keys(seed: int, request_ids_b: np.ndarray) -> jax.Array:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    base = jax.random.key(int(seed))
-    return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(request_ids_b))
+    return _fold_keys(jax.random.key(int(seed)), np.asarray(request_ids_b))
+
+
+@jax.jit
+def _fold_keys(base, request_ids_b):
+    # Compiled: folding in eagerly, op by op, cost 5 ms of host time per call.
+    return jax.vmap(lambda i: jax.random.fold_in(base, i))(request_ids_b)
 
 
 def check_eos(eos_token_id, vocab_size: int) -> int:

@@ -155,31 +155,41 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
         `alpha_b` (while drafting, evidence flows every step: a bonus would only keep speculation
         on where it does not pay, e.g. at large batches where plain decoding wins by a few percent).
       current: the index of the plan running now, if any: it is kept unless the best candidate's
-        predicted goodput beats it by more than `margin`. A switch costs a host round trip, and
-        where goodput is flat over k (a few percent apart, closer than step times are predicted)
-        switching back and forth costs more than it can gain.
+        predicted goodput beats it by more than `margin` plus `EXPLORE / sqrt(1 + trials)` (the
+        batch's decayed trials). A switch costs a host round trip, and where goodput is flat over
+        k (a few percent apart, closer than step times are predicted) switching back and forth
+        costs more than it can gain. The second term asks more of a switch while evidence is thin:
+        at batch 1 a row's first few verifications are a handful of coin flips, and turning
+        speculation off on them (for a plain stretch of up to 64 steps before the next probe) cost
+        10% of a run where k = 1 was 10% better than plain decoding.
     """
     alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
     goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
+    margin = margin + EXPLORE / jnp.sqrt(1.0 + jnp.sum(state.trials_b))
     return jnp.where(goodput_j[best] > (1.0 + margin) * goodput_j[current], best, jnp.int32(current))
 
 
-def probe_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
+def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWITCH_MARGIN) -> jax.Array:
     """The next plan while speculation is off: a probe with the cheapest drafting plan (the
-    smallest k > 0) if the optimistic estimate expects some k > 0 to pay, else plain decoding.
+    smallest k > 0) if, under the optimistic estimate, some k > 0 beats plain decoding's
+    predicted goodput by more than `margin`; else plain decoding.
 
     A few steps of k = 1 measure acceptance for about what plain steps would have cost; probing
     with the optimistic argmax instead (k = 4-6 at small batches) cost 5-15% of a short run each
     time speculation then did not pay. Where it does pay, the per-step choice moves on to the best
-    k after `MIN_SEGMENT` steps of evidence.
+    k after `MIN_SEGMENT` steps of evidence. The margin is the switch margin of `choose_k` (the
+    running plan is plain decoding): where the best hope is a tie (batch 64, a k = 1 step costing
+    1.9 plain steps), a probe cannot gain and costs the draft's prefill, 6% of such a run.
     """
     ks_j = jnp.asarray(ks)
-    hopeful = choose_k(state, live_b, ks, seconds_j, optimistic=True)
-    cheapest = jnp.argmin(jnp.where(ks_j > 0, ks_j, jnp.iinfo(jnp.int32).max)).astype(jnp.int32)
-    return jnp.where(ks_j[hopeful] > 0, cheapest, hopeful)
+    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j)
+    plain = ks.index(0)
+    cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
+    hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
+    return jnp.where(hope > (1.0 + margin) * goodput_j[plain], cheapest, plain).astype(jnp.int32)
 
 
 def opening_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
@@ -195,7 +205,8 @@ HORIZON_GRID = tuple(sorted({int(round(4 * 2 ** (g / 4))) for g in range(33)}))
 
 
 def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID) -> jax.Array:
-    """Plain decoding steps until the aged optimistic estimate would probe speculation again.
+    """Plain decoding steps until the aged optimistic estimate would probe speculation again
+    (`probe_choice`).
 
     While speculation is off nothing is observed, so the next choice depends only on how many
     plain steps have aged the counts (`age`). Looking ahead over a grid of step counts once, at
@@ -205,7 +216,7 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID) 
     alpha = 1 loses).
     """
     def probes(steps):
-        return jnp.asarray(ks)[choose_k(age(state, steps), live_b, ks, seconds_j)] > 0
+        return jnp.asarray(ks)[probe_choice(age(state, steps), live_b, ks, seconds_j)] > 0
 
     grid_g = jnp.asarray(grid, jnp.int32)
     probe_g = jax.vmap(probes)(grid_g)

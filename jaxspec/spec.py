@@ -23,6 +23,11 @@ class SpecConfig:
       policy: "fixed", or "goodput": every step picks the draft length in 0..k (standard) or
         drafting on/off and the TETRIS budget (up to 2 * capacity) maximising predicted goodput.
       cost_model: a CostModel for policy="goodput".
+      measure_plans: policy="goodput": when the decoder first meets a batch shape, time a few
+        steps of each compiled plan there and plan with those times instead of the cost model's
+        (which then only prices TETRIS budgets against each other and plans that ran no step);
+        measured times are corrected during the run either way. False: the cost model alone, as
+        given (what-if studies, tests of the policy).
       pipeline: pipelined two-batch drafting on a separate device slice.
       greedy_draft: draft with argmax even when sampling (q is then one-hot; still lossless).
       threshold: confidence-threshold drafting: a row's window ends at the first draft whose
@@ -36,6 +41,7 @@ class SpecConfig:
     capacity: int | None = None
     policy: str = "fixed"
     cost_model: Any = None
+    measure_plans: bool = True
     pipeline: bool = False
     greedy_draft: bool = False
     threshold: float | None = None
@@ -60,6 +66,8 @@ class SpecConfig:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not 0.0 < threshold <= 1.0):
             raise ValueError(f"threshold must be None or a number in (0, 1], got {self.threshold!r}")
+        if not isinstance(self.measure_plans, bool):
+            raise ValueError(f"measure_plans must be a bool, got {self.measure_plans!r}")
         if self.policy == "goodput" and not isinstance(self.cost_model, CostModel):
             raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...) (CostModel.profile or "
                              f"CostModel.load), got {type(self.cost_model).__name__}")

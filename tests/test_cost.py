@@ -125,6 +125,27 @@ def test_tracker_follows_the_machines_drift_for_plans_it_has_not_run():
     np.testing.assert_allclose(tracker.corrected(), 1.5 * predicted, rtol=1e-9)
 
 
+def test_tracker_takes_the_round_trip_out_of_segments_of_any_length():
+    """Segments cost steps * step time + a fixed round trip: with the round trip known, short and
+    long segments give the same per-step times, and each segment's prediction adds it back."""
+    predicted = np.array([1.0, 2.0])
+    true, round_trip = np.array([1.5, 3.0]), 2.0
+    tracker = StepTimeTracker(predicted, round_trip=round_trip)
+    for plan, steps in [(0, 4), (1, 64), (0, 4), (1, 32), (0, 8)]:
+        tracker.observe(plan, steps, steps * true[plan] + round_trip)
+    np.testing.assert_allclose(tracker.corrected(), true, rtol=1e-9)
+    tracker.observe(1, 4, 4 * true[1] + round_trip)
+    plan, steps, predicted_per_step, measured_per_step = tracker.history[-1]
+    assert predicted_per_step == pytest.approx(measured_per_step) == pytest.approx(true[1] + round_trip / 4)
+    # Without it, the 4-step segments look dearer per step than the long ones.
+    naive = StepTimeTracker(predicted)
+    for plan, steps in [(0, 4), (1, 64), (0, 4), (1, 32), (0, 8)]:
+        naive.observe(plan, steps, steps * true[plan] + round_trip)
+    assert naive.corrected()[0] > 1.1 * true[0]
+    with pytest.raises(ValueError, match="round_trip"):
+        StepTimeTracker(predicted, round_trip=-1.0)
+
+
 def test_tracker_corrects_untried_plans_by_the_error_of_their_kind():
     """The profile got plain steps right and drafting steps 2x too fast: an untried drafting plan
     follows the drafting plans' error, not the average over all plans."""
