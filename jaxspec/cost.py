@@ -266,10 +266,13 @@ class StepTimeTracker:
       round_trip: seconds each segment spends besides its steps (the call and the fetch of its
         outputs). It is taken out of each measured segment before the per-step times are
         corrected, and added back in the segment predictions of `history`.
+      measured: per plan, whether `predicted_j` was measured at the run's shape (the engine's
+        warm-up) rather than taken from a profile: `explore` does not trial those.
     """
 
     def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15,
-                 explore_budget: float = 0.1, kinds=None, round_trip: float = 0.0):
+                 explore_budget: float = 0.1, kinds=None, round_trip: float = 0.0,
+                 measured=None):
         self.predicted_j = np.asarray(predicted_j, np.float64)
         if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
             raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
@@ -284,7 +287,9 @@ class StepTimeTracker:
         self.measured_j = np.zeros_like(self.predicted_j)   # decayed measured seconds
         self.expected_j = np.zeros_like(self.predicted_j)   # decayed predicted seconds of the same steps
         self.steps_j = np.zeros_like(self.predicted_j)      # decayed step counts
-        self.tried_j = np.zeros(self.predicted_j.shape, bool)
+        self.tried_j = np.zeros(self.predicted_j.shape, bool) if measured is None else np.array(measured, bool)
+        if self.tried_j.shape != self.predicted_j.shape:
+            raise ValueError(f"measured must give one flag per plan ({self.predicted_j.size}), got {measured!r}")
         # (plan, steps, predicted and measured wall seconds per step, round trip included)
         self.history: list[tuple[int, int, float, float]] = []
 

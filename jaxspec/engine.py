@@ -350,9 +350,10 @@ start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_row
 # A goodput branch runs at least this many steps before the loop returns to switch branches, so a
 # policy that changes its mind every step costs a host round trip every few steps, not every step.
 MIN_SEGMENT = 4
-# ... and at most this many at first, doubling per segment up to the second cap: each return lets
-# the host correct the cost model from the segment's measured time (`cost.StepTimeTracker`). The
-# first segment is judged by the profile alone, so it is kept as short as a segment can be.
+# ... and at most this many at first, four times as many per segment up to the second cap: each
+# return lets the host correct the step times from the segment's measured time
+# (`cost.StepTimeTracker`), and costs a round trip (1-2 ms on XLA:CPU, a third of a step at batch 1).
+# The first segment is judged by the warm-up's times (or the profile alone), so it is kept short.
 FIRST_SEGMENT_CAP = MIN_SEGMENT
 MAX_SEGMENT_CAP = 64
 # Goodput warm-up with `SpecConfig.measure_plans`: each plan is timed in this many passes of this
@@ -610,7 +611,9 @@ class SpeculativeDecoder:
                 predicted = _with_measured(predicted, warm.plan_seconds, schedule)
             # Step times corrected as segments are measured (passed traced: no recompile).
             tracker = cost_lib.StepTimeTracker(predicted["plans"], kinds=[p.k > 0 for p in schedule.plans],
-                                               round_trip=warm.round_trip)
+                                               round_trip=warm.round_trip,
+                                               measured=None if warm.plan_seconds is None
+                                               else np.isfinite(warm.plan_seconds))
         seconds = put(_as_arrays(predicted))
         start = time.perf_counter()
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
@@ -646,7 +649,7 @@ class SpeculativeDecoder:
                     # The baseline was just measured: decide on the measurement now (the device
                     # chose with the step times from before it).
                     choice = int(np.argmax(tokens_j / tracker.corrected()))
-                segment_cap = min(2 * segment_cap, MAX_SEGMENT_CAP)
+                segment_cap = min(4 * segment_cap, MAX_SEGMENT_CAP)
                 trial = tracker.explore(int(choice), tokens_j, baseline=schedule.predict_ks.index(0),
                                         steps=segment_cap)
                 plan_index = int(choice) if trial is None else trial

@@ -201,8 +201,16 @@ def test_tracker_explores_close_untried_plans_only():
     tracker.observe(0, 40, 40.0)
     assert tracker.explore(0, tokens, steps=4) == 2
     assert tracker.explore(0, tokens, steps=40) is None         # a longer trial is dearer
+    # Plans measured at the run's shape before it started are not trialled again.
+    tracker = StepTimeTracker(np.ones(3), measured=[True, True, False])
+    tracker.observe(0, 40, 40.0)
+    assert tracker.explore(0, np.array([1.0, 0.99, 0.5])) is None
+    assert tracker.explore(0, np.array([1.0, 0.99, 0.98])) == 2
+    assert tracker.explore(1, np.array([0.99, 1.0, 0.5]), baseline=0) is None
     with pytest.raises(ValueError, match="predicted_j"):
         StepTimeTracker(np.array([1.0, 0.0]))
+    with pytest.raises(ValueError, match="measured"):
+        StepTimeTracker(np.ones(3), measured=[True])
 
 
 def test_tracker_trials_the_plain_decoding_baseline_first_and_outside_the_budget():
