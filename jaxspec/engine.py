@@ -350,10 +350,10 @@ start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_row
 # A goodput branch runs at least this many steps before the loop returns to switch branches, so a
 # policy that changes its mind every step costs a host round trip every few steps, not every step.
 MIN_SEGMENT = 4
-# ... and at most this many at first, four times as many per segment up to the second cap: each
-# return lets the host correct the step times from the segment's measured time
-# (`cost.StepTimeTracker`), and costs a round trip (1-2 ms on XLA:CPU, a third of a step at batch 1).
-# The first segment is judged by the warm-up's times (or the profile alone), so it is kept short.
+# ... and at most this many in the first segment, the second cap after it: each return lets the host
+# correct the step times from the segment's measured time (`cost.StepTimeTracker`), and costs a
+# round trip (1-2 ms on XLA:CPU, a third of a step at batch 1). The first segment is judged by the
+# warm-up's times (or the profile alone), so it is kept short.
 FIRST_SEGMENT_CAP = MIN_SEGMENT
 MAX_SEGMENT_CAP = 64
 # Goodput warm-up with `SpecConfig.measure_plans`: each plan is timed in this many passes of this
@@ -649,7 +649,7 @@ class SpeculativeDecoder:
                     # The baseline was just measured: decide on the measurement now (the device
                     # chose with the step times from before it).
                     choice = int(np.argmax(tokens_j / tracker.corrected()))
-                segment_cap = min(4 * segment_cap, MAX_SEGMENT_CAP)
+                segment_cap = MAX_SEGMENT_CAP
                 trial = tracker.explore(int(choice), tokens_j, baseline=schedule.predict_ks.index(0),
                                         steps=segment_cap)
                 plan_index = int(choice) if trial is None else trial

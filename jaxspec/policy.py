@@ -30,7 +30,8 @@ PRIOR_ALPHA = 0.6      # acceptance assumed before anything is observed
 PRIOR_WEIGHT = 2.0     # how many observations the prior is worth
 DECAY = 0.9            # per-step decay of the counts (a moving average over ~10 steps)
 OFF_DECAY = 0.97       # per-step decay while speculation is off (nothing observed; see `age`)
-EXPLORE = 0.3          # optimism bonus while the batch has little recent evidence (see `planning_alpha_b`)
+EXPLORE = 0.2          # optimism bonus while the batch has little recent evidence (see `planning_alpha_b`)
+THIN_EVIDENCE = 0.3    # extra switch margin while the batch has little recent evidence (see `choose_k`)
 SWITCH_MARGIN = 0.04   # predicted gain that makes the running plan switch (see `choose_k`)
 
 
@@ -155,7 +156,7 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
         `alpha_b` (while drafting, evidence flows every step: a bonus would only keep speculation
         on where it does not pay, e.g. at large batches where plain decoding wins by a few percent).
       current: the index of the plan running now, if any: it is kept unless the best candidate's
-        predicted goodput beats it by more than `margin` plus `EXPLORE / sqrt(1 + trials)` (the
+        predicted goodput beats it by more than `margin` plus `THIN_EVIDENCE / sqrt(1 + trials)` (the
         batch's decayed trials). A switch costs a host round trip, and where goodput is flat over
         k (a few percent apart, closer than step times are predicted) switching back and forth
         costs more than it can gain. The second term asks more of a switch while evidence is thin:
@@ -168,7 +169,7 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
-    margin = margin + EXPLORE / jnp.sqrt(1.0 + jnp.sum(state.trials_b))
+    margin = margin + THIN_EVIDENCE / jnp.sqrt(1.0 + jnp.sum(state.trials_b))
     return jnp.where(goodput_j[best] > (1.0 + margin) * goodput_j[current], best, jnp.int32(current))
 
 
