@@ -122,7 +122,7 @@ def main() -> None:
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
                 # The policy's own predictions (corrected online) against each segment's measured
                 # wall time per step, round trip included, over the segments after the first
-                # (which is judged by the profile alone).
+                # (which is judged by the warm-up's times alone).
                 segs = np.asarray([(n, p, m) for _, n, p, m in s.extra["segments"]], np.float64)
                 later = segs[1:] if len(segs) > 1 else segs
                 predicted, measured = (float(np.sum(later[:, 0] * later[:, i]) / np.sum(later[:, 0])) for i in (1, 2))
@@ -144,9 +144,10 @@ def main() -> None:
         "time (`best_fixed`). `step_ms`: one decode step at the run's compiled shape timed in a "
         "compiled loop, against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall "
         "time per step of the run's segments after the first (the loop returns to the host between segments, round "
-        "trip included) against the step times the policy used for them (the profile corrected online from the "
-        "segments before: `cost.StepTimeTracker`); `segment_errors`: the median error per segment and the first "
-        "segment's error (the profile alone). "
+        "trip included) against the step times the policy predicted for them (each plan's steps timed at warm-up, "
+        "`SpecConfig.measure_plans`, corrected online from the segments before: `cost.StepTimeTracker`, plus the "
+        "round trip); `segment_errors`: the median error per segment and the first segment's error (the warm-up's "
+        "times alone). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
         f"Cost model profiled on this machine (real decode steps, batch 1..64, k 0..6): fit R^2 "
         f"{cost.fit['step']['r2']:.3f}, worst held-out error {cost.fit['step']['worst_heldout_rel_error']:.1%}.",
