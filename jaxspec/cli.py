@@ -82,12 +82,15 @@ def _build_spec(args) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxsp
         raise ValueError("--policy goodput needs --cost-model FILE (written by `jaxspec profile`)")
     if args.cost_model is not None and args.policy != "goodput":
         raise ValueError("--cost-model is only used with --policy goodput")
+    if args.no_measure_plans and args.policy != "goodput":
+        raise ValueError("--no-measure-plans is only used with --policy goodput")
     cost = CostModel.load(args.cost_model) if args.cost_model is not None else None
     # --draft none: plain decoding through the speculative engine (k = 0), so continuous batching
     # and the per-request callback work the same way.
     spec = jaxspec.SpecConfig(k=0 if plain else args.k, extra=0 if plain else args.extra,
                               selection="standard" if plain else args.selection, capacity=args.capacity,
-                              policy=args.policy, cost_model=cost, pipeline=args.pipeline)
+                              policy=args.policy, cost_model=cost, measure_plans=not args.no_measure_plans,
+                              pipeline=args.pipeline)
     sampling = jaxspec.SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     mesh = None
     if args.target_tp != 1 or args.target_dp != 1 or args.draft_tp is not None:
@@ -303,6 +306,9 @@ def _add_generate(sub) -> None:
     dec.add_argument("--policy", default="fixed", choices=["fixed", "goodput"],
                      help="goodput: pick the draft length each step from a cost model and observed acceptance")
     dec.add_argument("--cost-model", metavar="FILE", help="cost model JSON for --policy goodput (jaxspec profile)")
+    dec.add_argument("--no-measure-plans", action="store_true",
+                     help="--policy goodput: plan with the cost model's step times as given (default: the first "
+                          "batch also times each draft length's step at its shape and plans with those times)")
     dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     dec.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     dec.add_argument("--top-p", type=float, default=1.0)
