@@ -196,7 +196,8 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
 def opening_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
     """The first plan of a run, before anything is observed: the plan the prior expects to be
     best when that plan drafts, else `probe_choice` (the prior expects plain decoding to win, but
-    speculation is probed if the optimistic estimate does not rule it out)."""
+    speculation is probed if, under the optimistic estimate, it beats plain decoding by the
+    switch margin)."""
     plain = choose_k(state, live_b, ks, seconds_j, optimistic=False)
     return jnp.where(jnp.asarray(ks)[plain] > 0, plain, probe_choice(state, live_b, ks, seconds_j))
 
