@@ -350,16 +350,24 @@ start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_row
 # A goodput branch runs at least this many steps before the loop returns to switch branches, so a
 # policy that changes its mind every step costs a host round trip every few steps, not every step.
 MIN_SEGMENT = 4
-# ... and at most this many in the first segment, the second cap after it: each return lets the host
-# correct the step times from the segment's measured time (`cost.StepTimeTracker`), and costs a
-# round trip (1-2 ms on XLA:CPU, a third of a step at batch 1). The first segment is judged by the
-# warm-up's times (or the profile alone), so it is kept short.
+# ... and at most this many: each return lets the host correct the step times from the segment's
+# measured time (`cost.StepTimeTracker`), and costs a round trip (1-2 ms on XLA:CPU, a third of a
+# step at batch 1). A first segment planned by the profile alone (`measure_plans=False`) is kept
+# short so its correction comes early; plans timed at warm-up need none that soon (the device
+# still switches plans within the segment when the acceptance it sees asks for it).
 FIRST_SEGMENT_CAP = MIN_SEGMENT
 MAX_SEGMENT_CAP = 64
-# Goodput warm-up with `SpecConfig.measure_plans`: each plan is timed in this many passes of this
-# many steps, after one untimed step (`SpeculativeDecoder._warm_up`).
-MEASURE_PASSES = 2
+# Goodput warm-up with `SpecConfig.measure_plans` (`SpeculativeDecoder._warm_up`): after one
+# untimed step, each plan is timed in passes of up to MEASURE_STEPS steps, as many as make about
+# MEASURE_PASS_SECONDS by the cost model (at batch 64 a k = 6 step takes 0.2 s: one step a pass is
+# enough there, and three would add seconds to the first call). MEASURE_PASSES passes go round
+# the plans, more (up to MEASURE_MAX_PASSES) while the timing has taken under MEASURE_SECONDS:
+# small shapes, whose few-millisecond steps are the noisiest, are timed more often at little cost.
 MEASURE_STEPS = 3
+MEASURE_PASS_SECONDS = 0.1
+MEASURE_PASSES = 3
+MEASURE_MAX_PASSES = 8
+MEASURE_SECONDS = 0.5
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
@@ -604,8 +612,7 @@ class SpeculativeDecoder:
         if goodput:
             shape_key = (slots, cache_len, batch.out_len, schedule)
             if shape_key not in self._warm:
-                self._warm[shape_key] = self._warm_up(schedule, rows_in, eos_t, budget_t, put(_as_arrays(predicted)),
-                                                      static, put)
+                self._warm[shape_key] = self._warm_up(schedule, rows_in, eos_t, budget_t, predicted, static, put)
             warm = self._warm[shape_key]
             if warm.plan_seconds is not None:
                 predicted = _with_measured(predicted, warm.plan_seconds, schedule)
@@ -623,7 +630,8 @@ class SpeculativeDecoder:
             if goodput else (0, 0)
         no_cap = put(np.int32(batch.out_len + 1))
         step_ks: list[int] = []
-        segment_cap, trial = FIRST_SEGMENT_CAP, None
+        segment_cap = FIRST_SEGMENT_CAP if goodput and warm.plan_seconds is None else MAX_SEGMENT_CAP
+        trial = None
         while True:
             # With requests waiting (or a caller waiting for each result), stop as soon as one
             # more row is done, to refill it or hand it over.
@@ -753,7 +761,7 @@ class SpeculativeDecoder:
                  tetris_plan)
         return Schedule(plans=plans, predict_ks=(0, 1, spec.k)), 0
 
-    def _warm_up(self, schedule: Schedule, rows_in, eos_t, budget_t, seconds, static, put) -> _Warm:
+    def _warm_up(self, schedule: Schedule, rows_in, eos_t, budget_t, predicted, static, put) -> _Warm:
         """Goodput: compiles every plan's program and runs it on a scratch state prefilled with
         this call's first rows; times a segment's round trip there and, with
         `spec.measure_plans`, each plan's steps. Once per decoder and shape.
@@ -765,14 +773,16 @@ class SpeculativeDecoder:
         at small batches, where the profile alone made the policy run k = 2-3 where k = 1 was
         best. A few steps at the run's own shape rank the plans. The passes go round the plans in
         turn, so a slow moment of a shared machine does not fall on one plan only, and each plan
-        keeps its fastest pass (the machine's slow moments only add time). The round trip (a call
+        keeps the median of its passes: the fastest of two passes (the rule before) under-predicted
+        the run's steps by up to 10%, and a drafting plan's first pass ran up to 1.5x slower than
+        its later ones, which the median of three or more passes ignores. The round trip (a call
         that runs no step, and the fetch of its outputs; 1.7 ms on XLA:CPU) is taken out of every
         timed segment: it would otherwise add a third of a step to each step of a 4-step
         segment at batch 1, and make short segments' plans look slower than long ones'.
         """
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
         max_new_b, keys_b = rows_in[2], rows_in[3]
-        no_stop = put(np.int32(0))
+        no_stop, seconds = put(np.int32(0)), put(_as_arrays(predicted))
 
         def timed(state, plan_index: int, steps: int):
             start = time.perf_counter()
@@ -793,14 +803,18 @@ class SpeculativeDecoder:
             round_trip = min(round_trip, elapsed)
         if not self.spec.measure_plans:
             return _Warm(None, round_trip)
-        fastest_j = np.full(len(states), np.inf)
-        for _ in range(MEASURE_PASSES):
+        pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 1, MEASURE_STEPS)
+        passes_j: list[list[float]] = [[] for _ in states]
+        start = time.perf_counter()
+        for n in range(MEASURE_MAX_PASSES):
+            if n >= MEASURE_PASSES and time.perf_counter() - start > MEASURE_SECONDS:
+                break
             for i, state in enumerate(states):
-                states[i], steps, elapsed = timed(state, i, MEASURE_STEPS)
+                states[i], steps, elapsed = timed(state, i, int(pass_steps_j[i]))
                 if steps > steps_j[i]:
-                    fastest_j[i] = min(fastest_j[i], max(elapsed - round_trip, 0.0) / (steps - steps_j[i]))
+                    passes_j[i].append(max(elapsed - round_trip, 0.0) / (steps - steps_j[i]))
                 steps_j[i] = steps
-        return _Warm(np.where(np.isfinite(fastest_j), fastest_j, np.nan), round_trip)
+        return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip)
 
     def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict[str, np.ndarray]:
         """The cost model's step time for each compiled branch and each TETRIS budget, computed

@@ -84,11 +84,13 @@ def main() -> None:
         # The machine's speed drifts over minutes (a shared VM), so every configuration is timed
         # once per round and ratios are taken within a round, then the median over rounds.
         seconds = {label: [] for label in fns}
+        segments = {label: [] for label in fns}   # the goodput runs' segments, one list per round
         for _ in range(args.rounds):
             for label, fn in fns.items():
                 start = time.perf_counter()
                 results[label] = fn()
                 seconds[label].append(time.perf_counter() - start)
+                segments[label].append(results[label].stats.extra.get("segments", []))
         secs = {label: np.asarray(v) for label, v in seconds.items()}
         fixed = [label for label, _ in configs if not label.startswith("goodput")]
         # The best fixed configuration is the one a user would pick: the fastest by median over
@@ -121,15 +123,17 @@ def main() -> None:
                 trace = s.extra["k_trace"]
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
                 # The policy's own predictions (corrected online) against each segment's measured
-                # wall time per step, round trip included, over the segments after the first
-                # (which is judged by the warm-up's times alone).
-                segs = np.asarray([(n, p, m) for _, n, p, m in s.extra["segments"]], np.float64)
-                later = segs[1:] if len(segs) > 1 else segs
+                # wall time per step, round trip included, over the segments after each run's first
+                # (which is judged by the warm-up's times alone; a run of one segment counts it),
+                # pooled over the timed rounds: one run is one or two draws of the machine's noise.
+                runs = [[(n, p, m) for _, n, p, m in run] for run in segments[label]]
+                firsts = np.asarray([run[0] for run in runs], np.float64)
+                later = np.asarray([seg for run in runs for seg in (run[1:] or run)], np.float64)
                 predicted, measured = (float(np.sum(later[:, 0] * later[:, i]) / np.sum(later[:, 0])) for i in (1, 2))
                 row.update(step_ms=1e3 * measured, predicted_step_ms=1e3 * predicted,
                            prediction_error=predicted / measured - 1,
-                           segment_errors=f"{np.median(np.abs(later[:, 1] / later[:, 2] - 1)):.0%} median, "
-                                          f"{len(segs)} segments, first {segs[0, 1] / segs[0, 2] - 1:+.0%}")
+                           segment_errors=f"{np.median(np.abs(later[:, 1] / later[:, 2] - 1)):.0%} median of "
+                                          f"{len(later)}, first {np.median(firsts[:, 1] / firsts[:, 2] - 1):+.0%}")
             batch_rows.append(row)
             print(table([row], COLUMNS), flush=True)
         rows += batch_rows
@@ -141,13 +145,13 @@ def main() -> None:
         f"timed once per round for {args.rounds} rounds; `vs_ar` and `vs_best_fixed` are medians over rounds of "
         "ratios within a round (this shared VM's speed drifts by tens of percent over minutes, so times from "
         "different moments are not comparable); the best fixed configuration is the fixed one with the best median "
-        "time (`best_fixed`). `step_ms`: one decode step at the run's compiled shape timed in a "
-        "compiled loop, against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall "
-        "time per step of the run's segments after the first (the loop returns to the host between segments, round "
-        "trip included) against the step times the policy predicted for them (each plan's steps timed at warm-up, "
-        "`SpecConfig.measure_plans`, corrected online from the segments before: `cost.StepTimeTracker`, plus the "
-        "round trip); `segment_errors`: the median error per segment and the first segment's error (the warm-up's "
-        "times alone). "
+        "time (`best_fixed`). `step_ms`: one decode step at the run's compiled shape timed in a compiled loop, "
+        "against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall time per step of "
+        "the segments after each run's first, pooled over the rounds (the loop returns to the host between segments, "
+        "round trip included), against the step times the policy predicted for them (each plan's steps timed at warm-"
+        "up, `SpecConfig.measure_plans`, corrected online from the segments before: `cost.StepTimeTracker`, plus the "
+        "round trip); `segment_errors`: the median error per segment, how many segments, and the median error of the "
+        "runs' first segments (the warm-up's times alone). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
         f"Cost model profiled on this machine (real decode steps, batch 1..64, k 0..6): fit R^2 "
         f"{cost.fit['step']['r2']:.3f}, worst held-out error {cost.fit['step']['worst_heldout_rel_error']:.1%}.",
