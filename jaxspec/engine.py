@@ -309,21 +309,26 @@ _STATIC = ("target_graphdef", "drafter", "schedule", "sampling", "cache_len", "s
 
 def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
                 draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id, seconds, next_choice=None,
-                *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
+                acceptance=None, draining=None, *, cache_len: int, seq_len: int, out_len: int,
+                mesh=None) -> DecodeState:
     """Loop state for freshly prefilled rows: target and drafter caches, policy counts, and the
     policy's first choice.
 
-    Goodput policy: when the next plan is plain decoding (the opening choice, or `next_choice`,
-    the running batch's, for rows refilled into it) the drafter starts from `init_deferred` and
-    catches up if and when drafting starts.
+    Goodput policy: `acceptance` = (alpha, weight) seeds the live rows' acceptance counts
+    (`policy.seed_acceptance`; None: the bare prior); `draining` (traced bool; None: unset) says
+    no request waits for a slot, so the opening plan is judged by when the slowest row will be
+    done (`policy.drain_tokens_per_step`). When the next plan is plain decoding (the opening
+    choice, or `next_choice`, the running batch's, for rows refilled into it) the drafter starts
+    from `init_deferred` and catches up if and when drafting starts.
     """
     state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
                           request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
     if schedule.predict_ks is not None:
-        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0)
+        drain = _drain(state, max_new_b, draining)
+        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0, seed=acceptance, live_b=~state.done_b)
         policy = policy.replace(choice=policy_lib.opening_choice(policy, ~state.done_b, schedule.predict_ks,
-                                                                 seconds["plans"]))
-        state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds))
+                                                                 seconds["plans"], drain))
+        state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds, drain))
         next_choice = policy.choice if next_choice is None else next_choice
     if schedule.drafts:
         init = functools.partial(drafter.init, cache_len=cache_len)
@@ -337,10 +342,16 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     return state
 
 
-def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, seconds) -> policy_lib.PolicyState:
+def _drain(state: DecodeState, max_new_b, draining):
+    """The goodput policy's view of a draining batch (`policy.goodput_of_ks`), None if unset."""
+    return None if draining is None else (max_new_b - state.n_out_b, draining)
+
+
+def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, seconds,
+               drain=None) -> policy_lib.PolicyState:
     """Sets `policy.hold` (how long a plain segment may run) when the next plan is plain decoding."""
     plain = jnp.asarray(schedule.predict_ks)[policy.choice] == 0
-    horizon = policy_lib.plain_horizon(policy, live_b, schedule.predict_ks, seconds["plans"])
+    horizon = policy_lib.plain_horizon(policy, live_b, schedule.predict_ks, seconds["plans"], drain=drain)
     return policy.replace(hold=jnp.where(plain, horizon, 0).astype(jnp.int32))
 
 
@@ -359,8 +370,10 @@ FIRST_SEGMENT_CAP = MIN_SEGMENT
 MAX_SEGMENT_CAP = 64
 # Goodput warm-up with `SpecConfig.measure_plans` (`SpeculativeDecoder._warm_up`): after one
 # untimed step, each plan is timed in passes of up to MEASURE_STEPS steps, as many as make about
-# MEASURE_PASS_SECONDS by the cost model (at batch 64 a k = 6 step takes 0.2 s: one step a pass is
-# enough there, and three would add seconds to the first call). MEASURE_PASSES passes go round
+# MEASURE_PASS_SECONDS by the cost model for the first pass and by that pass's time after it (at
+# batch 64 a k = 6 step takes 0.2 s: one step a pass is enough there, and three would add seconds
+# to the first call; a sub-millisecond step timed one at a time is lost in the round trip's
+# jitter, and a cost model far off sized it so). MEASURE_PASSES passes go round
 # the plans, more (up to MEASURE_MAX_PASSES) while the timing has taken under MEASURE_SECONDS:
 # small shapes, whose few-millisecond steps are the noisiest, are timed more often at little cost.
 MEASURE_STEPS = 3
@@ -373,7 +386,7 @@ MEASURE_SECONDS = 0.5
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
 def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
                   draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, seconds,
-                  stop_on_finish, max_steps, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
+                  stop_on_finish, max_steps, draining=None, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
                   plan_index: int = 0) -> DecodeState:
     """Decode steps with plan `schedule.plans[plan_index]` until every row is done, or, when the
     traced flag `stop_on_finish` is set, until one more row is done than at entry (continuous
@@ -393,6 +406,9 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     XLA copy the loop state, caches included, every step (1.3-1.4x the step time at batch 64,
     scripts/switch_overhead.py). A call runs one plan, so the host counts its steps from
     `state.steps`.
+
+    `draining` (traced bool; None: unset): no request waits for a slot, so the policy judges plans
+    by when the slowest row will be done (`policy.drain_tokens_per_step`).
     """
     b = state.seq_bl.shape[0]
     plan = schedule.plans[plan_index]
@@ -404,7 +420,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
 
     def choose(state, optimistic, current=None):
         return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic,
-                                   current)
+                                   current, drain=_drain(state, max_new_b, draining))
 
     def body(state):
         state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
@@ -424,10 +440,12 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     state = jax.lax.while_loop(running, body, state)
     if goodput and not choose_each_step:
         state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
-        choice = policy_lib.probe_choice(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"])
+        choice = policy_lib.probe_choice(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"],
+                                         drain=_drain(state, max_new_b, draining))
         state = state.replace(policy=state.policy.replace(choice=choice))
     if goodput:
-        state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds))
+        state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds,
+                                                _drain(state, max_new_b, draining)))
     return state
 
 
@@ -437,11 +455,14 @@ def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samp
                      eos_id, seconds, *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
     """Prefills new requests into rows `slots_r` of a running state (an out-of-range slot drops
     its row). Everything per row is replaced; the step counter, the calibration of draft
-    confidence and the policy's next choice carry over."""
+    confidence and the policy's next choice carry over, and a new row's acceptance counts start
+    from the batch's pooled acceptance (`policy.seed_acceptance`)."""
+    running = state.policy
     fresh = _fresh_rows(target_graphdef, drafter, schedule, sampling, target_params, draft_params, tokens_rp,
                         prompt_len_r, max_new_r, request_keys_r, eos_id, seconds,
-                        state.policy.choice if state.policy is not None else None, cache_len=cache_len,
-                        seq_len=seq_len, out_len=out_len, mesh=mesh)
+                        running.choice if running is not None else None,
+                        policy_lib.seed_acceptance(running.accepted_b, running.trials_b) if running is not None
+                        else None, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
 
     def put(old, new):
         return old.at[slots_r].set(new, mode="drop")
@@ -559,6 +580,9 @@ class SpeculativeDecoder:
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
         self._warm: dict = {}   # goodput: per compiled shape, what `_warm_up` measured
+        # Goodput: (alpha, weight), the acceptance last measured (by a warm-up, or at the end of a
+        # run) that seeds a run's rows (`policy.seed_acceptance`); None before any.
+        self._acceptance: np.ndarray | None = None
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -613,6 +637,8 @@ class SpeculativeDecoder:
             shape_key = (slots, cache_len, batch.out_len, schedule)
             if shape_key not in self._warm:
                 self._warm[shape_key] = self._warm_up(schedule, rows_in, eos_t, budget_t, predicted, static, put)
+                if self._warm[shape_key].acceptance is not None:
+                    self._acceptance = self._warm[shape_key].acceptance
             warm = self._warm[shape_key]
             if warm.plan_seconds is not None:
                 predicted = _with_measured(predicted, warm.plan_seconds, schedule)
@@ -622,9 +648,12 @@ class SpeculativeDecoder:
                                                measured=None if warm.plan_seconds is None
                                                else np.isfinite(warm.plan_seconds))
         seconds = put(_as_arrays(predicted))
+        # Goodput: the acceptance last measured seeds the rows; whether requests wait for slots.
+        acceptance = put(self._known_acceptance()) if goodput else None
+        draining = put(np.bool_(not len(queue))) if goodput else None
         start = time.perf_counter()
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
-                                seconds, **static)
+                                seconds, None, acceptance, draining, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
         plan_index, hold = (int(x) for x in jax.device_get((state.policy.choice, state.policy.hold))) \
             if goodput else (0, 0)
@@ -639,12 +668,13 @@ class SpeculativeDecoder:
             # A plain segment runs until the policy would probe speculation again
             # (`policy.plain_horizon`): no round trips in between.
             plain = goodput and trial is None and schedule.plans[plan_index].k == 0 and hold > 0
+            drains = not len(queue)
             segment_start = time.perf_counter()
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
                                   max_new_b, eos_t, budget_t, seconds, put(np.int32(stop)),
                                   put(np.int32(hold if plain else segment_cap)) if goodput else no_cap,
-                                  **static, plan_index=plan_index)
-            done_b, out_bo, n_out_b, counters, steps, policy = _segment_outputs(state)
+                                  put(np.bool_(drains)) if goodput else None, **static, plan_index=plan_index)
+            done_b, out_bo, n_out_b, counters, steps, policy, max_new = _segment_outputs(state, max_new_b)
             segment_seconds = time.perf_counter() - segment_start
             segment_steps = int(steps) - len(step_ks)
             step_ks += [schedule.plans[plan_index].k] * segment_steps
@@ -652,7 +682,11 @@ class SpeculativeDecoder:
                 choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
                 tracker.observe(plan_index, segment_steps, segment_seconds, trial=trial is not None)
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
-                tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
+                if drains:
+                    tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, max_new - n_out_b,
+                                                                schedule.predict_ks, xp=np)
+                else:
+                    tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
                 if trial is not None and schedule.plans[plan_index].k == 0 and tokens_j.size:
                     # The baseline was just measured: decide on the measurement now (the device
                     # chose with the step times from before it).
@@ -683,6 +717,9 @@ class SpeculativeDecoder:
         if goodput:
             # Per segment: (draft length, steps, predicted and measured seconds per step).
             stats.extra["segments"] = [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
+            seen = _acceptance_of(policy.accepted_b, policy.trials_b)   # seeds the next call's rows
+            if seen is not None:
+                self._acceptance = seen
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
@@ -783,17 +820,19 @@ class SpeculativeDecoder:
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
         max_new_b, keys_b = rows_in[2], rows_in[3]
         no_stop, seconds = put(np.int32(0)), put(_as_arrays(predicted))
+        # Arguments of the run's own kinds, so the run reuses these compiled programs.
+        acceptance, draining = put(self._known_acceptance()), put(np.bool_(True))
 
         def timed(state, plan_index: int, steps: int):
             start = time.perf_counter()
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
-                                  max_new_b, eos_t, budget_t, seconds, no_stop, put(np.int32(steps)), **static,
-                                  plan_index=plan_index)
+                                  max_new_b, eos_t, budget_t, seconds, no_stop, put(np.int32(steps)), draining,
+                                  **static, plan_index=plan_index)
             ran = int(_segment_outputs(state)[4])
             return state, ran, time.perf_counter() - start
 
         scratch = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
-                                  seconds, **static)
+                                  seconds, None, acceptance, draining, **static)
         runs = [timed(jax.tree.map(jnp.copy, scratch), i, 1) for i in range(len(schedule.plans))]
         del scratch
         states, steps_j = [r[0] for r in runs], [r[1] for r in runs]
@@ -802,7 +841,7 @@ class SpeculativeDecoder:
             states[0], _, elapsed = timed(states[0], 0, 0)
             round_trip = min(round_trip, elapsed)
         if not self.spec.measure_plans:
-            return _Warm(None, round_trip)
+            return _Warm(None, round_trip, _acceptance_seen(schedule, states))
         pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 1, MEASURE_STEPS)
         passes_j: list[list[float]] = [[] for _ in states]
         start = time.perf_counter()
@@ -813,8 +852,19 @@ class SpeculativeDecoder:
                 states[i], steps, elapsed = timed(state, i, int(pass_steps_j[i]))
                 if steps > steps_j[i]:
                     passes_j[i].append(max(elapsed - round_trip, 0.0) / (steps - steps_j[i]))
+                    if n == 0:
+                        pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 1,
+                                                  MEASURE_STEPS)
                 steps_j[i] = steps
-        return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip)
+        return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
+                     _acceptance_seen(schedule, states))
+
+    def _known_acceptance(self) -> np.ndarray:
+        """(alpha, weight) to seed a run's rows: the acceptance last measured, else nothing (the
+        bare prior, weight 0)."""
+        if self._acceptance is not None:
+            return self._acceptance
+        return np.asarray([policy_lib.PRIOR_ALPHA, 0.0], np.float32)
 
     def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict[str, np.ndarray]:
         """The cost model's step time for each compiled branch and each TETRIS budget, computed
@@ -840,11 +890,27 @@ class SpeculativeDecoder:
 class _Warm(NamedTuple):
     plan_seconds: np.ndarray | None   # each plan's seconds per step at the shape (None: not measured)
     round_trip: float                 # seconds of a segment's call and fetch, besides its steps
+    acceptance: np.ndarray | None     # (alpha, weight) the drafting plans saw (None: no trial)
 
 
-def _segment_outputs(state: DecodeState):
+def _acceptance_of(accepted_b, trials_b) -> np.ndarray | None:
+    """`policy.seed_acceptance` of these counts, None when they saw no trial."""
+    seed = np.asarray(policy_lib.seed_acceptance(accepted_b, trials_b), np.float32)
+    return seed if seed[1] > 0 else None
+
+
+def _acceptance_seen(schedule: Schedule, states) -> np.ndarray | None:
+    """The acceptance the warm-up's drafting plans saw on the call's own rows, pooled over the
+    plans (each counted as the decode loop counts it: decayed trials per row)."""
+    drafting = [jax.device_get((s.policy.accepted_b, s.policy.trials_b))
+                for plan, s in zip(schedule.plans, states) if plan.k > 0]
+    return _acceptance_of(*(np.concatenate(parts) for parts in zip(*drafting))) if drafting else None
+
+
+def _segment_outputs(state: DecodeState, max_new_b=None):
     """What the host reads after each segment (one transfer)."""
-    return jax.device_get((state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps, state.policy))
+    return jax.device_get((state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps, state.policy,
+                           max_new_b))
 
 
 def _scaled(predicted: dict[str, np.ndarray], ratio_j: np.ndarray, schedule: Schedule) -> dict[str, np.ndarray]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.special
+import scipy.special
 from flax import struct
 
 CALIBRATION_BINS = 16
@@ -33,6 +35,8 @@ OFF_DECAY = 0.97       # per-step decay while speculation is off (nothing observ
 EXPLORE = 0.2          # optimism bonus while the batch has little recent evidence (see `planning_alpha_b`)
 THIN_EVIDENCE = 0.3    # extra switch margin while the batch has little recent evidence (see `choose_k`)
 SWITCH_MARGIN = 0.04   # predicted gain that makes the running plan switch (see `choose_k`)
+SEED_WEIGHT = 1.0 / (1.0 - DECAY)   # most trials per row a seed is worth (see `seed_acceptance`)
+DRAIN_GRID = 64        # points of the integral over steps in `drain_tokens_per_step`
 
 
 def expected_tokens_per_step(alpha, k):
@@ -54,8 +58,17 @@ class PolicyState:
     hold: jax.Array             # when choice is plain decoding: its steps before a re-probe (see `plain_horizon`)
 
     @classmethod
-    def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS) -> PolicyState:
-        return cls(accepted_b=jnp.zeros((b,), jnp.float32), trials_b=jnp.zeros((b,), jnp.float32),
+    def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS, seed=None, live_b=None) -> PolicyState:
+        """Counts before the first step: none, or with `seed` = (alpha, weight) (from
+        `seed_acceptance`; traced) every row (every `live_b` row, if given) starts as if it had
+        seen `weight` trials at acceptance alpha. The seed then decays like any other evidence."""
+        zeros_b = jnp.zeros((b,), jnp.float32)
+        accepted_b, trials_b = zeros_b, zeros_b
+        if seed is not None:
+            alpha, weight = jnp.asarray(seed, jnp.float32)
+            weight_b = zeros_b + weight if live_b is None else jnp.where(live_b, weight, 0.0)
+            accepted_b, trials_b = alpha * weight_b, weight_b
+        return cls(accepted_b=accepted_b, trials_b=trials_b,
                    calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
                    choice=jnp.int32(first_choice), hold=jnp.int32(0))
 
@@ -81,6 +94,25 @@ class PolicyState:
         bins = self.calib_tried_c.shape[0]
         centre_c = (jnp.arange(bins, dtype=jnp.float32) + 0.5) / bins
         return (self.calib_accepted_c + PRIOR_WEIGHT * centre_c) / (self.calib_tried_c + PRIOR_WEIGHT)
+
+
+def seed_acceptance(accepted_b, trials_b, cap: float = SEED_WEIGHT) -> jax.Array:
+    """(alpha, weight): the acceptance pooled over rows that saw trials (accepted / trials, summed),
+    and how much it is worth to a fresh row: their mean trials per row, at most `cap` (one
+    moving-average window of `DECAY`). (PRIOR_ALPHA, 0) when no row saw a trial.
+
+    Fresh rows start from it (`PolicyState.init`) instead of the bare prior: a run's first rows
+    from the acceptance its decoder's warm-up and previous runs measured (`SpeculativeDecoder`),
+    a refilled row from the batch it joins. The opening choice is otherwise made on PRIOR_ALPHA
+    alone, and where speculation gains a few percent (batch 1 of a pair whose k = 1 step costs
+    1.75 plain steps) that guess decided whether the run drafted at all.
+    """
+    accepted_b, trials_b = jnp.asarray(accepted_b, jnp.float32), jnp.asarray(trials_b, jnp.float32)
+    total = jnp.sum(trials_b)
+    rows = jnp.maximum(jnp.sum(trials_b > 0), 1)
+    seen = total > 0
+    alpha = jnp.where(seen, jnp.sum(accepted_b) / jnp.where(seen, total, 1.0), PRIOR_ALPHA)
+    return jnp.stack([alpha, jnp.minimum(total / rows, cap)])
 
 
 def _bin_of(logprob_bk, bins: int):
@@ -130,7 +162,65 @@ def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
                          calib_tried_c=state.calib_tried_c * factor, calib_accepted_c=state.calib_accepted_c * factor)
 
 
-def goodput_of_ks(alpha_b, live_b, ks, seconds_j):
+def token_moments(alpha, ks, xp=jnp):
+    """Mean and variance of the tokens one verification emits with k drafts (for each k in the
+    static tuple `ks`), each accepted with probability alpha: X = i with probability
+    alpha^(i-1) (1 - alpha) for i <= k, and X = k + 1 with probability alpha^k."""
+    alpha = xp.clip(xp.asarray(alpha, xp.float32), 0.0, 1.0)
+    i_i = xp.arange(1, max(ks) + 2, dtype=xp.float32)[None, :]
+    k_j = xp.asarray(ks, xp.float32)[:, None]
+    p_ji = xp.where(i_i <= k_j, alpha ** (i_i - 1.0) * (1.0 - alpha), xp.where(i_i == k_j + 1.0, alpha ** k_j, 0.0))
+    mean_j = xp.sum(p_ji * i_i, axis=1)
+    return mean_j, xp.maximum(xp.sum(p_ji * i_i * i_i, axis=1) - mean_j * mean_j, 0.0)
+
+
+def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp):
+    """For a batch that runs until its slowest row is done (no request waits to take a finished
+    row's slot): for each draft length, the live rows' remaining tokens divided by the expected
+    steps until the last of them is done, i.e. the tokens per step that draft length is worth
+    over the rest of the run.
+
+    `expected_tokens_per_step` summed over rows counts a step's tokens wherever they land, but a
+    static batch's wall time is its slowest row's: speculation's steps per row vary, and the
+    expected maximum over many rows is well above the mean (at batch 64 with k = 1, 59 steps
+    where the mean was 52), while plain decoding's steps are exactly the remaining tokens.
+
+    Model: rows share the batch's mean acceptance alpha (per-row estimates over a few trials are
+    too noisy for their minimum to mean anything); row i needs S_i steps for its r_i remaining
+    tokens, by the renewal central limit theorem about normal with mean (r_i + o) / mu and
+    variance r_i var / mu^3 (mu, var: `token_moments`; o = (E[X^2] / mu - 1) / 2, the mean
+    overshoot of the last step); rows are independent, so E[max_i S_i] =
+    lo + integral from lo to hi of (1 - prod_i P(S_i <= s)) ds, on DRAIN_GRID points between
+    lo and hi, 6 standard deviations either side of the largest mean. Plain decoding is exact:
+    max_i r_i steps. Checked against simulation in tests/test_policy.py.
+
+    `xp`: jax.numpy on device, numpy for the host's twin (the same arithmetic).
+    """
+    ndtr = jax.scipy.special.ndtr if xp is jnp else scipy.special.ndtr
+    live_b = xp.asarray(live_b, bool)
+    r_b = xp.where(live_b, xp.asarray(remaining_b, xp.float32), 0.0)
+    n_live = xp.maximum(xp.sum(live_b), 1)
+    alpha = xp.sum(xp.where(live_b, xp.asarray(alpha_b, xp.float32), 0.0)) / n_live
+    mean_j, var_j = token_moments(alpha, ks, xp)
+    mean_j1, var_j1 = mean_j[:, None], var_j[:, None]
+    overshoot_j1 = ((var_j1 + mean_j1 * mean_j1) / mean_j1 - 1.0) / 2.0
+    m_jb = xp.where(live_b[None, :], (r_b[None, :] + overshoot_j1) / mean_j1, 0.0)
+    s_jb = xp.sqrt(r_b[None, :] * var_j1 / mean_j1 ** 3)
+    lo_j = xp.max(xp.where(live_b[None, :], m_jb - 6.0 * s_jb, 0.0), axis=1)
+    hi_j = xp.max(m_jb + 6.0 * s_jb, axis=1)
+    t_g = xp.linspace(0.0, 1.0, DRAIN_GRID, dtype=xp.float32)
+    s_jg = lo_j[:, None] + (hi_j - lo_j)[:, None] * t_g[None, :]
+    spread_jb = xp.maximum(s_jb, 1e-6)[:, None, :]
+    cdf_jgb = xp.where(s_jb[:, None, :] > 0, ndtr((s_jg[:, :, None] - m_jb[:, None, :]) / spread_jb),
+                       (s_jg[:, :, None] >= m_jb[:, None, :]).astype(xp.float32))
+    cdf_jgb = xp.where(live_b[None, None, :], cdf_jgb, 1.0)
+    tail_jg = 1.0 - xp.prod(cdf_jgb, axis=2)
+    area_j = xp.sum((tail_jg[:, 1:] + tail_jg[:, :-1]) / 2.0, axis=1) * (hi_j - lo_j) / (DRAIN_GRID - 1)
+    steps_j = lo_j + area_j
+    return xp.sum(r_b) / xp.maximum(steps_j, 1e-6)
+
+
+def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None):
     """Predicted goodput (tokens per second) of each candidate draft length.
 
     Args:
@@ -139,15 +229,22 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j):
       ks: static tuple of candidate draft lengths.
       seconds_j: float [len(ks)] predicted step time of each candidate at the compiled shape
         (`CostModel.step_seconds`, computed on the host once per decode call).
+      drain: None, or (remaining_b, draining): each row's tokens still to come, and a traced flag
+        set while no request waits for a slot. While it is set, a step's tokens are what each
+        draft length is worth until the slowest row is done (`drain_tokens_per_step`) instead of
+        the expected tokens of one step summed over rows.
     """
     ks_j = jnp.asarray(ks, jnp.float32)
     tokens_j = jnp.sum(jnp.where(live_b[None, :], expected_tokens_per_step(alpha_b[None, :], ks_j[:, None]), 0.0),
                        axis=1)
+    if drain is not None:
+        remaining_b, draining = drain
+        tokens_j = jnp.where(draining, drain_tokens_per_step(alpha_b, live_b, remaining_b, ks), tokens_j)
     return tokens_j / seconds_j
 
 
 def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True, current=None,
-             margin: float = SWITCH_MARGIN) -> jax.Array:
+             margin: float = SWITCH_MARGIN, drain=None) -> jax.Array:
     """Index into `ks` of the candidate with the highest predicted goodput (first on ties).
 
     Args:
@@ -163,9 +260,10 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
         at batch 1 a row's first few verifications are a handful of coin flips, and turning
         speculation off on them (for a plain stretch of up to 64 steps before the next probe) cost
         10% of a run where k = 1 was 10% better than plain decoding.
+      drain: as in `goodput_of_ks`.
     """
     alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
-    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j)
+    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
@@ -173,7 +271,7 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     return jnp.where(goodput_j[best] > (1.0 + margin) * goodput_j[current], best, jnp.int32(current))
 
 
-def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWITCH_MARGIN) -> jax.Array:
+def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWITCH_MARGIN, drain=None) -> jax.Array:
     """The next plan while speculation is off: a probe with the cheapest drafting plan (the
     smallest k > 0) if, under the optimistic estimate, some k > 0 beats plain decoding's
     predicted goodput by more than `margin`; else plain decoding.
@@ -186,27 +284,27 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     1.9 plain steps), a probe cannot gain and costs the draft's prefill, 6% of such a run.
     """
     ks_j = jnp.asarray(ks)
-    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j)
+    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j, drain)
     plain = ks.index(0)
     cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
     hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
     return jnp.where(hope > (1.0 + margin) * goodput_j[plain], cheapest, plain).astype(jnp.int32)
 
 
-def opening_choice(state: PolicyState, live_b, ks, seconds_j) -> jax.Array:
+def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None) -> jax.Array:
     """The first plan of a run, before anything is observed: the plan the prior expects to be
     best when that plan drafts, else `probe_choice` (the prior expects plain decoding to win, but
     speculation is probed if, under the optimistic estimate, it beats plain decoding by the
     switch margin)."""
-    plain = choose_k(state, live_b, ks, seconds_j, optimistic=False)
-    return jnp.where(jnp.asarray(ks)[plain] > 0, plain, probe_choice(state, live_b, ks, seconds_j))
+    plain = choose_k(state, live_b, ks, seconds_j, optimistic=False, drain=drain)
+    return jnp.where(jnp.asarray(ks)[plain] > 0, plain, probe_choice(state, live_b, ks, seconds_j, drain=drain))
 
 
 # Step counts at which `plain_horizon` looks ahead: 4 * 2^(g/4), 4 to 1024 steps.
 HORIZON_GRID = tuple(sorted({int(round(4 * 2 ** (g / 4))) for g in range(33)}))
 
 
-def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID) -> jax.Array:
+def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, drain=None) -> jax.Array:
     """Plain decoding steps until the aged optimistic estimate would probe speculation again
     (`probe_choice`).
 
@@ -215,10 +313,16 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID) 
     the end of a segment, lets the next plain segment run that long without returning to the
     host to re-ask (each return is a round trip). Returns the first grid count at which the choice
     drafts, or the grid's largest count when it never does (e.g. a cost model under which even
-    alpha = 1 loses).
+    alpha = 1 loses). With `drain` (as in `goodput_of_ks`), each row's remaining tokens shrink by
+    one per plain step looked ahead, and rows they run out on drop out.
     """
     def probes(steps):
-        return jnp.asarray(ks)[probe_choice(age(state, steps), live_b, ks, seconds_j)] > 0
+        live, ahead = live_b, None
+        if drain is not None:
+            remaining_b, draining = drain
+            ahead = (remaining_b - steps, draining)
+            live = jnp.where(draining, live_b & (remaining_b > steps), live_b)
+        return jnp.asarray(ks)[probe_choice(age(state, steps), live, ks, seconds_j, drain=ahead)] > 0
 
     grid_g = jnp.asarray(grid, jnp.int32)
     probe_g = jax.vmap(probes)(grid_g)

@@ -141,6 +141,98 @@ def test_opening_drafts_what_the_prior_expects_or_probes_with_the_cheapest_draft
     assert outcomes == {"prior", "probe", "plain"}   # the sweep saw all three cases
 
 
+def test_seeded_acceptance_is_the_pooled_rate_of_the_rows_that_saw_trials():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        b = int(rng.integers(1, 12))
+        trials = np.where(rng.random(b) < 0.3, 0.0, rng.uniform(0, 30, b))   # some rows saw nothing (padding)
+        accepted = trials * rng.uniform(0, 1, b)
+        alpha, weight = np.asarray(policy.seed_acceptance(accepted, trials))
+        seen = trials > 0
+        if not seen.any():
+            assert (alpha, weight) == (pytest.approx(policy.PRIOR_ALPHA), 0.0)
+            continue
+        assert alpha == pytest.approx(accepted[seen].sum() / trials[seen].sum(), rel=1e-5)
+        assert weight == pytest.approx(min(trials[seen].mean(), policy.SEED_WEIGHT), rel=1e-5)
+        state = policy.PolicyState.init(3, 0, seed=(alpha, weight))
+        np.testing.assert_allclose(state.trials_b, weight, rtol=1e-6)
+        np.testing.assert_allclose(state.accepted_b, alpha * weight, rtol=1e-5, atol=1e-6)
+
+
+def test_opening_follows_the_seeded_acceptance_not_the_bare_prior():
+    """A k = 1 step costing 1.8 plain steps: under the bare prior (0.6, optimistic 0.8) the run
+    opens with plain decoding; seeded with a measured acceptance of 0.95 it opens drafting. And
+    where the bare prior drafts (a k = 1 step costing 1.5 plain steps), a measured 0.2 opens plain."""
+    ks = (0, 1, 2, 3)
+    live = jnp.ones((2,), bool)
+    for ratio, seed, bare_drafts in ((0.8, (0.95, policy.SEED_WEIGHT), False), (0.5, (0.2, policy.SEED_WEIGHT), True)):
+        seconds = jnp.asarray([1.0 + ratio * k for k in ks], jnp.float32)
+        bare = int(policy.opening_choice(policy.PolicyState.init(2, 0), live, ks, seconds))
+        seeded_state = policy.PolicyState.init(2, 0, seed=seed)
+        seeded = int(policy.opening_choice(seeded_state, live, ks, seconds))
+        assert (bare > 0) == bare_drafts and (seeded > 0) != bare_drafts, (ratio, bare, seeded)
+        # The seeded choice is the brute-force argmax under the seeded estimate (it drafts) or
+        # plain decoding (no k beats it even optimistically).
+        alpha = float(seeded_state.alpha_b()[0])
+        rates = [float(policy.expected_tokens_per_step(alpha, k)) / float(seconds[i]) for i, k in enumerate(ks)]
+        assert seeded == (int(np.argmax(rates)) if seeded else 0)
+
+
+def simulated_drain_steps(alpha, k, remaining, runs, rng):
+    """Steps until every row has emitted its remaining tokens, each step emitting 1 + the accepted
+    prefix of k drafts accepted with probability alpha (the policy's model, simulated)."""
+    left = np.tile(np.asarray(remaining, np.int64), (runs, 1))
+    steps = np.zeros(runs)
+    while (left > 0).any():
+        emitted = 1 + np.cumprod(rng.random(left.shape + (k,)) < alpha, axis=2).sum(axis=2)
+        steps += (left > 0).any(axis=1)
+        left = np.maximum(left - emitted, 0)
+    return steps
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.84, 0.95])
+def test_drain_tokens_per_step_match_simulation(alpha):
+    """Remaining tokens over the expected steps until the slowest row is done, against Monte Carlo
+    (plain decoding exactly: the longest row's tokens); the host's numpy twin agrees."""
+    rng = np.random.default_rng(int(alpha * 100))
+    ks = (0, 1, 2, 4, 6)
+    for remaining in ([96] * 64, [96] * 4, rng.integers(10, 100, 16).tolist(), [40, 12]):
+        live = np.ones(len(remaining), bool)
+        alpha_b = np.full(len(remaining), alpha)
+        got = np.asarray(policy.drain_tokens_per_step(alpha_b, live, np.asarray(remaining), ks))
+        want = [sum(remaining) / simulated_drain_steps(alpha, k, remaining, 2000, rng).mean() if k else
+                sum(remaining) / max(remaining) for k in ks]
+        np.testing.assert_allclose(got, want, rtol=0.04)
+        assert got[0] == pytest.approx(sum(remaining) / max(remaining), rel=1e-6)
+        host = policy.drain_tokens_per_step(alpha_b, live, np.asarray(remaining), ks, xp=np)
+        np.testing.assert_allclose(host, got, rtol=1e-5)
+    # Finished rows neither count nor hold the batch up.
+    both = policy.drain_tokens_per_step(np.full(3, alpha), np.array([True, False, True]), np.array([50, 90, 20]), ks)
+    np.testing.assert_allclose(both, policy.drain_tokens_per_step(np.full(2, alpha), np.ones(2, bool),
+                                                                  np.array([50, 20]), ks), rtol=1e-5)
+
+
+def test_a_draining_batch_weighs_its_slowest_row():
+    """64 rows of 96 tokens at acceptance 0.84, a k = 1 step costing 1.78 plain steps: one step's
+    expected tokens favour k = 1 by 3%, but the slowest of 64 rows needs several steps more than
+    the mean, and simulation agrees with the drain rule that plain decoding finishes first. Where
+    k = 1 costs 1.5 plain steps, drafting wins either way."""
+    rng = np.random.default_rng(7)
+    b, alpha, new = 64, 0.84, 96
+    ks = (0, 1)
+    state = state_with_alpha([alpha] * b)
+    live = jnp.ones((b,), bool)
+    drain = (jnp.full((b,), new), True)
+    k1_steps = simulated_drain_steps(alpha, 1, [new] * b, 2000, rng).mean()
+    for ratio, drain_drafts in ((1.78, False), (1.5, True)):
+        seconds = jnp.asarray([1.0, ratio], jnp.float32)
+        assert int(policy.choose_k(state, live, ks, seconds, optimistic=False)) == 1
+        assert int(policy.choose_k(state, live, ks, seconds, optimistic=False, drain=drain)) == int(drain_drafts)
+        assert (k1_steps * ratio < new) == drain_drafts, (k1_steps, ratio)
+        # Not draining (requests wait for slots): the per-step rule.
+        assert int(policy.choose_k(state, live, ks, seconds, optimistic=False, drain=(drain[0], False))) == 1
+
+
 def test_plain_horizon_is_the_first_grid_point_where_ageing_probes_speculation_again():
     ks = (0, 1, 2, 3)
     live = jnp.ones((4,), bool)
@@ -241,8 +333,8 @@ def test_goodput_policy_is_lossless(pair, selection):
         assert got.tokens == want
         trace = got.stats.extra["k_trace"]
         assert len(trace) == got.stats.steps
-        if d is draft:  # poor acceptance: speculation goes off and is probed again (draft catch-up)
-            assert 0 in trace and max(trace) > 0
+        if d is draft:  # poor acceptance (measured at warm-up): speculation goes off
+            assert 0 in trace
 
 
 def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_free_one(pair):
@@ -262,6 +354,64 @@ def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_
                                                                              measure_plans=False)).generate(
         prompts, max_new_tokens=20)
     assert got.tokens == want and set(got.stats.extra["k_trace"]) == {4}
+
+
+def test_a_decoder_opens_with_the_acceptance_its_warm_up_measured(pair):
+    """A call's opening plan is the policy's choice for its batch (a static batch: judged by when
+    its slowest row is done) under the acceptance measured before it: for a first call, by the
+    warm-up on the call's own rows (near 1 for a perfect draft, the target itself; low for a
+    poor one); for a later call, at the end of the one before. A k = 1 step costs 1.6 plain
+    steps here: the bare prior opens with plain decoding, the perfect draft's measured
+    acceptance with drafting."""
+    target, poor = pair
+    prompts = prompts16(8)
+    new = 24
+    want = jaxspec.generate(target, prompts, max_new_tokens=new).tokens
+    cost = CostModel.from_coefficients(draft_fixed=3e-3, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    ks, slots = (0, 1, 2, 3), 8
+    seconds = jnp.asarray([cost.step_seconds(slots, k, 64) for k in ks], jnp.float32)
+    live = jnp.asarray(np.arange(slots) < len(prompts))
+    drain = (jnp.full((slots,), new - 1), True)     # the first token comes from the prefill
+
+    def opening(acceptance):
+        state = policy.PolicyState.init(slots, 0, seed=acceptance)
+        return ks[int(policy.opening_choice(state, live, ks, seconds, drain))]
+
+    assert opening(None) == 0
+    seen = {}
+    for name, draft in (("perfect", target), ("poor", poor)):
+        spec = jaxspec.SpecConfig(k=3, policy="goodput", cost_model=cost, measure_plans=False)
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
+        got = decoder.generate(prompts, max_new_tokens=new)
+        assert got.tokens == want
+        (warm,) = decoder._warm.values()
+        seen[name] = warm.acceptance
+        assert got.stats.extra["k_trace"][0] == opening(warm.acceptance), (name, warm.acceptance)
+        before = decoder._acceptance
+        got = decoder.generate(prompts, max_new_tokens=new)
+        assert got.tokens == want and got.stats.extra["k_trace"][0] == opening(before), (name, before)
+    assert seen["perfect"][0] > 0.95 and seen["poor"][0] < 0.8 and seen["perfect"][1] > 0 and seen["poor"][1] > 0
+    assert opening(seen["perfect"]) > 0 and opening(seen["poor"]) == 0
+
+
+def test_drafting_after_plain_steps_is_lossless(pair):
+    """A call that opens with plain decoding (the acceptance measured before it is set to 0, as
+    if the last call's draft had failed every time) probes speculation once the evidence has
+    aged: the draft's cache, deferred at the start, catches up with the plain steps, and the
+    output is the target's. (The draft, the target itself, accepts everything, but its steps
+    are measured to cost what the target's do, so the policy may turn it off again.)"""
+    target, _ = pair
+    prompts = prompts16(9)
+    want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
+    cost = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    decoder = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+                                                                                 cost_model=cost, measure_plans=False))
+    decoder.generate(prompts, max_new_tokens=96)      # warm-up: measures acceptance 1
+    decoder._acceptance = np.array([0.0, policy.SEED_WEIGHT], np.float32)
+    got = decoder.generate(prompts, max_new_tokens=96)
+    trace = got.stats.extra["k_trace"]
+    assert got.tokens == want
+    assert trace[0] == 0 and max(trace) > 0, "".join(map(str, trace))
 
 
 def test_drafter_catches_up_after_steps_without_drafting(pair):
@@ -290,14 +440,15 @@ def test_goodput_policy_is_lossless_under_sampling(selection):
     target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
     sampling = jaxspec.SamplingConfig(temperature=1.0)
     rows = 4000
-    # At this batch the verify cost per token is close to its fixed cost, so speculation pays only while
-    # acceptance is high: the policy starts drafting and switches drafting off within the run.
+    # 1000 slots: while requests wait for a slot, a step's expected tokens pay for drafting; once
+    # the queue is empty, the slowest of the last rows decides, and plain decoding finishes them
+    # as soon (a row that rejects every draft needs a step per token): the plan changes in the run.
     cost = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-8, target_fixed=5e-3,
                                        target_per_token=1e-6)
     spec = jaxspec.SpecConfig(k=3, extra=1 if selection == "tetris" else 0, selection=selection, policy="goodput",
                               cost_model=cost, measure_plans=False)
     result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling).generate(
-        [VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37)
+        [VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37, batch_size=1000)
     assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
     trace = result.stats.extra["k_trace"]
     assert result.stats.drafted_tokens > 0 and len(set(trace)) > 1, trace   # the plan changes within the run
@@ -312,8 +463,10 @@ def test_goodput_corrects_a_wrong_cost_model_from_measured_segments(pair):
     slow = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=5.0, target_per_token=0.5)
     decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3, policy="goodput",
                                                                                 cost_model=slow, measure_plans=False))
-    decoder.generate(prompts, max_new_tokens=120)        # compile
-    got = decoder.generate(prompts, max_new_tokens=120)
+    # Two slots for six requests: the loop returns to the host whenever a row finishes, so the run
+    # has several segments whatever the policy chooses.
+    decoder.generate(prompts, max_new_tokens=120, batch_size=2)        # compile
+    got = decoder.generate(prompts, max_new_tokens=120, batch_size=2)
     assert got.tokens == want
     segments = got.stats.extra["segments"]
     assert sum(n for _, n, _, _ in segments) == got.stats.steps
