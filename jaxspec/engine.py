@@ -580,9 +580,8 @@ class SpeculativeDecoder:
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
         self._warm: dict = {}   # goodput: per compiled shape, what `_warm_up` measured
-        # Goodput: (alpha, weight), the acceptance last measured (by a warm-up, or at the end of a
-        # run) that seeds a run's rows (`policy.seed_acceptance`); None before any.
-        self._acceptance: np.ndarray | None = None
+        # Goodput: the acceptance measured by warm-ups and at the end of runs; seeds a run's rows.
+        self._acceptance = policy_lib.AcceptanceMemory()
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -638,7 +637,7 @@ class SpeculativeDecoder:
             if shape_key not in self._warm:
                 self._warm[shape_key] = self._warm_up(schedule, rows_in, eos_t, budget_t, predicted, static, put)
                 if self._warm[shape_key].acceptance is not None:
-                    self._acceptance = self._warm[shape_key].acceptance
+                    self._acceptance.remember(*self._warm[shape_key].acceptance)
             warm = self._warm[shape_key]
             if warm.plan_seconds is not None:
                 predicted = _with_measured(predicted, warm.plan_seconds, schedule)
@@ -649,7 +648,7 @@ class SpeculativeDecoder:
                                                else np.isfinite(warm.plan_seconds))
         seconds = put(_as_arrays(predicted))
         # Goodput: the acceptance last measured seeds the rows; whether requests wait for slots.
-        acceptance = put(self._known_acceptance()) if goodput else None
+        acceptance = put(self._acceptance.seed()) if goodput else None
         draining = put(np.bool_(not len(queue))) if goodput else None
         start = time.perf_counter()
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
@@ -717,9 +716,7 @@ class SpeculativeDecoder:
         if goodput:
             # Per segment: (draft length, steps, predicted and measured seconds per step).
             stats.extra["segments"] = [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
-            seen = _acceptance_of(policy.accepted_b, policy.trials_b)   # seeds the next call's rows
-            if seen is not None:
-                self._acceptance = seen
+            self._acceptance.remember(policy.accepted_b, policy.trials_b)   # seeds the next calls' rows
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
@@ -821,7 +818,7 @@ class SpeculativeDecoder:
         max_new_b, keys_b = rows_in[2], rows_in[3]
         no_stop, seconds = put(np.int32(0)), put(_as_arrays(predicted))
         # Arguments of the run's own kinds, so the run reuses these compiled programs.
-        acceptance, draining = put(self._known_acceptance()), put(np.bool_(True))
+        acceptance, draining = put(self._acceptance.seed()), put(np.bool_(True))
 
         def timed(state, plan_index: int, steps: int):
             start = time.perf_counter()
@@ -859,13 +856,6 @@ class SpeculativeDecoder:
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
                      _acceptance_seen(schedule, states))
 
-    def _known_acceptance(self) -> np.ndarray:
-        """(alpha, weight) to seed a run's rows: the acceptance last measured, else nothing (the
-        bare prior, weight 0)."""
-        if self._acceptance is not None:
-            return self._acceptance
-        return np.asarray([policy_lib.PRIOR_ALPHA, 0.0], np.float32)
-
     def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict[str, np.ndarray]:
         """The cost model's step time for each compiled branch and each TETRIS budget, computed
         here once per call and passed in traced (a new cost model does not recompile)."""
@@ -890,21 +880,15 @@ class SpeculativeDecoder:
 class _Warm(NamedTuple):
     plan_seconds: np.ndarray | None   # each plan's seconds per step at the shape (None: not measured)
     round_trip: float                 # seconds of a segment's call and fetch, besides its steps
-    acceptance: np.ndarray | None     # (alpha, weight) the drafting plans saw (None: no trial)
+    acceptance: tuple | None          # (accepted_b, trials_b) the drafting plans counted (None: none)
 
 
-def _acceptance_of(accepted_b, trials_b) -> np.ndarray | None:
-    """`policy.seed_acceptance` of these counts, None when they saw no trial."""
-    seed = np.asarray(policy_lib.seed_acceptance(accepted_b, trials_b), np.float32)
-    return seed if seed[1] > 0 else None
-
-
-def _acceptance_seen(schedule: Schedule, states) -> np.ndarray | None:
-    """The acceptance the warm-up's drafting plans saw on the call's own rows, pooled over the
-    plans (each counted as the decode loop counts it: decayed trials per row)."""
+def _acceptance_seen(schedule: Schedule, states) -> tuple | None:
+    """The acceptance counts of the warm-up's drafting plans on the call's own rows, the plans'
+    rows side by side (each counted as the decode loop counts it: decayed trials per row)."""
     drafting = [jax.device_get((s.policy.accepted_b, s.policy.trials_b))
                 for plan, s in zip(schedule.plans, states) if plan.k > 0]
-    return _acceptance_of(*(np.concatenate(parts) for parts in zip(*drafting))) if drafting else None
+    return tuple(np.concatenate(parts) for parts in zip(*drafting)) if drafting else None
 
 
 def _segment_outputs(state: DecodeState, max_new_b=None):

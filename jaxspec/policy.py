@@ -21,9 +21,12 @@ Acceptance is tracked two ways:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.special
+import numpy as np
 import scipy.special
 from flax import struct
 
@@ -96,23 +99,56 @@ class PolicyState:
         return (self.calib_accepted_c + PRIOR_WEIGHT * centre_c) / (self.calib_tried_c + PRIOR_WEIGHT)
 
 
-def seed_acceptance(accepted_b, trials_b, cap: float = SEED_WEIGHT) -> jax.Array:
+def seed_acceptance(accepted_b, trials_b, cap: float = SEED_WEIGHT, xp=jnp) -> jax.Array:
     """(alpha, weight): the acceptance pooled over rows that saw trials (accepted / trials, summed),
     and how much it is worth to a fresh row: their mean trials per row, at most `cap` (one
     moving-average window of `DECAY`). (PRIOR_ALPHA, 0) when no row saw a trial.
 
     Fresh rows start from it (`PolicyState.init`) instead of the bare prior: a run's first rows
-    from the acceptance its decoder's warm-up and previous runs measured (`SpeculativeDecoder`),
+    from the acceptance its decoder's warm-up and previous runs measured (`AcceptanceMemory`),
     a refilled row from the batch it joins. The opening choice is otherwise made on PRIOR_ALPHA
     alone, and where speculation gains a few percent (batch 1 of a pair whose k = 1 step costs
     1.75 plain steps) that guess decided whether the run drafted at all.
+    `xp`: jax.numpy on device, numpy on the host.
     """
-    accepted_b, trials_b = jnp.asarray(accepted_b, jnp.float32), jnp.asarray(trials_b, jnp.float32)
-    total = jnp.sum(trials_b)
-    rows = jnp.maximum(jnp.sum(trials_b > 0), 1)
+    accepted_b, trials_b = xp.asarray(accepted_b, xp.float32), xp.asarray(trials_b, xp.float32)
+    total = xp.sum(trials_b)
+    rows = xp.maximum(xp.sum(trials_b > 0), 1)
     seen = total > 0
-    alpha = jnp.where(seen, jnp.sum(accepted_b) / jnp.where(seen, total, 1.0), PRIOR_ALPHA)
-    return jnp.stack([alpha, jnp.minimum(total / rows, cap)])
+    alpha = xp.where(seen, xp.sum(accepted_b) / xp.where(seen, total, 1.0), PRIOR_ALPHA)
+    return xp.stack([alpha, xp.minimum(total / rows, cap)]).astype(xp.float32)
+
+
+@dataclasses.dataclass
+class AcceptanceMemory:
+    """Acceptance measured over a decoder's calls (on the host), to seed each new run's rows.
+
+    The rate is pooled over everything remembered: the warm-up's drafting plans, then the end
+    state of every call. A call's end state holds only its last ~10 steps per row (the decay),
+    a noisy sample: at batch 1 one call ended at 0.66 where the run's acceptance was 0.85, and
+    seeding the next call with it alone turned speculation off. The weight a fresh row starts
+    with is the largest any measurement had (`seed_acceptance`): the pooled evidence only grows,
+    and a call that ended on plain decoding ends with aged counts, which as the weight had every
+    later call open on the bare prior (and at batch 1, where that prior's probe just fails, run
+    plain decoding from then on).
+    """
+    accepted: float = 0.0
+    trials: float = 0.0
+    weight: float = 0.0
+
+    def remember(self, accepted_b, trials_b) -> None:
+        accepted_b, trials_b = np.asarray(accepted_b, np.float64), np.asarray(trials_b, np.float64)
+        if trials_b.sum() <= 0:
+            return
+        self.accepted += float(accepted_b.sum())
+        self.trials += float(trials_b.sum())
+        self.weight = max(self.weight, float(seed_acceptance(accepted_b, trials_b, xp=np)[1]))
+
+    def seed(self) -> np.ndarray:
+        """(alpha, weight) for `PolicyState.init`; the bare prior with no weight before anything."""
+        if self.trials <= 0:
+            return np.asarray([PRIOR_ALPHA, 0.0], np.float32)
+        return np.asarray([self.accepted / self.trials, self.weight], np.float32)
 
 
 def _bin_of(logprob_bk, bins: int):

@@ -159,6 +159,24 @@ def test_seeded_acceptance_is_the_pooled_rate_of_the_rows_that_saw_trials():
         np.testing.assert_allclose(state.accepted_b, alpha * weight, rtol=1e-5, atol=1e-6)
 
 
+def test_acceptance_memory_pools_every_measurement_and_seeds_with_the_largest_weight():
+    memory = policy.AcceptanceMemory()
+    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0])
+    memory.remember([0.0, 0.0], [0.0, 0.0])                        # nothing seen: nothing kept
+    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0])
+    rng = np.random.default_rng(5)
+    accepted, trials = [], []
+    for scale in (3, 8, 30, 0.5, 20):     # a call ending on plain decoding: aged, small counts
+        t = rng.uniform(0, scale, 4)
+        a = t * rng.uniform(0, 1, 4)
+        memory.remember(a, t)
+        accepted.append(a)
+        trials.append(t)
+        alpha, weight = memory.seed()
+        assert alpha == pytest.approx(np.sum(accepted) / np.sum(trials), rel=1e-5)
+        assert weight == pytest.approx(min(max(np.mean(x) for x in trials), policy.SEED_WEIGHT), rel=1e-5)
+
+
 def test_opening_follows_the_seeded_acceptance_not_the_bare_prior():
     """A k = 1 step costing 1.8 plain steps: under the bare prior (0.6, optimistic 0.8) the run
     opens with plain decoding; seeded with a measured acceptance of 0.95 it opens drafting. And
@@ -385,9 +403,9 @@ def test_a_decoder_opens_with_the_acceptance_its_warm_up_measured(pair):
         got = decoder.generate(prompts, max_new_tokens=new)
         assert got.tokens == want
         (warm,) = decoder._warm.values()
-        seen[name] = warm.acceptance
-        assert got.stats.extra["k_trace"][0] == opening(warm.acceptance), (name, warm.acceptance)
-        before = decoder._acceptance
+        seen[name] = np.asarray(policy.seed_acceptance(*warm.acceptance))
+        assert got.stats.extra["k_trace"][0] == opening(seen[name]), (name, seen[name])
+        before = decoder._acceptance.seed()
         got = decoder.generate(prompts, max_new_tokens=new)
         assert got.tokens == want and got.stats.extra["k_trace"][0] == opening(before), (name, before)
     assert seen["perfect"][0] > 0.95 and seen["poor"][0] < 0.8 and seen["perfect"][1] > 0 and seen["poor"][1] > 0
@@ -407,7 +425,7 @@ def test_drafting_after_plain_steps_is_lossless(pair):
     decoder = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(k=2, policy="goodput",
                                                                                  cost_model=cost, measure_plans=False))
     decoder.generate(prompts, max_new_tokens=96)      # warm-up: measures acceptance 1
-    decoder._acceptance = np.array([0.0, policy.SEED_WEIGHT], np.float32)
+    decoder._acceptance = policy.AcceptanceMemory(accepted=0.0, trials=1e6, weight=policy.SEED_WEIGHT)
     got = decoder.generate(prompts, max_new_tokens=96)
     trace = got.stats.extra["k_trace"]
     assert got.tokens == want
