@@ -17,6 +17,11 @@ Acceptance is tracked two ways:
   `Proposal.logprob_bk`) are binned, and each bin counts how often a verified slot in it was
   accepted. `calibrated_logprobs` maps confidences through it, so TETRIS and the capacity search
   rank slots by observed acceptance rather than by raw draft probabilities.
+
+A run's rows start from the acceptance measured before it (`AcceptanceMemory`, `seed_acceptance`)
+rather than from a bare prior. While no request waits for a slot, the batch ends with its slowest
+row, and plans are judged by that row's expected steps (`drain_tokens_per_step`) rather than by
+one step's expected tokens summed over rows.
 """
 
 from __future__ import annotations
@@ -328,10 +333,10 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
 
 
 def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None) -> jax.Array:
-    """The first plan of a run, before anything is observed: the plan the prior expects to be
-    best when that plan drafts, else `probe_choice` (the prior expects plain decoding to win, but
-    speculation is probed if, under the optimistic estimate, it beats plain decoding by the
-    switch margin)."""
+    """The first plan of a run, before it has observed anything: the plan the estimate (the seeded
+    counts, or the bare prior) expects to be best when that plan drafts, else `probe_choice` (the
+    estimate expects plain decoding to win, but speculation is probed if, under the optimistic
+    estimate, it beats plain decoding by the switch margin)."""
     plain = choose_k(state, live_b, ks, seconds_j, optimistic=False, drain=drain)
     return jnp.where(jnp.asarray(ks)[plain] > 0, plain, probe_choice(state, live_b, ks, seconds_j, drain=drain))
 
