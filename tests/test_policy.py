@@ -355,6 +355,7 @@ def test_goodput_policy_is_lossless(pair, selection):
             assert 0 in trace
 
 
+@pytest.mark.slow  # a minute: two decoders' programs to compile
 def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_free_one(pair):
     target, draft = pair
     prompts = prompts16(4)
@@ -374,6 +375,7 @@ def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_
     assert got.tokens == want and set(got.stats.extra["k_trace"]) == {4}
 
 
+@pytest.mark.slow  # a minute: two decoders' programs to compile
 def test_a_decoder_opens_with_the_acceptance_its_warm_up_measured(pair):
     """A call's opening plan is the policy's choice for its batch (a static batch: judged by when
     its slowest row is done) under the acceptance measured before it: for a first call, by the
