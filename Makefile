@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
+# One pytest worker per core, at most 4 (most of the suite is single-threaded XLA compilation).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
 
 # Real-model checks that need `make models-qwen` (run by .ci/run as its own bounded step).
 test-slow: $(STAMP)

@@ -351,7 +351,8 @@ def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, secon
                drain=None) -> policy_lib.PolicyState:
     """Sets `policy.hold` (how long a plain segment may run) when the next plan is plain decoding."""
     plain = jnp.asarray(schedule.predict_ks)[policy.choice] == 0
-    horizon = policy_lib.plain_horizon(policy, live_b, schedule.predict_ks, seconds["plans"], drain=drain)
+    horizon = policy_lib.plain_horizon(policy, live_b, schedule.predict_ks, seconds["plans"], drain=drain,
+                                       switch_seconds=seconds["round_trip"])
     return policy.replace(hold=jnp.where(plain, horizon, 0).astype(jnp.int32))
 
 
@@ -420,7 +421,8 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
 
     def choose(state, optimistic, current=None):
         return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic,
-                                   current, drain=_drain(state, max_new_b, draining))
+                                   current, drain=_drain(state, max_new_b, draining),
+                                   switch_seconds=seconds["round_trip"])
 
     def body(state):
         state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
@@ -441,7 +443,8 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     if goodput and not choose_each_step:
         state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
         choice = policy_lib.probe_choice(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"],
-                                         drain=_drain(state, max_new_b, draining))
+                                         drain=_drain(state, max_new_b, draining),
+                                         switch_seconds=seconds["round_trip"])
         state = state.replace(policy=state.policy.replace(choice=choice))
     if goodput:
         state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds,
@@ -641,6 +644,8 @@ class SpeculativeDecoder:
             warm = self._warm[shape_key]
             if warm.plan_seconds is not None:
                 predicted = _with_measured(predicted, warm.plan_seconds, schedule)
+            # What a switch of plans costs: the device weighs it against the time a switch saves.
+            predicted["round_trip"] = np.float32(warm.round_trip)
             # Step times corrected as segments are measured (passed traced: no recompile).
             tracker = cost_lib.StepTimeTracker(predicted["plans"], kinds=[p.k > 0 for p in schedule.plans],
                                                round_trip=warm.round_trip,
@@ -848,7 +853,9 @@ class SpeculativeDecoder:
             for i, state in enumerate(states):
                 states[i], steps, elapsed = timed(state, i, int(pass_steps_j[i]))
                 if steps > steps_j[i]:
-                    passes_j[i].append(max(elapsed - round_trip, 0.0) / (steps - steps_j[i]))
+                    # A pass faster than the round trip is timing noise (a busy machine): keep a
+                    # sliver, as `StepTimeTracker.observe` does, so no plan is predicted free.
+                    passes_j[i].append(max(elapsed - round_trip, 0.1 * elapsed) / (steps - steps_j[i]))
                     if n == 0:
                         pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 1,
                                                   MEASURE_STEPS)
@@ -862,8 +869,10 @@ class SpeculativeDecoder:
         cost, spec = self.spec.cost_model, self.spec
         plans = schedule.plans if schedule.predict_ks is not None else ()
         caps = next((p.capacities for p in plans if p.capacities is not None), ())
+        # "round_trip": a segment's seconds besides its steps, measured at warm-up (0 until then).
         if cost is None:
-            return {"plans": np.ones((len(plans),), np.float32), "capacities": np.ones((len(caps),), np.float32)}
+            return {"plans": np.ones((len(plans),), np.float32), "capacities": np.ones((len(caps),), np.float32),
+                    "round_trip": np.float32(0.0)}
         plan_seconds = []
         for plan, k in zip(plans, schedule.predict_ks or ()):
             if plan.capacities is None:
@@ -874,7 +883,8 @@ class SpeculativeDecoder:
                                                       window=plan.k + 1))
         cap_seconds = [cost.step_seconds(rows, spec.draft_len, cache_len, packed_tokens=rows + c,
                                          window=spec.draft_len + 1) for c in caps]
-        return {"plans": np.asarray(plan_seconds, np.float32), "capacities": np.asarray(cap_seconds, np.float32)}
+        return {"plans": np.asarray(plan_seconds, np.float32), "capacities": np.asarray(cap_seconds, np.float32),
+                "round_trip": np.float32(0.0)}
 
 
 class _Warm(NamedTuple):
@@ -902,7 +912,7 @@ def _scaled(predicted: dict[str, np.ndarray], ratio_j: np.ndarray, schedule: Sch
     that plan's ratio."""
     tetris_j = [j for j, p in enumerate(schedule.plans) if p.capacities is not None]
     caps_ratio = ratio_j[tetris_j[0]] if tetris_j else 1.0
-    return {"plans": (predicted["plans"] * ratio_j).astype(np.float32),
+    return {**predicted, "plans": (predicted["plans"] * ratio_j).astype(np.float32),
             "capacities": (predicted["capacities"] * caps_ratio).astype(np.float32)}
 
 

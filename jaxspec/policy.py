@@ -285,7 +285,7 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None):
 
 
 def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True, current=None,
-             margin: float = SWITCH_MARGIN, drain=None) -> jax.Array:
+             margin: float = SWITCH_MARGIN, drain=None, switch_seconds=0.0) -> jax.Array:
     """Index into `ks` of the candidate with the highest predicted goodput (first on ties).
 
     Args:
@@ -302,6 +302,8 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
         speculation off on them (for a plain stretch of up to 64 steps before the next probe) cost
         10% of a run where k = 1 was 10% better than plain decoding.
       drain: as in `goodput_of_ks`.
+      switch_seconds: what a switch costs (the host round trip). While the batch drains, a switch
+        must also save more than that over the rest of the run (`_saves_a_switch`).
     """
     alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
     goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain)
@@ -309,13 +311,33 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     if current is None:
         return best
     margin = margin + THIN_EVIDENCE / jnp.sqrt(1.0 + jnp.sum(state.trials_b))
-    return jnp.where(goodput_j[best] > (1.0 + margin) * goodput_j[current], best, jnp.int32(current))
+    switch = ((goodput_j[best] > (1.0 + margin) * goodput_j[current])
+              & _saves_a_switch(goodput_j[current], goodput_j[best], live_b, drain, switch_seconds))
+    return jnp.where(switch, best, jnp.int32(current))
 
 
-def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWITCH_MARGIN, drain=None) -> jax.Array:
+def _saves_a_switch(goodput_from, goodput_to, live_b, drain, switch_seconds):
+    """Whether, while the batch drains, a switch from a plan of predicted goodput `goodput_from`
+    to one of `goodput_to` finishes the run more than `switch_seconds` sooner. Under the drain
+    rule a plan's goodput is the live rows' remaining tokens over its predicted time to finish,
+    so the saving is those tokens over each goodput, differenced. Without it the policy switched
+    to plain decoding for a static batch's last one or two tokens, which saved about the round
+    trip the switch cost. True when the batch is not draining (the run goes on, and a better
+    plan's gain grows with it)."""
+    if drain is None:
+        return jnp.bool_(True)
+    remaining_b, draining = drain
+    tokens = jnp.sum(jnp.where(live_b, jnp.asarray(remaining_b, jnp.float32), 0.0))
+    saved = tokens / jnp.maximum(goodput_from, 1e-30) - tokens / jnp.maximum(goodput_to, 1e-30)
+    return ~draining | (saved > switch_seconds)
+
+
+def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWITCH_MARGIN, drain=None,
+                 switch_seconds=0.0) -> jax.Array:
     """The next plan while speculation is off: a probe with the cheapest drafting plan (the
     smallest k > 0) if, under the optimistic estimate, some k > 0 beats plain decoding's
-    predicted goodput by more than `margin`; else plain decoding.
+    predicted goodput by more than `margin` (and, while the batch drains, would finish the run
+    more than `switch_seconds` sooner: `_saves_a_switch`); else plain decoding.
 
     A few steps of k = 1 measure acceptance for about what plain steps would have cost; probing
     with the optimistic argmax instead (k = 4-6 at small batches) cost 5-15% of a short run each
@@ -329,7 +351,9 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     plain = ks.index(0)
     cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
     hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
-    return jnp.where(hope > (1.0 + margin) * goodput_j[plain], cheapest, plain).astype(jnp.int32)
+    probe = ((hope > (1.0 + margin) * goodput_j[plain])
+             & _saves_a_switch(goodput_j[plain], hope, live_b, drain, switch_seconds))
+    return jnp.where(probe, cheapest, plain).astype(jnp.int32)
 
 
 def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None) -> jax.Array:
@@ -345,7 +369,8 @@ def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None) -> jax
 HORIZON_GRID = tuple(sorted({int(round(4 * 2 ** (g / 4))) for g in range(33)}))
 
 
-def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, drain=None) -> jax.Array:
+def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, drain=None,
+                  switch_seconds=0.0) -> jax.Array:
     """Plain decoding steps until the aged optimistic estimate would probe speculation again
     (`probe_choice`).
 
@@ -355,7 +380,8 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, 
     host to re-ask (each return is a round trip). Returns the first grid count at which the choice
     drafts, or the grid's largest count when it never does (e.g. a cost model under which even
     alpha = 1 loses). With `drain` (as in `goodput_of_ks`), each row's remaining tokens shrink by
-    one per plain step looked ahead, and rows they run out on drop out.
+    one per plain step looked ahead, and rows they run out on drop out; `switch_seconds` as in
+    `probe_choice`.
     """
     def probes(steps):
         live, ahead = live_b, None
@@ -363,7 +389,8 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, 
             remaining_b, draining = drain
             ahead = (remaining_b - steps, draining)
             live = jnp.where(draining, live_b & (remaining_b > steps), live_b)
-        return jnp.asarray(ks)[probe_choice(age(state, steps), live, ks, seconds_j, drain=ahead)] > 0
+        choice = probe_choice(age(state, steps), live, ks, seconds_j, drain=ahead, switch_seconds=switch_seconds)
+        return jnp.asarray(ks)[choice] > 0
 
     grid_g = jnp.asarray(grid, jnp.int32)
     probe_g = jax.vmap(probes)(grid_g)

@@ -251,6 +251,37 @@ def test_a_draining_batch_weighs_its_slowest_row():
         assert int(policy.choose_k(state, live, ks, seconds, optimistic=False, drain=(drain[0], False))) == 1
 
 
+def test_a_draining_batch_switches_plans_only_when_that_saves_more_than_the_round_trip():
+    """Near the end of a static batch (a few tokens left per row) a switch saves little: the
+    running plan is kept unless the simulated time to finish drops by more than what a switch
+    costs. While requests wait for slots the run goes on, and the switch cost is not weighed."""
+    rng = np.random.default_rng(11)
+    ks = (0, 1)
+    remaining = [3, 2, 1, 2]
+    live = jnp.ones((4,), bool)
+    state = state_with_alpha([0.84] * 4)
+    k1_steps = simulated_drain_steps(0.84, 1, remaining, 20000, rng).mean()
+    # k = 1 running, a k = 1 step costing 2.5 plain steps: plain decoding finishes sooner.
+    seconds = jnp.asarray([1e-3, 2.5e-3], jnp.float32)
+    saved = k1_steps * 2.5e-3 - max(remaining) * 1e-3
+    assert saved > 0
+    drain = (jnp.asarray(remaining), True)
+    for switch_seconds, switches in ((0.2 * saved, True), (5.0 * saved, False)):
+        got = int(policy.choose_k(state, live, ks, seconds, optimistic=False, current=1, drain=drain,
+                                  switch_seconds=switch_seconds))
+        assert got == (0 if switches else 1), (switch_seconds, saved)
+        waiting = int(policy.choose_k(state, live, ks, seconds, optimistic=False, current=1,
+                                      drain=(drain[0], False), switch_seconds=switch_seconds))
+        assert waiting == 0
+    # Plain decoding running, a k = 1 step costing 1.05 plain steps: a probe would finish sooner.
+    seconds = jnp.asarray([1e-3, 1.05e-3], jnp.float32)
+    saved = max(remaining) * 1e-3 - k1_steps * 1.05e-3
+    assert saved > 0
+    for switch_seconds, probes in ((0.2 * saved, True), (5.0 * saved, False)):
+        got = int(policy.probe_choice(state, live, ks, seconds, drain=drain, switch_seconds=switch_seconds))
+        assert got == (1 if probes else 0), (switch_seconds, saved)
+
+
 def test_plain_horizon_is_the_first_grid_point_where_ageing_probes_speculation_again():
     ks = (0, 1, 2, 3)
     live = jnp.ones((4,), bool)
