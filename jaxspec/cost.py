@@ -238,6 +238,13 @@ def _nonnegative_lstsq(x, y):
     return coef
 
 
+def steps_seconds(seconds: float, round_trip: float) -> float:
+    """The part of a timed segment's wall `seconds` spent in its steps: the round trip (the call
+    and the fetch of its outputs) taken out. A segment faster than the round trip is timing noise
+    (a busy machine); it keeps a tenth of its time, so no plan is ever timed free."""
+    return max(seconds - round_trip, 0.1 * seconds)
+
+
 class StepTimeTracker:
     """Corrects a cost model's step times during a run from the measured wall time of each segment.
 
@@ -304,8 +311,7 @@ class StepTimeTracker:
         self.measured_j *= self.decay
         self.expected_j *= self.decay
         self.steps_j *= self.decay
-        # A segment faster than the round trip is timing noise; keep a sliver so the ratio stays positive.
-        self.measured_j[plan] += max(seconds - self.round_trip, 0.1 * seconds)
+        self.measured_j[plan] += steps_seconds(seconds, self.round_trip)
         self.expected_j[plan] += steps * self.predicted_j[plan]
         self.steps_j[plan] += steps
         self.tried_j[plan] = True

@@ -853,9 +853,7 @@ class SpeculativeDecoder:
             for i, state in enumerate(states):
                 states[i], steps, elapsed = timed(state, i, int(pass_steps_j[i]))
                 if steps > steps_j[i]:
-                    # A pass faster than the round trip is timing noise (a busy machine): keep a
-                    # sliver, as `StepTimeTracker.observe` does, so no plan is predicted free.
-                    passes_j[i].append(max(elapsed - round_trip, 0.1 * elapsed) / (steps - steps_j[i]))
+                    passes_j[i].append(cost_lib.steps_seconds(elapsed, round_trip) / (steps - steps_j[i]))
                     if n == 0:
                         pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 1,
                                                   MEASURE_STEPS)

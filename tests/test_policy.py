@@ -527,6 +527,35 @@ def test_goodput_corrects_a_wrong_cost_model_from_measured_segments(pair):
     assert len(ratios) >= 4 and 0.33 < np.median(ratios[2:]) < 3, segments
 
 
+def test_a_warm_up_whose_round_trip_outlasts_its_passes_still_plans(pair, monkeypatch):
+    """On a busy machine the round trip (timed on calls that run no step) can come out longer
+    than a whole timed pass. Such a pass once gave its plan a step time of 0, which the step-time
+    tracker rejects (ValueError); now every plan keeps a positive time, and the run is lossless."""
+    import time
+
+    from jaxspec import engine
+
+    real_run = engine.run_on_device
+
+    def slow_round_trips(*args, **kwargs):
+        state = real_run(*args, **kwargs)
+        if int(np.asarray(args[13])) == 0:   # max_steps = 0: the warm-up timing its round trip
+            time.sleep(0.2)
+        return state
+
+    monkeypatch.setattr(engine, "run_on_device", slow_round_trips)
+    target, draft = pair
+    prompts = prompts16(9)
+    cost = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-5, target_fixed=2e-3,
+                                       target_per_token=1e-5)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+                                                                                cost_model=cost))
+    got = decoder.generate(prompts, max_new_tokens=16)
+    assert got.tokens == jaxspec.generate(target, prompts, max_new_tokens=16).tokens
+    (warm,) = decoder._warm.values()
+    assert warm.round_trip >= 0.2 and np.all(warm.plan_seconds > 0), warm
+
+
 def test_goodput_plans_with_step_times_measured_at_the_runs_shape(pair):
     """With measure_plans (the default), the first segment is already judged by times measured at
     warm-up, not by a cost model a thousand times too slow; each plan's measured time agrees with
