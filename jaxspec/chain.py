@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import tetris
-from jaxspec.drafters import Drafter, Proposal, catch_up, prefill_cache
+from jaxspec.drafters import Drafter, Proposal, cache_backlog, catch_up, prefill_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward
 from jaxspec.sampling import SamplingConfig
@@ -76,6 +76,10 @@ class ChainDrafter(Drafter):
         cache = prefill_cache(self.model.graphdef, model_params, tokens_bp, prompt_len_b, cache_len)
         inner_state = self.inner.init(inner_params, tokens_bp, prompt_len_b, cache_len)
         return _ChainState(cache=cache, inner_state=inner_state)
+
+    def backlog(self, state, pending_b):
+        # The middle model's; its own drafter catches up on about as many positions.
+        return cache_backlog(state.cache, pending_b)
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         from jaxspec.engine import Counters, DecodeState, StepPlan, speculative_step

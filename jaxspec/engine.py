@@ -326,9 +326,12 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     if schedule.predict_ks is not None:
         drain = _drain(state, max_new_b, draining)
         policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0, seed=acceptance, live_b=~state.done_b)
-        policy = policy.replace(choice=policy_lib.opening_choice(policy, ~state.done_b, schedule.predict_ks,
-                                                                 seconds["plans"], drain))
-        state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds, drain))
+        # Drafting from the start costs the drafter's prefill of the prompts (plain decoding defers it).
+        backlog_b = prompt_len_b
+        policy = policy.replace(choice=policy_lib.opening_choice(
+            policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain,
+            entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b)))
+        state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds, backlog_b, drain))
         next_choice = policy.choice if next_choice is None else next_choice
     if schedule.drafts:
         init = functools.partial(drafter.init, cache_len=cache_len)
@@ -347,12 +350,13 @@ def _drain(state: DecodeState, max_new_b, draining):
     return None if draining is None else (max_new_b - state.n_out_b, draining)
 
 
-def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, seconds,
+def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, seconds, backlog_b,
                drain=None) -> policy_lib.PolicyState:
-    """Sets `policy.hold` (how long a plain segment may run) when the next plan is plain decoding."""
+    """Sets `policy.hold` (how long a plain segment may run) when the next plan is plain decoding;
+    `backlog_b`: the drafter's (`Drafter.backlog`), which each plain step lengthens."""
     plain = jnp.asarray(schedule.predict_ks)[policy.choice] == 0
     horizon = policy_lib.plain_horizon(policy, live_b, schedule.predict_ks, seconds["plans"], drain=drain,
-                                       switch_seconds=seconds["round_trip"])
+                                       switch_seconds=seconds["round_trip"], entry=(seconds["position"], backlog_b))
     return policy.replace(hold=jnp.where(plain, horizon, 0).astype(jnp.int32))
 
 
@@ -440,14 +444,18 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         return go
 
     state = jax.lax.while_loop(running, body, state)
+    if goodput:
+        # Drafting after plain steps first catches the drafter up on them (`Drafter.backlog`).
+        backlog_b = drafter.backlog(state.draft_state, state.target_cache.lengths)
     if goodput and not choose_each_step:
         state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
-        choice = policy_lib.probe_choice(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"],
-                                         drain=_drain(state, max_new_b, draining),
-                                         switch_seconds=seconds["round_trip"])
+        choice = policy_lib.probe_choice(
+            state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"],
+            drain=_drain(state, max_new_b, draining), switch_seconds=seconds["round_trip"],
+            entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b))
         state = state.replace(policy=state.policy.replace(choice=choice))
     if goodput:
-        state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds,
+        state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds, backlog_b,
                                                 _drain(state, max_new_b, draining)))
     return state
 
@@ -644,8 +652,10 @@ class SpeculativeDecoder:
             warm = self._warm[shape_key]
             if warm.plan_seconds is not None:
                 predicted = _with_measured(predicted, warm.plan_seconds, schedule)
-            # What a switch of plans costs: the device weighs it against the time a switch saves.
+            # What a switch of plans costs, and what starting to draft costs a position: the device
+            # weighs them against the time a switch saves.
             predicted["round_trip"] = np.float32(warm.round_trip)
+            predicted["position"] = np.float32(warm.position_seconds)
             # Step times corrected as segments are measured (passed traced: no recompile).
             tracker = cost_lib.StepTimeTracker(predicted["plans"], kinds=[p.k > 0 for p in schedule.plans],
                                                round_trip=warm.round_trip,
@@ -842,8 +852,9 @@ class SpeculativeDecoder:
         for _ in range(3):
             states[0], _, elapsed = timed(states[0], 0, 0)
             round_trip = min(round_trip, elapsed)
+        position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
-            return _Warm(None, round_trip, _acceptance_seen(schedule, states))
+            return _Warm(None, round_trip, _acceptance_seen(schedule, states), position)
         pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 1, MEASURE_STEPS)
         passes_j: list[list[float]] = [[] for _ in states]
         start = time.perf_counter()
@@ -859,7 +870,21 @@ class SpeculativeDecoder:
                                                   MEASURE_STEPS)
                 steps_j[i] = steps
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
-                     _acceptance_seen(schedule, states))
+                     _acceptance_seen(schedule, states), position)
+
+    def _position_seconds(self, tokens_bp, prompt_len_b, cache_len: int) -> float:
+        """Goodput warm-up: the drafter's seconds per position fed, from its prefill of this call's
+        first rows (median of 3 after a compiling run) over their padded width. Drafting from a
+        run's start costs that prefill; drafting after plain steps costs a catch-up over the
+        positions missed (`policy.draft_entry_seconds`)."""
+        init = jax.jit(functools.partial(self.drafter.init, cache_len=cache_len))
+        jax.block_until_ready(init(self.drafter.params, tokens_bp, prompt_len_b))
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            jax.block_until_ready(init(self.drafter.params, tokens_bp, prompt_len_b))
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) / tokens_bp.shape[1]
 
     def _predicted_seconds(self, schedule: Schedule, rows: int, cache_len: int) -> dict[str, np.ndarray]:
         """The cost model's step time for each compiled branch and each TETRIS budget, computed
@@ -867,10 +892,12 @@ class SpeculativeDecoder:
         cost, spec = self.spec.cost_model, self.spec
         plans = schedule.plans if schedule.predict_ks is not None else ()
         caps = next((p.capacities for p in plans if p.capacities is not None), ())
-        # "round_trip": a segment's seconds besides its steps, measured at warm-up (0 until then).
+        # Measured at warm-up (0 until then): "round_trip", a segment's seconds besides its steps;
+        # "position", the drafter's seconds per position fed to catch up (`policy.draft_entry_seconds`).
+        measured = {"round_trip": np.float32(0.0), "position": np.float32(0.0)}
         if cost is None:
             return {"plans": np.ones((len(plans),), np.float32), "capacities": np.ones((len(caps),), np.float32),
-                    "round_trip": np.float32(0.0)}
+                    **measured}
         plan_seconds = []
         for plan, k in zip(plans, schedule.predict_ks or ()):
             if plan.capacities is None:
@@ -882,13 +909,14 @@ class SpeculativeDecoder:
         cap_seconds = [cost.step_seconds(rows, spec.draft_len, cache_len, packed_tokens=rows + c,
                                          window=spec.draft_len + 1) for c in caps]
         return {"plans": np.asarray(plan_seconds, np.float32), "capacities": np.asarray(cap_seconds, np.float32),
-                "round_trip": np.float32(0.0)}
+                **measured}
 
 
 class _Warm(NamedTuple):
     plan_seconds: np.ndarray | None   # each plan's seconds per step at the shape (None: not measured)
     round_trip: float                 # seconds of a segment's call and fetch, besides its steps
     acceptance: tuple | None          # (accepted_b, trials_b) the drafting plans counted (None: none)
+    position_seconds: float           # the drafter's seconds per position it feeds (its prefill's rate)
 
 
 def _acceptance_seen(schedule: Schedule, states) -> tuple | None:

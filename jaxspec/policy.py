@@ -316,28 +316,50 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     return jnp.where(switch, best, jnp.int32(current))
 
 
-def _saves_a_switch(goodput_from, goodput_to, live_b, drain, switch_seconds):
-    """Whether, while the batch drains, a switch from a plan of predicted goodput `goodput_from`
-    to one of `goodput_to` finishes the run more than `switch_seconds` sooner. Under the drain
-    rule a plan's goodput is the live rows' remaining tokens over its predicted time to finish,
-    so the saving is those tokens over each goodput, differenced. Without it the policy switched
-    to plain decoding for a static batch's last one or two tokens, which saved about the round
-    trip the switch cost. True when the batch is not draining (the run goes on, and a better
-    plan's gain grows with it)."""
+def _saves_a_switch(goodput_from, goodput_to, live_b, drain, switch_seconds, entry_seconds=0.0):
+    """Whether a switch from a plan of predicted goodput `goodput_from` to one of `goodput_to`
+    pays for itself over the live rows' remaining tokens: their time at each goodput, differenced.
+    Under the drain rule a plan's goodput is those tokens over its predicted time to finish, so the
+    difference is the time the switch saves the run.
+
+    - `switch_seconds` (the host round trip) is weighed only while the batch drains. Without it
+      the policy switched to plain decoding for a static batch's last one or two tokens, which
+      saved about the round trip the switch cost. While requests wait the run goes on, and a
+      better plan's gain grows with it.
+    - `entry_seconds` (what starting to draft costs: the drafter's catch-up on the context it has
+      not seen, `draft_entry_seconds`) is weighed in both cases: it is spent on the rows running
+      now, and only their remaining tokens can pay it back (rows refilled later bring their own
+      prefill).
+    """
     if drain is None:
         return jnp.bool_(True)
     remaining_b, draining = drain
     tokens = jnp.sum(jnp.where(live_b, jnp.asarray(remaining_b, jnp.float32), 0.0))
     saved = tokens / jnp.maximum(goodput_from, 1e-30) - tokens / jnp.maximum(goodput_to, 1e-30)
-    return ~draining | (saved > switch_seconds)
+    return saved > entry_seconds + jnp.where(draining, switch_seconds, 0.0)
+
+
+def draft_entry_seconds(position_seconds, backlog_b, live_b):
+    """What starting to draft costs now: the drafter feeds the positions it has not seen (`backlog_b`,
+    `Drafter.backlog`; at a run's opening, the prompts) before its first proposal, the batch's
+    rows side by side, so the longest live backlog sets the time, at `position_seconds` each (the
+    drafter's prefill time over its padded prompt width, measured at warm-up).
+
+    Measured on the tiny-8L pair (CPU): a k = 1 call costs 1.9-3.4 plain steps more than an
+    autoregressive one before its first step, and at batch 16 that turned a step-time tie into a
+    6% loss. Catch-up in chunks of 8 positions cost 0.72 ms a position at batch 16 where the
+    prefill cost 0.58: the prefill's rate is the estimate, about a fifth low for a long catch-up.
+    """
+    return position_seconds * jnp.max(jnp.where(live_b, jnp.asarray(backlog_b, jnp.float32), 0.0), initial=0.0)
 
 
 def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWITCH_MARGIN, drain=None,
-                 switch_seconds=0.0) -> jax.Array:
+                 switch_seconds=0.0, entry_seconds=0.0) -> jax.Array:
     """The next plan while speculation is off: a probe with the cheapest drafting plan (the
     smallest k > 0) if, under the optimistic estimate, some k > 0 beats plain decoding's
-    predicted goodput by more than `margin` (and, while the batch drains, would finish the run
-    more than `switch_seconds` sooner: `_saves_a_switch`); else plain decoding.
+    predicted goodput by more than `margin`, and its gain over the live rows' remaining tokens
+    outweighs `entry_seconds` (the drafter's catch-up) and, while the batch drains,
+    `switch_seconds` (`_saves_a_switch`); else plain decoding.
 
     A few steps of k = 1 measure acceptance for about what plain steps would have cost; probing
     with the optimistic argmax instead (k = 4-6 at small batches) cost 5-15% of a short run each
@@ -352,17 +374,23 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
     hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
     probe = ((hope > (1.0 + margin) * goodput_j[plain])
-             & _saves_a_switch(goodput_j[plain], hope, live_b, drain, switch_seconds))
+             & _saves_a_switch(goodput_j[plain], hope, live_b, drain, switch_seconds, entry_seconds))
     return jnp.where(probe, cheapest, plain).astype(jnp.int32)
 
 
-def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None) -> jax.Array:
+def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None, entry_seconds=0.0) -> jax.Array:
     """The first plan of a run, before it has observed anything: the plan the estimate (the seeded
-    counts, or the bare prior) expects to be best when that plan drafts, else `probe_choice` (the
-    estimate expects plain decoding to win, but speculation is probed if, under the optimistic
-    estimate, it beats plain decoding by the switch margin)."""
-    plain = choose_k(state, live_b, ks, seconds_j, optimistic=False, drain=drain)
-    return jnp.where(jnp.asarray(ks)[plain] > 0, plain, probe_choice(state, live_b, ks, seconds_j, drain=drain))
+    counts, or the bare prior) expects to be best, if it drafts and its gain over plain decoding
+    pays for `entry_seconds` (the drafter's prefill, which plain decoding skips: `_saves_a_switch`);
+    else `probe_choice` (speculation is probed if, under the optimistic estimate, it beats plain
+    decoding by the switch margin and pays for its entry)."""
+    goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain)
+    best = jnp.argmax(goodput_j).astype(jnp.int32)
+    plain = ks.index(0)
+    drafts = ((jnp.asarray(ks)[best] > 0)
+              & _saves_a_switch(goodput_j[plain], goodput_j[best], live_b, drain, 0.0, entry_seconds))
+    return jnp.where(drafts, best, probe_choice(state, live_b, ks, seconds_j, drain=drain,
+                                                entry_seconds=entry_seconds))
 
 
 # Step counts at which `plain_horizon` looks ahead: 4 * 2^(g/4), 4 to 1024 steps.
@@ -370,7 +398,7 @@ HORIZON_GRID = tuple(sorted({int(round(4 * 2 ** (g / 4))) for g in range(33)}))
 
 
 def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, drain=None,
-                  switch_seconds=0.0) -> jax.Array:
+                  switch_seconds=0.0, entry=None) -> jax.Array:
     """Plain decoding steps until the aged optimistic estimate would probe speculation again
     (`probe_choice`).
 
@@ -381,7 +409,8 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, 
     drafts, or the grid's largest count when it never does (e.g. a cost model under which even
     alpha = 1 loses). With `drain` (as in `goodput_of_ks`), each row's remaining tokens shrink by
     one per plain step looked ahead, and rows they run out on drop out; `switch_seconds` as in
-    `probe_choice`.
+    `probe_choice`. `entry`: None, or (position_seconds, backlog_b) as in `draft_entry_seconds`;
+    each plain step looked ahead adds a position to every row's backlog.
     """
     def probes(steps):
         live, ahead = live_b, None
@@ -389,7 +418,9 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, 
             remaining_b, draining = drain
             ahead = (remaining_b - steps, draining)
             live = jnp.where(draining, live_b & (remaining_b > steps), live_b)
-        choice = probe_choice(age(state, steps), live, ks, seconds_j, drain=ahead, switch_seconds=switch_seconds)
+        entry_seconds = 0.0 if entry is None else draft_entry_seconds(entry[0], entry[1] + steps, live)
+        choice = probe_choice(age(state, steps), live, ks, seconds_j, drain=ahead, switch_seconds=switch_seconds,
+                              entry_seconds=entry_seconds)
         return jnp.asarray(ks)[choice] > 0
 
     grid_g = jnp.asarray(grid, jnp.int32)

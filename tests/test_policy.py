@@ -282,6 +282,34 @@ def test_a_draining_batch_switches_plans_only_when_that_saves_more_than_the_roun
         assert got == (1 if probes else 0), (switch_seconds, saved)
 
 
+def test_starting_to_draft_must_pay_for_the_drafters_catch_up():
+    """Plain decoding running (or a run opening), a k = 1 step costing 1.05 plain steps at
+    acceptance 0.84: drafting would finish the live rows' remaining tokens sooner, by `saved`
+    (simulated for a draining batch, from expected tokens per step while requests wait). It
+    starts only if that outweighs the drafter's catch-up, whose time is set by the live row with
+    the longest backlog (a finished row's is ignored)."""
+    rng = np.random.default_rng(12)
+    ks = (0, 1)
+    remaining = [30, 20, 25, 40]
+    live = jnp.asarray([True, True, True, False])
+    state = state_with_alpha([0.84] * 4)
+    step = jnp.asarray([1e-3, 1.05e-3], jnp.float32)
+    drain_saved = max(remaining[:3]) * 1e-3 - simulated_drain_steps(0.84, 1, remaining[:3], 20000, rng).mean() * 1.05e-3
+    tokens, per_step = sum(remaining[:3]), 1.0 + 0.84
+    waiting_saved = tokens / 3 * (1e-3 - 1.05e-3 / per_step)
+    backlog = jnp.asarray([10, 40, 25, 1000])
+    for draining, saved in ((True, drain_saved), (False, waiting_saved)):
+        assert saved > 0
+        drain = (jnp.asarray(remaining), draining)
+        for fraction, drafts in ((0.2, True), (5.0, False)):
+            position = fraction * saved / 40      # the longest live backlog: 40 positions
+            entry = policy.draft_entry_seconds(position, backlog, live)
+            np.testing.assert_allclose(float(entry), fraction * saved, rtol=1e-5)
+            probe = int(policy.probe_choice(state, live, ks, step, drain=drain, entry_seconds=entry))
+            opening = int(policy.opening_choice(state, live, ks, step, drain=drain, entry_seconds=entry))
+            assert probe == opening == (1 if drafts else 0), (draining, fraction, saved)
+
+
 def test_plain_horizon_is_the_first_grid_point_where_ageing_probes_speculation_again():
     ks = (0, 1, 2, 3)
     live = jnp.ones((4,), bool)
@@ -445,12 +473,14 @@ def test_a_decoder_opens_with_the_acceptance_its_warm_up_measured(pair):
     assert opening(seen["perfect"]) > 0 and opening(seen["poor"]) == 0
 
 
-def test_drafting_after_plain_steps_is_lossless(pair):
+def test_drafting_after_plain_steps_is_lossless(pair, monkeypatch):
     """A call that opens with plain decoding (the acceptance measured before it is set to 0, as
     if the last call's draft had failed every time) probes speculation once the evidence has
     aged: the draft's cache, deferred at the start, catches up with the plain steps, and the
     output is the target's. (The draft, the target itself, accepts everything, but its steps
-    are measured to cost what the target's do, so the policy may turn it off again.)"""
+    are measured to cost what the target's do, so the policy may turn it off again. Its catch-up
+    is taken as free here: a target-sized draft's real prefill would rightly forbid the probe.)"""
+    monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args: 0.0)
     target, _ = pair
     prompts = prompts16(9)
     want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
@@ -481,6 +511,45 @@ def test_drafter_catches_up_after_steps_without_drafting(pair):
         for layer in range(draft.config.num_layers):
             np.testing.assert_allclose(caught.k[layer][i, :n], full.k[layer][i, :n], rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(caught.v[layer][i, :n], full.v[layer][i, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_backlog_counts_the_positions_catch_up_feeds(pair):
+    """`Drafter.backlog` (what the policy prices a catch-up by) against what `catch_up` does."""
+    from jaxspec.drafters import ModelDrafter, catch_up
+
+    _, draft = pair
+    drafter = ModelDrafter(draft)
+    rng = np.random.default_rng(6)
+    seq = jnp.asarray(rng.integers(0, 16, (3, 40)), jnp.int32)
+    pending = jnp.asarray([26, 8, 31], jnp.int32)
+    deferred = drafter.init_deferred(draft.params, seq[:, :6], jnp.asarray([2, 6, 4]), 48)
+    short = drafter.init(draft.params, seq[:, :6], jnp.asarray([2, 6, 4]), 48)
+    for state in (deferred, short):
+        caught = catch_up(draft.graphdef, draft.params, state.cache, seq, pending - 1)
+        fed = np.asarray(caught.lengths) - np.minimum(np.asarray(state.cache.lengths), np.asarray(pending) - 1)
+        np.testing.assert_array_equal(np.asarray(drafter.backlog(state, pending)), fed)
+        np.testing.assert_array_equal(np.asarray(drafter.backlog(state.replace(cache=caught), pending)), 0)
+    assert np.all(np.asarray(jaxspec.NgramDrafter().backlog((), pending)) == 0)
+
+
+def test_the_opening_weighs_the_drafters_measured_prefill(pair, monkeypatch):
+    """Drafting from a run's start costs the drafter's prefill (timed at warm-up as seconds per
+    position); plain decoding defers it. A draft the cost model says pays (the target itself,
+    drafting predicted at a fifth of a target step) opens the run when its prefill is cheap, and is
+    never started when a position costs more than the whole run is predicted to take. The output
+    is the target's either way."""
+    target, _ = pair
+    prompts = prompts16(6)
+    want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    cost = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    for position, drafts in ((0.0, True), (1.0, False)):
+        monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args, s=position: s)
+        decoder = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(
+            k=2, policy="goodput", cost_model=cost, measure_plans=False))
+        got = decoder.generate(prompts, max_new_tokens=20)
+        trace = got.stats.extra["k_trace"]
+        assert got.tokens == want
+        assert (trace[0] > 0) == drafts and (max(trace) > 0) == drafts, (position, "".join(map(str, trace)))
 
 
 @pytest.mark.parametrize("selection", [pytest.param("standard", marks=pytest.mark.slow), "tetris"])
