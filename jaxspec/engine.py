@@ -376,12 +376,16 @@ MAX_SEGMENT_CAP = 64
 # Goodput warm-up with `SpecConfig.measure_plans` (`SpeculativeDecoder._warm_up`): after one
 # untimed step, each plan is timed in passes of up to MEASURE_STEPS steps, as many as make about
 # MEASURE_PASS_SECONDS by the cost model for the first pass and by that pass's time after it (at
-# batch 64 a k = 6 step takes 0.2 s: one step a pass is enough there, and three would add seconds
+# batch 64 a k = 6 step takes 0.2 s: one step a pass is enough there, and more would add seconds
 # to the first call; a sub-millisecond step timed one at a time is lost in the round trip's
-# jitter, and a cost model far off sized it so). MEASURE_PASSES passes go round
+# jitter, and a cost model far off sized it so). Passes of at most 3 steps timed the cheap plans
+# slow, the cheapest most: at batch 16 the plain step by 14-17% (13.3-13.5 ms against 11.3-12.3
+# in the run's long segments) and k = 1 by 7%, which tilted near-ties toward drafting; with up
+# to 8 steps the plain step was timed at 11.4-11.6 ms, and the first call took no longer (the
+# passes' length is bounded by MEASURE_PASS_SECONDS). MEASURE_PASSES passes go round
 # the plans, more (up to MEASURE_MAX_PASSES) while the timing has taken under MEASURE_SECONDS:
 # small shapes, whose few-millisecond steps are the noisiest, are timed more often at little cost.
-MEASURE_STEPS = 3
+MEASURE_STEPS = 8
 MEASURE_PASS_SECONDS = 0.1
 MEASURE_PASSES = 3
 MEASURE_MAX_PASSES = 8
@@ -855,7 +859,11 @@ class SpeculativeDecoder:
         position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
             return _Warm(None, round_trip, _acceptance_seen(schedule, states), position)
-        pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 1, MEASURE_STEPS)
+        # At most a share of the rows' tokens a pass, so that MEASURE_PASSES passes of a plan that
+        # emits k + 1 tokens a step still find rows running.
+        cap_j = np.array([np.clip(static["out_len"] // (MEASURE_PASSES * (plan.k + 1) + 1), 1, MEASURE_STEPS)
+                          for plan in schedule.plans])
+        pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 1, cap_j)
         passes_j: list[list[float]] = [[] for _ in states]
         start = time.perf_counter()
         for n in range(MEASURE_MAX_PASSES):
@@ -867,7 +875,7 @@ class SpeculativeDecoder:
                     passes_j[i].append(cost_lib.steps_seconds(elapsed, round_trip) / (steps - steps_j[i]))
                     if n == 0:
                         pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 1,
-                                                  MEASURE_STEPS)
+                                                  cap_j[i])
                 steps_j[i] = steps
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
                      _acceptance_seen(schedule, states), position)
