@@ -40,7 +40,7 @@ from jaxspec.models.model import Model, forward, forward_packed
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.parallel.mesh import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
-from jaxspec.sampling import SamplingConfig, probabilities, row_keys
+from jaxspec.sampling import SamplingConfig, probabilities, row_keys, sample
 from jaxspec.spec import SpecConfig
 from jaxspec.verify import accept
 
@@ -167,6 +167,9 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
         TETRIS budgets by goodput.
     """
     b, k = state.seq_bl.shape[0], plan.k
+    if k == 0 and state.probs_bov is None:
+        return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
+                          out_len)
     pending_b = state.target_cache.lengths
     pending_tok_b = jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1)[:, 0]
     step_key_b = row_keys(request_keys_b, state.n_out_b)
@@ -209,6 +212,40 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
                         emitted=c.emitted + count_b)
     # A step over finished rows only (a host-driven loop may run one) is not counted.
     return state.replace(counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
+
+
+def plain_step(target_graphdef, sampling: SamplingConfig, target_params, state: DecodeState, request_keys_b,
+               max_new_b, eos_id, out_len: int) -> DecodeState:
+    """A step without drafts (k = 0), as lean as the autoregressive loop's: the general path's
+    window bookkeeping (eos search over the window, cut at the budget, masked scatters, draft
+    counters) cost 5% of a plain step at batch 16 on XLA:CPU (11.85 against 11.27 ms), which the
+    goodput policy paid wherever it turned speculation off. It draws the token exactly as the
+    general path's acceptance does with no drafts (the resample key of `verify.rejection_accept`,
+    from p itself), so a request's tokens do not depend on which path emitted them.
+    """
+    rows = jnp.arange(state.seq_bl.shape[0])
+    live_b = ~state.done_b
+    pending_b = state.target_cache.lengths
+    pending_tok_b = state.seq_bl[rows, pending_b]
+    logits_b1v, cache = forward(target_graphdef, target_params, pending_tok_b[:, None], state.target_cache)
+    if sampling.greedy:
+        token_b = jnp.argmax(logits_b1v[:, 0], axis=-1).astype(jnp.int32)
+    else:
+        key_b = jax.vmap(jax.random.fold_in, (0, None))(row_keys(request_keys_b, state.n_out_b), _ACCEPT_TAG)
+        resample_key_b = jax.vmap(lambda key: jax.random.split(key)[1])(key_b)
+        p_bv = probabilities(logits_b1v[:, 0], sampling)
+        p_bv = p_bv / jnp.sum(p_bv, axis=-1, keepdims=True)    # as the general path renormalises
+        token_b = jax.vmap(sample)(resample_key_b, p_bv)
+    live = live_b.astype(jnp.int32)
+    # A finished row writes nothing: its index is out of range, and the write is dropped.
+    out_bo = state.out_bo.at[rows, jnp.where(live_b, state.n_out_b, out_len)].set(token_b, mode="drop")
+    seq_bl = state.seq_bl.at[rows, jnp.where(live_b, pending_b + 1, state.seq_bl.shape[1])].set(token_b, mode="drop")
+    n_out_b = state.n_out_b + live
+    done_b = state.done_b | (live_b & (token_b == eos_id)) | (n_out_b >= max_new_b)
+    c = state.counters
+    counters = c.replace(row_steps=c.row_steps + live, emitted=c.emitted + live)
+    return state.replace(target_cache=cache.commit(pending_b + live), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
+                         done_b=done_b, counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
 
 
 def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,

@@ -143,6 +143,42 @@ def test_k_zero_is_plain_decoding(small):
     assert got.stats.drafted_tokens == 0 and got.stats.mean_accepted_length == 1.0
 
 
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=8)],
+                         ids=["greedy", "sampled"])
+def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
+    """`engine.plain_step` (the lean k = 0 step) against the general step path with no drafts
+    (forced by recording emission probabilities, as a chain level does): the same tokens, cache
+    lengths, done flags and counters after each of 9 steps, with ragged budgets and an eos."""
+    import jax
+
+    from jaxspec import engine
+    from jaxspec.generate import request_keys
+
+    target, _, _ = small
+    prompts = ragged_prompts(SMALL_VOCAB, 5)
+    b, width, out_len = len(prompts), max(map(len, prompts)), 10
+    tokens = jnp.asarray([row + [0] * (width - len(row)) for row in prompts], jnp.int32)
+    lengths = jnp.asarray([len(row) for row in prompts], jnp.int32)
+    max_new = jnp.asarray([3, 8, 5, 9, 2, 6], jnp.int32)
+    keys = request_keys(7, np.arange(b))
+    eos = jnp.int32(eos_hit_by_some_rows(target, prompts, 9) if sampling.greedy else 3)
+    cache_len = width + out_len + 8
+    state = engine.initial_state(target.graphdef, sampling, target.params, tokens, lengths, max_new, keys, eos,
+                                 cache_len=cache_len, seq_len=cache_len, out_len=out_len)
+    general = state.replace(probs_bov=jnp.zeros((b, out_len, SMALL_VOCAB)), logprob_bo=jnp.zeros((b, out_len)))
+    lean = state
+    for _ in range(9):
+        general = engine.verify_phase(target.graphdef, engine.StepPlan(k=0), sampling, target.params, general,
+                                      engine.empty_proposal(b), keys, max_new, eos, out_len)
+        lean = engine.plain_step(target.graphdef, sampling, target.params, lean, keys, max_new, eos, out_len)
+        for name in ("seq_bl", "out_bo", "n_out_b", "done_b", "steps"):
+            np.testing.assert_array_equal(getattr(lean, name), getattr(general, name), err_msg=name)
+        np.testing.assert_array_equal(lean.target_cache.lengths, general.target_cache.lengths)
+        jax.tree.map(np.testing.assert_array_equal, lean.counters, general.counters)
+    done = np.asarray(lean.done_b)
+    assert done.all() and (np.asarray(lean.n_out_b) < np.asarray(max_new)).any()   # some row stopped at eos
+
+
 # --- sampling: the exact distribution of the first three tokens on a 6-token vocabulary ---
 
 VOCAB6_PROMPT = [1, 4, 2]
@@ -187,6 +223,15 @@ def assert_matches_distribution(tokens, table, rows):
 
 SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
              SamplingConfig(temperature=1.0, top_p=0.8)]
+
+
+def test_sampling_lossless_plain_steps(vocab6):
+    """k = 0 (the goodput policy's plain decoding) samples from the target's distribution."""
+    target, draft, _ = vocab6
+    rows, sampling = 4000, SAMPLINGS[1]
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=0), sampling=sampling)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=23)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk3", "topp0.8"])
