@@ -71,6 +71,9 @@ class SpecConfig:
         if self.policy == "goodput" and not isinstance(self.cost_model, CostModel):
             raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...) (CostModel.profile or "
                              f"CostModel.load), got {type(self.cost_model).__name__}")
+        if self.policy == "goodput" and self.k < 1:
+            raise ValueError(f"policy='goodput' needs k >= 1 (k is the largest draft length it may choose; plain "
+                             f"decoding is always a candidate), got k={self.k}")
 
     @property
     def draft_len(self) -> int:

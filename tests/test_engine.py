@@ -386,6 +386,8 @@ def test_vocabulary_mismatch_names_both_sizes(small, tiny_model):
     (dict(capacity=-2), "capacity"),
     (dict(selection="best"), "selection"),
     (dict(policy="goodput"), "cost_model"),
+    (dict(k=0, policy="goodput", cost_model=jaxspec.CostModel.from_coefficients(
+        draft_fixed=1e-3, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)), "needs k >= 1"),
 ])
 def test_bad_spec_config(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
