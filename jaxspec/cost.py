@@ -259,11 +259,17 @@ class StepTimeTracker:
     the machine's drift and its kind's error: a profile's errors are not uniform over plans, e.g.
     drafting steps mispredicted by 2x where plain steps were right.
 
-    It also proposes exploration: a plan the policy would not pick is run once, for a short
-    segment, when nothing has been measured for it and the model's prediction for it is within
-    `explore_margin` of the chosen plan's (the cost model may rank close plans wrongly; measuring
-    settles it for the rest of the run). Trials are held to `explore_budget` of the run's time so
-    far, their own included, so a short run is not spent exploring a flat goodput curve.
+    It also proposes exploration: a plan the policy would not pick is run for a short segment
+    when its predicted goodput is within `explore_margin` of the chosen plan's and its time is in
+    doubt: nothing has been measured for it (the cost model may rank close plans wrongly), or it
+    was measured before the run but its kind has not run since and the other kinds' error scales
+    it up by more than the margin (a warm-up that timed the drafting plans far too cheap made every
+    plan look that much dearer, plain decoding included, and kept the policy drafting), or its last
+    measurement is `retime_segments` segments old (a decoder keeps its tracker across calls, so
+    the runner-up is re-timed now and then instead of being judged forever by a warm-up). A plan in
+    the second case is judged by its own measurement, not scaled up by the others' error. Trials
+    are held to `explore_budget` of the time observed so far, their own included, so a short run
+    is not spent exploring a flat goodput curve.
 
     Args:
       predicted_j: the cost model's seconds per step of each plan, at the run's compiled shape.
@@ -274,12 +280,13 @@ class StepTimeTracker:
         outputs). It is taken out of each measured segment before the per-step times are
         corrected, and added back in the segment predictions of `history`.
       measured: per plan, whether `predicted_j` was measured at the run's shape (the engine's
-        warm-up) rather than taken from a profile: `explore` does not trial those.
+        warm-up) rather than taken from a profile: `explore` counts those as measured.
+      retime_segments: segments after which a plan's last measurement is old enough to re-time.
     """
 
     def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15,
                  explore_budget: float = 0.1, kinds=None, round_trip: float = 0.0,
-                 measured=None):
+                 measured=None, retime_segments: int = 16):
         self.predicted_j = np.asarray(predicted_j, np.float64)
         if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
             raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
@@ -297,6 +304,11 @@ class StepTimeTracker:
         self.tried_j = np.zeros(self.predicted_j.shape, bool) if measured is None else np.array(measured, bool)
         if self.tried_j.shape != self.predicted_j.shape:
             raise ValueError(f"measured must give one flag per plan ({self.predicted_j.size}), got {measured!r}")
+        if retime_segments < 1:
+            raise ValueError(f"retime_segments must be >= 1, got {retime_segments!r}")
+        self.retime_segments = retime_segments
+        self.segments = 0
+        self.last_j = np.zeros(self.predicted_j.shape, np.int64)   # the segment count at each plan's last measurement
         # (plan, steps, predicted and measured wall seconds per step, round trip included)
         self.history: list[tuple[int, int, float, float]] = []
 
@@ -315,6 +327,12 @@ class StepTimeTracker:
         self.expected_j[plan] += steps * self.predicted_j[plan]
         self.steps_j[plan] += steps
         self.tried_j[plan] = True
+        self.segments += 1
+        self.last_j[plan] = self.segments
+
+    def new_call(self) -> None:
+        """Starts a call's segment log (`history`); what was learned is kept."""
+        self.history = []
 
     def overall_ratio(self) -> float:
         total = self.expected_j.sum()
@@ -322,14 +340,20 @@ class StepTimeTracker:
 
     def ratio(self) -> np.ndarray:
         """Measured over predicted time per plan, shrunk toward its kind's ratio."""
+        return self._ratio()[0]
+
+    def _ratio(self) -> tuple[np.ndarray, np.ndarray]:
+        """`ratio`, and per plan whether its kind has run (else its prior is the other kinds')."""
         prior_j = np.full(self.predicted_j.shape, self.overall_ratio())
+        ran_j = np.zeros(self.predicted_j.shape, bool)
         for kind in np.unique(self.kind_j):
             members = self.kind_j == kind
             expected = self.expected_j[members].sum()
             if expected > 0:
                 prior_j[members] = self.measured_j[members].sum() / expected
+                ran_j[members] = True
         weight_j = self.prior_steps * self.predicted_j
-        return (self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j)
+        return (self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j), ran_j
 
     def corrected(self) -> np.ndarray:
         """Seconds per step of each plan: the prediction times its ratio."""
@@ -341,22 +365,28 @@ class StepTimeTracker:
         Args:
           chosen: the plan the policy picked.
           tokens_j: expected tokens per step of each plan under current acceptance estimates.
-          baseline: plain decoding's plan. It is trialled first and outside the budget while it is
-            untried and within the margin: at the batch sizes where speculation stops paying the
-            two are within a few percent, closer than any profile ranks them, and a trial of the
-            baseline can cost no more than the speculation it forgoes.
+          baseline: plain decoding's plan. It is trialled first and outside the budget while its
+            time is in doubt (not for its age alone) and it is within the margin: at the batch
+            sizes where speculation stops paying the two are within a few percent, closer than any
+            profile ranks them, and a trial of the baseline can cost no more than the speculation
+            it forgoes.
           steps: the length of a trial segment; a trial is proposed only if its predicted time
             keeps all trials within `explore_budget` of the run's time (a drafting trial at
             batch 64 costs 2.5 plain steps per step, too dear early in a short run).
         """
-        corrected_j = self.corrected()
-        goodput_j = np.asarray(tokens_j, np.float64) / corrected_j
-        best = goodput_j[chosen]
-        if (baseline is not None and baseline != chosen and not self.tried_j[baseline]
-                and goodput_j[baseline] >= (1.0 - self.explore_margin) * best):
+        ratio_j, kind_ran_j = self._ratio()
+        corrected_j = self.predicted_j * ratio_j
+        # Measured before the run, but scaled up by the error of kinds that did run.
+        contradicted_j = self.tried_j & ~kind_ran_j & (ratio_j > 1.0 + self.explore_margin)
+        doubtful_j = ~self.tried_j | contradicted_j
+        stale_j = self.segments - self.last_j >= self.retime_segments
+        tokens_j = np.asarray(tokens_j, np.float64)
+        hopeful_j = tokens_j / np.where(contradicted_j, self.predicted_j, corrected_j)
+        close_j = hopeful_j >= (1.0 - self.explore_margin) * tokens_j[chosen] / corrected_j[chosen]
+        if baseline is not None and baseline != chosen and doubtful_j[baseline] and close_j[baseline]:
             return int(baseline)
-        for j in np.argsort(-goodput_j):
-            if j != chosen and not self.tried_j[j] and goodput_j[j] >= (1.0 - self.explore_margin) * best:
+        for j in np.argsort(-hopeful_j):
+            if j != chosen and (doubtful_j[j] or stale_j[j]) and close_j[j]:
                 cost = steps * corrected_j[j] + self.round_trip
                 affordable = self.trial_seconds + cost <= self.explore_budget * (self.total_seconds + cost)
                 return int(j) if affordable else None

@@ -632,6 +632,9 @@ class SpeculativeDecoder:
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
         self._warm: dict = {}   # goodput: per compiled shape, what `_warm_up` measured
+        # Goodput: per compiled shape, the step times measured by the runs so far
+        # (`cost.StepTimeTracker`): each call starts from what the calls before it measured.
+        self._trackers: dict = {}
         # Goodput: the acceptance measured by warm-ups and at the end of runs; seeds a run's rows.
         self._acceptance = policy_lib.AcceptanceMemory()
 
@@ -697,12 +700,18 @@ class SpeculativeDecoder:
             # weighs them against the time a switch saves.
             predicted["round_trip"] = np.float32(warm.round_trip)
             predicted["position"] = np.float32(warm.position_seconds)
-            # Step times corrected as segments are measured (passed traced: no recompile).
-            tracker = cost_lib.StepTimeTracker(predicted["plans"], kinds=[p.k > 0 for p in schedule.plans],
-                                               round_trip=warm.round_trip,
-                                               measured=None if warm.plan_seconds is None
-                                               else np.isfinite(warm.plan_seconds))
-        seconds = put(_as_arrays(predicted))
+            # Step times corrected as segments are measured (passed traced: no recompile), from
+            # where the calls before at this shape left them: a call of one segment (plain
+            # decoding at large batches) would otherwise be judged by the warm-up's times alone.
+            if shape_key not in self._trackers:
+                self._trackers[shape_key] = cost_lib.StepTimeTracker(
+                    predicted["plans"], kinds=[p.k > 0 for p in schedule.plans], round_trip=warm.round_trip,
+                    measured=None if warm.plan_seconds is None else np.isfinite(warm.plan_seconds))
+            tracker = self._trackers[shape_key]
+            tracker.new_call()
+            seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
+        else:
+            seconds = put(_as_arrays(predicted))
         # Goodput: the acceptance last measured seeds the rows; whether requests wait for slots.
         acceptance = put(self._acceptance.seed()) if goodput else None
         draining = put(np.bool_(not len(queue))) if goodput else None
@@ -714,7 +723,8 @@ class SpeculativeDecoder:
             if goodput else (0, 0)
         no_cap = put(np.int32(batch.out_len + 1))
         step_ks: list[int] = []
-        segment_cap = FIRST_SEGMENT_CAP if goodput and warm.plan_seconds is None else MAX_SEGMENT_CAP
+        segment_cap = (FIRST_SEGMENT_CAP if goodput and warm.plan_seconds is None and not tracker.segments
+                       else MAX_SEGMENT_CAP)
         trial = None
         while True:
             # With requests waiting (or a caller waiting for each result), stop as soon as one

@@ -122,10 +122,11 @@ def main() -> None:
             if label.startswith("goodput"):
                 trace = s.extra["k_trace"]
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
-                # The policy's own predictions (corrected online) against each segment's measured
-                # wall time per step, round trip included, over the segments after each run's first
-                # (which is judged by the warm-up's times alone; a run of one segment counts it),
-                # pooled over the timed rounds: one run is one or two draws of the machine's noise.
+                # The policy's own predictions (corrected online, from where the decoder's calls
+                # before left them) against each segment's measured wall time per step, round trip
+                # included, over the segments after each run's first (a run of one segment counts
+                # it), pooled over the timed rounds: one run is one or two draws of the machine's
+                # noise.
                 runs = [[(n, p, m) for _, n, p, m in run] for run in segments[label]]
                 firsts = np.asarray([run[0] for run in runs], np.float64)
                 later = np.asarray([seg for run in runs for seg in (run[1:] or run)], np.float64)
@@ -149,9 +150,10 @@ def main() -> None:
         "against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall time per step of "
         "the segments after each run's first, pooled over the rounds (the loop returns to the host between segments, "
         "round trip included), against the step times the policy predicted for them (each plan's steps timed at warm-"
-        "up, `SpecConfig.measure_plans`, corrected online from the segments before: `cost.StepTimeTracker`, plus the "
-        "round trip); `segment_errors`: the median error per segment, how many segments, and the median error of the "
-        "runs' first segments (the warm-up's times alone). "
+        "up, `SpecConfig.measure_plans`, corrected online from the segments before, the decoder's earlier calls "
+        "included: `cost.StepTimeTracker`, plus the round trip); `segment_errors`: the median error per segment, how "
+        "many segments, and the median error of the runs' first segments (judged by what the calls before measured; "
+        "the untimed first call, by the warm-up alone). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
         f"Cost model profiled on this machine (real decode steps, batch 1..64, k 0..6): fit R^2 "
         f"{cost.fit['step']['r2']:.3f}, worst held-out error {cost.fit['step']['worst_heldout_rel_error']:.1%}.",

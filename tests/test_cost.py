@@ -224,3 +224,53 @@ def test_tracker_trials_the_plain_decoding_baseline_first_and_outside_the_budget
     far = StepTimeTracker(np.ones(3))
     far.observe(1, 40, 40.0)
     assert far.explore(1, np.array([0.5, 1.0, 0.99]), baseline=0) == 2   # not within the margin
+
+
+def test_tracker_trials_a_plan_whose_warm_up_time_the_other_kinds_error_contradicts():
+    """A warm-up timed the drafting plans 20x too cheap: the run drafts, measures drafting 20x
+    dearer, and scales the plain plan (whose kind has not run) up by the same error, so by the
+    corrected times alone the run would draft for good. The plain plan, judged by its own
+    warm-up time, is within the margin: it is trialled (outside the budget, as the baseline),
+    and once measured the corrected times rank it first."""
+    measured_time = np.array([1.0, 0.1, 0.15])
+    true = np.array([1.0, 2.0, 3.0])
+    tokens = np.array([1.0, 1.6, 2.0])
+    tracker = StepTimeTracker(measured_time, kinds=[False, True, True], measured=[True, True, True])
+    run_segments(tracker, true, [1, 1, 1])
+    corrected = tracker.corrected()
+    assert np.argmax(tokens / corrected) == 1 and corrected[0] > 10    # plain looks 20x dearer
+    assert tracker.explore(1, tokens, baseline=0) == 0
+    # Not named the baseline, it waits for the budget (priced at its corrected time).
+    assert tracker.explore(1, tokens) is None
+    run_segments(tracker, true, [0])
+    assert np.argmax(tokens / tracker.corrected()) == 0
+    assert tracker.explore(0, tokens, baseline=0) is None
+    # A drift that scales the unrun kind down is no reason to doubt it (the batch-64 case: plain
+    # decoding ran 13% faster than its warm-up, the drafting plans are 20% behind).
+    fast = StepTimeTracker(np.array([1.0, 2.3, 3.5]), kinds=[False, True, True], measured=[True] * 3)
+    run_segments(fast, np.array([0.87, 2.0, 3.0]), [0] * 3)
+    assert fast.explore(0, np.array([1.0, 1.6, 2.0]), baseline=0) is None
+
+
+def test_tracker_re_times_a_close_runner_up_once_its_measurement_is_old():
+    """A decoder keeps its tracker across calls: a plan measured at warm-up and not run since is
+    re-timed after `retime_segments` segments if it is within the margin (and the budget allows),
+    never if it is far behind; a re-timed plan waits that long again."""
+    tracker = StepTimeTracker(np.ones(3), measured=[True] * 3, retime_segments=5)
+    tokens = np.array([1.0, 0.95, 0.5])
+    for n in range(1, 5):
+        tracker.observe(0, 40, 40.0)
+        assert tracker.explore(0, tokens, steps=4) is None, n
+    tracker.observe(0, 40, 40.0)
+    assert tracker.explore(0, tokens, steps=4) == 1                     # 5 segments since the warm-up
+    tracker.observe(1, 4, 4.0, trial=True)
+    for n in range(5):
+        assert tracker.explore(0, tokens, steps=4) is None, n
+        tracker.observe(0, 40, 40.0)
+    assert tracker.explore(0, tokens, steps=4) == 1
+    # Across calls: a new call's log starts empty; what was learned stays.
+    before = tracker.corrected()
+    tracker.new_call()
+    assert tracker.history == [] and np.array_equal(tracker.corrected(), before)
+    with pytest.raises(ValueError, match="retime_segments"):
+        StepTimeTracker(np.ones(2), retime_segments=0)
