@@ -45,6 +45,7 @@ THIN_EVIDENCE = 0.3    # extra switch margin while the batch has little recent e
 SWITCH_MARGIN = 0.04   # predicted gain that makes the running plan switch (see `choose_k`)
 SEED_WEIGHT = 1.0 / (1.0 - DECAY)   # most trials per row a seed is worth (see `seed_acceptance`)
 DRAIN_GRID = 64        # points of the integral over steps in `drain_tokens_per_step`
+DRAIN_EXACT = 16       # remaining tokens up to which `drain_tokens_per_step` counts steps exactly
 
 
 def expected_tokens_per_step(alpha, k):
@@ -207,12 +208,43 @@ def token_moments(alpha, ks, xp=jnp):
     """Mean and variance of the tokens one verification emits with k drafts (for each k in the
     static tuple `ks`), each accepted with probability alpha: X = i with probability
     alpha^(i-1) (1 - alpha) for i <= k, and X = k + 1 with probability alpha^k."""
+    p_ji = _emitted_probs(alpha, ks, xp)
+    i_i = xp.arange(1, max(ks) + 2, dtype=xp.float32)[None, :]
+    mean_j = xp.sum(p_ji * i_i, axis=1)
+    return mean_j, xp.maximum(xp.sum(p_ji * i_i * i_i, axis=1) - mean_j * mean_j, 0.0)
+
+
+def _emitted_probs(alpha, ks, xp):
+    """P(X = i) for i = 1 .. max(ks) + 1 (columns), for each k in `ks` (rows)."""
     alpha = xp.clip(xp.asarray(alpha, xp.float32), 0.0, 1.0)
     i_i = xp.arange(1, max(ks) + 2, dtype=xp.float32)[None, :]
     k_j = xp.asarray(ks, xp.float32)[:, None]
-    p_ji = xp.where(i_i <= k_j, alpha ** (i_i - 1.0) * (1.0 - alpha), xp.where(i_i == k_j + 1.0, alpha ** k_j, 0.0))
-    mean_j = xp.sum(p_ji * i_i, axis=1)
-    return mean_j, xp.maximum(xp.sum(p_ji * i_i * i_i, axis=1) - mean_j * mean_j, 0.0)
+    return xp.where(i_i <= k_j, alpha ** (i_i - 1.0) * (1.0 - alpha), xp.where(i_i == k_j + 1.0, alpha ** k_j, 0.0))
+
+
+def _exact_drain_steps(alpha, ks, r_b, live_b, xp):
+    """E[max_i S_i] over the live rows, exactly, where every r_i <= DRAIN_EXACT: the normal
+    approximation is off by up to a fifth with a few tokens left, where steps are few and
+    discrete. The distribution of the tokens a row has emitted after n steps, capped at
+    DRAIN_EXACT, is propagated by its transition matrix (the same for every row: they share
+    alpha), so P(S_i <= n) = P(emitted after n steps >= r_i); rows are independent and
+    S_i <= r_i, so E[max_i S_i] = sum over n < DRAIN_EXACT of 1 - prod_i P(S_i <= n)."""
+    top = DRAIN_EXACT
+    p_ji = _emitted_probs(alpha, ks, xp)
+    # Static moves of the capped count: c -> min(c + i, top) when a step emits i tokens.
+    move_icd = np.zeros((p_ji.shape[1], top + 1, top + 1), np.float32)
+    for i in range(1, p_ji.shape[1] + 1):
+        move_icd[i - 1, np.arange(top + 1), np.minimum(np.arange(top + 1) + i, top)] = 1.0
+    step_jcd = xp.einsum("ji,icd->jcd", p_ji, xp.asarray(move_icd))
+    dist_jc = xp.asarray(np.tile(np.eye(1, top + 1, dtype=np.float32), (len(ks), 1)))
+    at_least = []                       # [n][j, r]: P(emitted after n steps >= r)
+    for _ in range(top):
+        at_least.append(xp.cumsum(dist_jc[:, ::-1], axis=1)[:, ::-1])
+        dist_jc = xp.einsum("jc,jcd->jd", dist_jc, step_jcd)
+    done_jnr = xp.stack(at_least, axis=1)
+    r_idx = xp.clip(r_b, 0, top).astype(xp.int32)
+    done_jnb = xp.where(live_b[None, None, :], done_jnr[:, :, r_idx], 1.0)
+    return xp.sum(1.0 - xp.prod(done_jnb, axis=2), axis=1)
 
 
 def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp):
@@ -232,8 +264,10 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp):
     variance r_i var / mu^3 (mu, var: `token_moments`; o = (E[X^2] / mu - 1) / 2, the mean
     overshoot of the last step); rows are independent, so E[max_i S_i] =
     lo + integral from lo to hi of (1 - prod_i P(S_i <= s)) ds, on DRAIN_GRID points between
-    lo and hi, 6 standard deviations either side of the largest mean. Plain decoding is exact:
-    max_i r_i steps. Checked against simulation in tests/test_policy.py.
+    lo and hi, 6 standard deviations either side of the largest mean. When no live row has more
+    than DRAIN_EXACT tokens left (a drain's last steps), the steps are counted exactly
+    (`_exact_drain_steps`). Plain decoding is exact: max_i r_i steps. Checked against simulation
+    in tests/test_policy.py.
 
     `xp`: jax.numpy on device, numpy for the host's twin (the same arithmetic).
     """
@@ -257,7 +291,7 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp):
     cdf_jgb = xp.where(live_b[None, None, :], cdf_jgb, 1.0)
     tail_jg = 1.0 - xp.prod(cdf_jgb, axis=2)
     area_j = xp.sum((tail_jg[:, 1:] + tail_jg[:, :-1]) / 2.0, axis=1) * (hi_j - lo_j) / (DRAIN_GRID - 1)
-    steps_j = lo_j + area_j
+    steps_j = xp.where(xp.max(r_b) <= DRAIN_EXACT, _exact_drain_steps(alpha, ks, r_b, live_b, xp), lo_j + area_j)
     return xp.sum(r_b) / xp.maximum(steps_j, 1e-6)
 
 
