@@ -254,10 +254,17 @@ class StepTimeTracker:
     steps each plan ran and how long that took. For each plan j the tracker keeps decayed sums of
     measured seconds and of the model's predicted seconds for the same steps; the corrected time is
     prediction_j * ratio_j, where ratio_j shrinks the plan's own measured/predicted ratio toward the
-    ratio of its kind's plans (`prior_steps` steps' worth; the ratio over all plans while none of
-    its kind ran), so one noisy segment does not swing a plan, and a plan not run yet still follows
-    the machine's drift and its kind's error: a profile's errors are not uniform over plans, e.g.
-    drafting steps mispredicted by 2x where plain steps were right.
+    ratio of its kind's plans, and that toward the ratio over all plans (each by `prior_steps`
+    steps' worth), so one noisy segment does not swing a plan or a kind (a kind may have one plan:
+    plain decoding), and a plan not run yet still follows the machine's drift and its kind's error:
+    a profile's errors are not uniform over plans, e.g. drafting steps mispredicted by 2x where
+    plain steps were right.
+
+    A decoder keeps its tracker across calls (`new_call`); each call halves what the calls before
+    measured (`call_decay`), so a kind the policy has stopped running drifts back to the ratio over
+    all plans within a few calls instead of keeping an old measurement for good. (A one-step
+    segment at batch 1 once timed plain decoding 29% dear, which, kept, left a decoder drafting; a
+    dear drafting segment, kept, left one decoding plainly.)
 
     It also proposes exploration: a plan the policy would not pick is run for a short segment
     when its predicted goodput is within `explore_margin` of the chosen plan's and its time is in
@@ -282,11 +289,12 @@ class StepTimeTracker:
       measured: per plan, whether `predicted_j` was measured at the run's shape (the engine's
         warm-up) rather than taken from a profile: `explore` counts those as measured.
       retime_segments: segments after which a plan's last measurement is old enough to re-time.
+      call_decay: the factor `new_call` applies to the sums of the calls before.
     """
 
     def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15,
                  explore_budget: float = 0.1, kinds=None, round_trip: float = 0.0,
-                 measured=None, retime_segments: int = 16):
+                 measured=None, retime_segments: int = 16, call_decay: float = 0.5):
         self.predicted_j = np.asarray(predicted_j, np.float64)
         if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
             raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
@@ -306,7 +314,9 @@ class StepTimeTracker:
             raise ValueError(f"measured must give one flag per plan ({self.predicted_j.size}), got {measured!r}")
         if retime_segments < 1:
             raise ValueError(f"retime_segments must be >= 1, got {retime_segments!r}")
-        self.retime_segments = retime_segments
+        if not 0.0 < call_decay <= 1.0:
+            raise ValueError(f"call_decay must be in (0, 1], got {call_decay!r}")
+        self.retime_segments, self.call_decay = retime_segments, call_decay
         self.segments = 0
         self.last_j = np.zeros(self.predicted_j.shape, np.int64)   # the segment count at each plan's last measurement
         # (plan, steps, predicted and measured wall seconds per step, round trip included)
@@ -331,8 +341,12 @@ class StepTimeTracker:
         self.last_j[plan] = self.segments
 
     def new_call(self) -> None:
-        """Starts a call's segment log (`history`); what was learned is kept."""
+        """Starts a call's segment log (`history`); what the calls before measured counts
+        `call_decay` as much."""
         self.history = []
+        self.measured_j *= self.call_decay
+        self.expected_j *= self.call_decay
+        self.steps_j *= self.call_decay
 
     def overall_ratio(self) -> float:
         total = self.expected_j.sum()
@@ -350,7 +364,8 @@ class StepTimeTracker:
             members = self.kind_j == kind
             expected = self.expected_j[members].sum()
             if expected > 0:
-                prior_j[members] = self.measured_j[members].sum() / expected
+                weight = self.prior_steps * float(np.mean(self.predicted_j[members]))
+                prior_j[members] = (self.measured_j[members].sum() + prior_j[members] * weight) / (expected + weight)
                 ran_j[members] = True
         weight_j = self.prior_steps * self.predicted_j
         return (self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j), ran_j
