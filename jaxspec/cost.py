@@ -308,7 +308,6 @@ class StepTimeTracker:
         self.total_seconds = self.trial_seconds = 0.0
         self.measured_j = np.zeros_like(self.predicted_j)   # decayed measured seconds
         self.expected_j = np.zeros_like(self.predicted_j)   # decayed predicted seconds of the same steps
-        self.steps_j = np.zeros_like(self.predicted_j)      # decayed step counts
         self.tried_j = np.zeros(self.predicted_j.shape, bool) if measured is None else np.array(measured, bool)
         if self.tried_j.shape != self.predicted_j.shape:
             raise ValueError(f"measured must give one flag per plan ({self.predicted_j.size}), got {measured!r}")
@@ -332,10 +331,8 @@ class StepTimeTracker:
         self.history.append((plan, steps, float(self.corrected()[plan]) + self.round_trip / steps, seconds / steps))
         self.measured_j *= self.decay
         self.expected_j *= self.decay
-        self.steps_j *= self.decay
         self.measured_j[plan] += steps_seconds(seconds, self.round_trip)
         self.expected_j[plan] += steps * self.predicted_j[plan]
-        self.steps_j[plan] += steps
         self.tried_j[plan] = True
         self.segments += 1
         self.last_j[plan] = self.segments
@@ -346,14 +343,14 @@ class StepTimeTracker:
         self.history = []
         self.measured_j *= self.call_decay
         self.expected_j *= self.call_decay
-        self.steps_j *= self.call_decay
 
     def overall_ratio(self) -> float:
         total = self.expected_j.sum()
         return float(self.measured_j.sum() / total) if total > 0 else 1.0
 
     def ratio(self) -> np.ndarray:
-        """Measured over predicted time per plan, shrunk toward its kind's ratio."""
+        """Measured over predicted time per plan, shrunk toward its kind's ratio (and that
+        toward the ratio over all plans)."""
         return self._ratio()[0]
 
     def _ratio(self) -> tuple[np.ndarray, np.ndarray]:
