@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import policy
+from jaxspec import cost as cost_lib, policy
 from jaxspec.cost import CostModel
 
 
@@ -501,9 +501,15 @@ def test_drafting_after_plain_steps_is_lossless(pair, monkeypatch):
     if the last call's draft had failed every time) probes speculation once the evidence has
     aged: the draft's cache, deferred at the start, catches up with the plain steps, and the
     output is the target's. (The draft, the target itself, accepts everything, but its steps
-    are measured to cost what the target's do, so the policy may turn it off again. Its catch-up
-    is taken as free here: a target-sized draft's real prefill would rightly forbid the probe.)"""
+    cost what the target's do. Step times are therefore taken at the cost model's word, not
+    corrected by this machine's wall clock: measured, a target-sized draft's steps can rightly
+    forbid the probe, as can its catch-up, which is taken as free here for the same reason.)"""
     monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args: 0.0)
+    observe = cost_lib.StepTimeTracker.observe
+
+    def as_predicted(self, plan, steps, seconds, trial=False):   # every segment took what was predicted
+        observe(self, plan, steps, steps * float(self.predicted_j[plan]) + self.round_trip, trial)
+    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", as_predicted)
     target, _ = pair
     prompts = prompts16(9)
     want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
