@@ -427,6 +427,12 @@ MEASURE_PASS_SECONDS = 0.1
 MEASURE_PASSES = 3
 MEASURE_MAX_PASSES = 8
 MEASURE_SECONDS = 0.5
+# A segment's round trip (a call that runs no step, and the fetch of its outputs) is the median of
+# ROUND_TRIPS such calls, going round the plans as the run's segments do. The fastest of three
+# calls of one plan (the rule before) was 1.4 ms where the tiny-8L pair's 1-step segments at batch
+# 1 took 2.0-2.2 ms besides their step: the drain rule then switched to plain decoding for a row's
+# last token, a switch that saved 1.6 ms of drafting and cost a 2 ms round trip.
+ROUND_TRIPS = 9
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
@@ -876,9 +882,9 @@ class SpeculativeDecoder:
         keeps the median of its passes: the fastest of two passes (the rule before) under-predicted
         the run's steps by up to 10%, and a drafting plan's first pass ran up to 1.5x slower than
         its later ones, which the median of three or more passes ignores. The round trip (a call
-        that runs no step, and the fetch of its outputs; 1.7 ms on XLA:CPU) is taken out of every
-        timed segment: it would otherwise add a third of a step to each step of a 4-step
-        segment at batch 1, and make short segments' plans look slower than long ones'.
+        that runs no step, and the fetch of its outputs; about 2 ms on XLA:CPU, `ROUND_TRIPS`) is
+        taken out of every timed segment: it would otherwise add a third of a step to each step of
+        a 4-step segment at batch 1, and make short segments' plans look slower than long ones'.
         """
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
         max_new_b, keys_b = rows_in[2], rows_in[3]
@@ -899,10 +905,12 @@ class SpeculativeDecoder:
         runs = [timed(jax.tree.map(jnp.copy, scratch), i, 1) for i in range(len(schedule.plans))]
         del scratch
         states, steps_j = [r[0] for r in runs], [r[1] for r in runs]
-        round_trip = np.inf
-        for _ in range(3):
-            states[0], _, elapsed = timed(states[0], 0, 0)
-            round_trip = min(round_trip, elapsed)
+        trips = []
+        for n in range(ROUND_TRIPS):
+            i = n % len(states)
+            states[i], _, elapsed = timed(states[i], i, 0)
+            trips.append(elapsed)
+        round_trip = float(np.median(trips))
         position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
             return _Warm(None, round_trip, _acceptance_seen(schedule, states), position)
