@@ -82,11 +82,16 @@ def main() -> None:
         results = {label: fn() for label, fn in fns.items()}          # warm-up (compiles)
         reference = results["autoregressive"].tokens
         # The machine's speed drifts over minutes (a shared VM), so every configuration is timed
-        # once per round and ratios are taken within a round, then the median over rounds.
+        # once per round and ratios are taken within a round, then the median over rounds. The
+        # order is shuffled each round: in a fixed order the goodput runs always came last, ten
+        # runs after the autoregressive one, and a drift in between fell on their ratios in every
+        # round alike.
         seconds = {label: [] for label in fns}
         segments = {label: [] for label in fns}   # the goodput runs' segments, one list per round
+        order = np.random.default_rng(batch)
         for _ in range(args.rounds):
-            for label, fn in fns.items():
+            for i in order.permutation(len(fns)):
+                label, fn = list(fns.items())[i]
                 start = time.perf_counter()
                 results[label] = fn()
                 seconds[label].append(time.perf_counter() - start)
