@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import cost as cost_lib, policy
+from jaxspec import cost as cost_lib
+from jaxspec import policy
 from jaxspec.cost import CostModel
 
 
