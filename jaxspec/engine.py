@@ -750,8 +750,9 @@ class SpeculativeDecoder:
             segment_steps = int(steps) - len(step_ks)
             step_ks += [schedule.plans[plan_index].k] * segment_steps
             if goodput:
-                choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
                 tracker.observe(plan_index, segment_steps, segment_seconds, trial=trial is not None)
+            if goodput and not (done_b.all() and not len(queue)):   # another segment follows: plan it
+                choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
                 if drains:
                     tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, max_new - n_out_b,

@@ -418,6 +418,20 @@ BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, t
                                        target_per_token=5e-4)
 
 
+def on_a_quiet_moment(check, attempts: int = 3):
+    """Runs `check` (a test body that times steps by the wall clock), again from scratch if its
+    assertions fail, up to `attempts` times; the last failure is raised. The suite runs one worker
+    per core, so a worker compiling next to a timed step can stretch a sub-millisecond step 3x for
+    a moment; a real fault (a warm-up timing the wrong thing, a tracker that does not correct) fails
+    every attempt."""
+    for attempt in range(attempts):
+        try:
+            return check()
+        except AssertionError:
+            if attempt == attempts - 1:
+                raise
+
+
 @pytest.mark.slow  # two minutes; goodput greedy also in test_batching
 @pytest.mark.parametrize("selection", ["standard", "tetris"])
 def test_goodput_policy_is_lossless(pair, selection):
@@ -613,23 +627,27 @@ def test_goodput_corrects_a_wrong_cost_model_from_measured_segments(pair):
     prompts = prompts16(6)
     want = jaxspec.generate(target, prompts, max_new_tokens=120).tokens
     slow = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=5.0, target_per_token=0.5)
-    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3, policy="goodput",
-                                                                                cost_model=slow, measure_plans=False))
-    # Two slots for six requests: the loop returns to the host whenever a row finishes, so the run
-    # has several segments whatever the policy chooses.
-    # (The warm-up compiles every plan and runs it before the first segment is timed.)
-    for call in range(2):
-        got = decoder.generate(prompts, max_new_tokens=120, batch_size=2)
-        assert got.tokens == want
-        segments = got.stats.extra["segments"]
-        assert sum(n for _, n, _, _ in segments) == got.stats.steps
-        ratios = [predicted / measured for _, _, predicted, measured in segments]
-        # Later segments are judged by corrected times (sub-millisecond steps: allow for noise).
-        if call == 0:
-            assert ratios[0] > 100, segments                 # judged by the profile alone
-            assert len(ratios) >= 4 and 0.33 < np.median(ratios[2:]) < 3, segments
-        else:
-            assert 0.2 < ratios[0] < 5 and 0.33 < np.median(ratios) < 3, segments   # by what the first measured
+
+    def check():
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(
+            k=3, policy="goodput", cost_model=slow, measure_plans=False))
+        # Two slots for six requests: the loop returns to the host whenever a row finishes, so the
+        # run has several segments whatever the policy chooses.
+        # (The warm-up compiles every plan and runs it before the first segment is timed.)
+        for call in range(2):
+            got = decoder.generate(prompts, max_new_tokens=120, batch_size=2)
+            assert got.tokens == want
+            segments = got.stats.extra["segments"]
+            assert sum(n for _, n, _, _ in segments) == got.stats.steps
+            ratios = [predicted / measured for _, _, predicted, measured in segments]
+            # Later segments are judged by corrected times (sub-millisecond steps: allow for noise).
+            if call == 0:
+                assert ratios[0] > 100, segments                 # judged by the profile alone
+                assert len(ratios) >= 4 and 0.33 < np.median(ratios[2:]) < 3, segments
+            else:   # judged by what the first call measured
+                assert 0.2 < ratios[0] < 5 and 0.33 < np.median(ratios) < 3, segments
+
+    on_a_quiet_moment(check)
 
 
 def test_a_warm_up_that_timed_drafting_far_too_cheap_is_overruled(pair, monkeypatch):
@@ -650,12 +668,17 @@ def test_a_warm_up_that_timed_drafting_far_too_cheap_is_overruled(pair, monkeypa
     target, poor = pair
     prompts = prompts16(10)
     want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
-    decoder = SpeculativeDecoder(target, poor, spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=BALANCED))
-    got = decoder.generate(prompts, max_new_tokens=96, batch_size=2)
-    assert got.tokens == want
-    trace = np.asarray(got.stats.extra["k_trace"])
-    assert trace[0] > 0, trace                                # the warm-up's times opened drafting
-    assert np.mean(trace[len(trace) // 3:] == 0) > 0.8, trace  # then plain decoding, once trialled
+
+    def check():
+        decoder = SpeculativeDecoder(target, poor, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+                                                                          cost_model=BALANCED))
+        got = decoder.generate(prompts, max_new_tokens=96, batch_size=2)
+        assert got.tokens == want
+        trace = np.asarray(got.stats.extra["k_trace"])
+        assert trace[0] > 0, trace                                # the warm-up's times opened drafting
+        assert np.mean(trace[len(trace) // 3:] == 0) > 0.8, trace  # then plain decoding, once trialled
+
+    on_a_quiet_moment(check)
 
 
 def test_a_warm_up_whose_round_trip_outlasts_its_passes_still_plans(pair, monkeypatch):
@@ -698,26 +721,29 @@ def test_goodput_plans_with_step_times_measured_at_the_runs_shape(pair):
     prompts = prompts16(6)
     want = jaxspec.generate(target, prompts, max_new_tokens=120).tokens
     slow = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=5.0, target_per_token=0.5)
-    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput",
-                                                                                cost_model=slow))
-    got = decoder.generate(prompts, max_new_tokens=120)
-    assert got.tokens == want
-    (warm,) = decoder._warm.values()
-    assert warm.plan_seconds.shape == (3,) and 0 < warm.round_trip < 1.0
-    segments = got.stats.extra["segments"]
-    (first_k, first_steps, predicted, measured), *rest = segments
-    assert 0.33 < predicted / measured < 3, segments
-    # Timed plans need no early correction: the first segment is not cut short at
-    # FIRST_SEGMENT_CAP (it ends early only where the device switched plans).
     from jaxspec.engine import FIRST_SEGMENT_CAP
 
-    assert first_steps > FIRST_SEGMENT_CAP or (rest and rest[0][0] != first_k), segments
-    slots = got.stats.extra["slots"]
-    cache_len = jaxspec.prompts.bucket_length(max(map(len, prompts))) + jaxspec.prompts.bucket_length(120)
-    for k, seconds in enumerate(warm.plan_seconds):
-        reference = time_steps(target, ModelDrafter(draft), k, slots,
-                               cache_len + jaxspec.prompts.bucket_length(k + 2, 8))
-        # Sub-millisecond steps on a shared machine: agree within a factor, not a percentage.
-        assert 0.33 < seconds / reference < 3, (k, seconds, reference)
-    # Dearer plans measure dearer: drafting two tokens costs more than one, and one more than none.
-    assert warm.plan_seconds[2] > warm.plan_seconds[0]
+    def check():
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+                                                                                    cost_model=slow))
+        got = decoder.generate(prompts, max_new_tokens=120)
+        assert got.tokens == want
+        (warm,) = decoder._warm.values()
+        assert warm.plan_seconds.shape == (3,) and 0 < warm.round_trip < 1.0
+        segments = got.stats.extra["segments"]
+        (first_k, first_steps, predicted, measured), *rest = segments
+        assert 0.33 < predicted / measured < 3, segments
+        # Timed plans need no early correction: the first segment is not cut short at
+        # FIRST_SEGMENT_CAP (it ends early only where the device switched plans).
+        assert first_steps > FIRST_SEGMENT_CAP or (rest and rest[0][0] != first_k), segments
+        slots = got.stats.extra["slots"]
+        cache_len = jaxspec.prompts.bucket_length(max(map(len, prompts))) + jaxspec.prompts.bucket_length(120)
+        for k, seconds in enumerate(warm.plan_seconds):
+            reference = time_steps(target, ModelDrafter(draft), k, slots,
+                                   cache_len + jaxspec.prompts.bucket_length(k + 2, 8))
+            # Sub-millisecond steps on a shared machine: agree within a factor, not a percentage.
+            assert 0.33 < seconds / reference < 3, (k, seconds, reference)
+        # Dearer plans measure dearer: drafting two tokens costs more than one, and one more than none.
+        assert warm.plan_seconds[2] > warm.plan_seconds[0]
+
+    on_a_quiet_moment(check)
