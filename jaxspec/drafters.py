@@ -107,7 +107,7 @@ def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> 
     """A drafter model's cache after the prompts, committed to all but the last prompt token
     (each propose re-feeds the last two committed tokens)."""
     cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
-    _, cache = forward(graphdef, params, tokens_bp, cache, jnp.zeros_like(tokens_bp[:, :1]))
+    _, cache = forward(graphdef, params, tokens_bp, cache, jnp.zeros_like(tokens_bp[:, :1]), empty=True)
     return cache.commit(prompt_len_b - 1)
 
 

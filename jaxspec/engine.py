@@ -422,6 +422,12 @@ MAX_SEGMENT_CAP = 64
 # passes' length is bounded by MEASURE_PASS_SECONDS). MEASURE_PASSES passes go round
 # the plans, more (up to MEASURE_MAX_PASSES) while the timing has taken under MEASURE_SECONDS:
 # small shapes, whose few-millisecond steps are the noisiest, are timed more often at little cost.
+# Each pass is a 1-step call and a longer call, and a step's time is their difference over the
+# steps the longer one added: on XLA:CPU a drafting program's call costs about 1.3 ms besides its
+# steps and the round trip (tiny-8L pair, batch 1: k = 2 timed at 2.1 / 1.56 / 1.32 ms a step in
+# loops of 2 / 6 / 24 steps), which over 8 steps had timed drafting 15-25% dear at batch 1 and
+# kept a run in plain decoding where k = 2-3 was faster. That cost goes into the round trip
+# instead (the median, over the passes, of a 1-step call less its step).
 MEASURE_STEPS = 8
 MEASURE_PASS_SECONDS = 0.1
 MEASURE_PASSES = 3
@@ -536,26 +542,28 @@ def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samp
     return state.replace(**per_row)
 
 
-@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "plan", "sampling", "out_len",
-                                             "iterations"), donate_argnums=(6,))
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "plan", "sampling", "out_len"),
+                   donate_argnums=(6,))
 def _steps_loop(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig, target_params,
-                draft_params, state, request_keys_b, max_new_b, eos_id, *, out_len: int, iterations: int):
+                draft_params, state, request_keys_b, max_new_b, eos_id, iterations, *, out_len: int):
     def body(_, state):
         return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
                                 request_keys_b, max_new_b, eos_id, out_len)
 
-    return jax.lax.fori_loop(0, iterations, body, state)
+    return jax.lax.fori_loop(0, iterations, body, state)   # traced count: one program for any count
 
 
 def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, repeats: int = 3,
                iterations: int = 6, seed: int = 0) -> float:
     """Median seconds of one speculative step with k drafts per row (k = 0: a plain decoding
-    step), measured as the decode loop runs it: `iterations` steps inside one compiled loop over
-    `batch` rows with a cache of `cache_len` slots (filled with a prompt up to what the steps
-    need), after a warm-up, with `block_until_ready`. The cost model's profiler fits its
-    coefficients to these times."""
+    step), measured as the decode loop runs it: over `batch` rows with a cache of `cache_len`
+    slots (filled with a prompt up to what the steps need), after a warm-up, with
+    `block_until_ready`, as the difference between a compiled loop of 1 + `iterations` steps and
+    one of 1 step, over `iterations`: a call's own cost besides its steps (the round trip, and on
+    XLA:CPU about 1.3 ms more for a drafting program at batch 1) is not a step's (see
+    `MEASURE_STEPS`). The cost model's profiler fits its coefficients to these times."""
     sampling = SamplingConfig()
-    out_len = prompts_lib.bucket_length(iterations * (k + 1) + 2)
+    out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     seq_len = cache_len
     prompt_len = seq_len - out_len - prompts_lib.bucket_length(k + 2, 8)
     if prompt_len < 1:
@@ -570,18 +578,22 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     schedule = Schedule(plans=(plan,))
     eos = jnp.int32(-1)   # never emitted
 
-    def run() -> float:
+    def run(steps: int) -> float:
         state = start_on_device(target.graphdef, drafter, schedule, sampling, target.params, drafter.params,
                                 tokens_bp, lengths_b, max_new_b, keys_b, eos, {}, cache_len=seq_len,
                                 seq_len=seq_len, out_len=out_len)
         jax.block_until_ready(state)
         start = time.perf_counter()
         jax.block_until_ready(_steps_loop(target.graphdef, drafter, plan, sampling, target.params, drafter.params,
-                                          state, keys_b, max_new_b, eos, out_len=out_len, iterations=iterations))
-        return (time.perf_counter() - start) / iterations
+                                          state, keys_b, max_new_b, eos, np.int32(steps), out_len=out_len))
+        return time.perf_counter() - start
 
-    run()
-    return float(np.median([run() for _ in range(repeats)]))
+    def step() -> float:
+        return (run(1 + iterations) - run(1)) / iterations
+
+    step()
+    times = [step() for _ in range(repeats)]
+    return max(float(np.median(times)), 1e-7)   # never free, whatever the noise
 
 
 def put_rows(array, slots_r, new):
@@ -915,24 +927,35 @@ class SpeculativeDecoder:
         position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
             return _Warm(None, round_trip, _acceptance_seen(schedule, states), position)
-        # At most a share of the rows' tokens a pass, so that MEASURE_PASSES passes of a plan that
-        # emits k + 1 tokens a step still find rows running.
-        cap_j = np.array([np.clip(static["out_len"] // (MEASURE_PASSES * (plan.k + 1) + 1), 1, MEASURE_STEPS)
+        # At most a share of the rows' tokens a pass (a 1-step call and a longer one), so that
+        # MEASURE_PASSES passes of a plan that emits k + 1 tokens a step still find rows running.
+        cap_j = np.array([np.clip(static["out_len"] // (MEASURE_PASSES * (plan.k + 1) + 1) - 1, 1, MEASURE_STEPS)
                           for plan in schedule.plans])
-        pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 1, cap_j)
+        pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 2, cap_j)
         passes_j: list[list[float]] = [[] for _ in states]
+        entries: list[float] = []   # a segment's seconds besides its steps, as the 1-step calls saw it
         start = time.perf_counter()
         for n in range(MEASURE_MAX_PASSES):
             if n >= MEASURE_PASSES and time.perf_counter() - start > MEASURE_SECONDS:
                 break
             for i, state in enumerate(states):
-                states[i], steps, elapsed = timed(state, i, int(pass_steps_j[i]))
-                if steps > steps_j[i]:
-                    passes_j[i].append(cost_lib.steps_seconds(elapsed, round_trip) / (steps - steps_j[i]))
-                    if n == 0:
-                        pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 1,
-                                                  cap_j[i])
+                states[i], one, one_elapsed = timed(state, i, 1)
+                states[i], steps, elapsed = timed(states[i], i, int(pass_steps_j[i]))
+                if one > steps_j[i] and steps - one >= 2:
+                    # A step's time is the difference of the two calls over the steps the longer one
+                    # added: what a call costs besides its steps (see MEASURE_STEPS) cancels out.
+                    step = (elapsed - one_elapsed) / (steps - one - 1)
+                    if step > 0:
+                        passes_j[i].append(step)
+                        entries.append(one_elapsed - step)
+                elif steps > steps_j[i]:   # rows ran out: the plain round trip comes off instead
+                    passes_j[i].append(cost_lib.steps_seconds(elapsed + one_elapsed, 2 * round_trip)
+                                       / (steps - steps_j[i]))
+                if n == 0 and passes_j[i]:
+                    pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 2, cap_j[i])
                 steps_j[i] = steps
+        if entries:
+            round_trip = max(round_trip, float(np.median(entries)))
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
                      _acceptance_seen(schedule, states), position)
 

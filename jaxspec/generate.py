@@ -32,7 +32,7 @@ def prefill(graphdef, params, tokens_bp, prompt_len_b, max_new_b, request_keys_b
     of tokens emitted (1, or 0 for padding rows) and the done flags.
     """
     cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
-    logits_b1v, cache = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None])
+    logits_b1v, cache = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None], empty=True)
     cache = cache.commit(prompt_len_b)
     live_b = max_new_b > 0
     first_b = choose(row_keys(request_keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], sampling)

@@ -59,6 +59,38 @@ def test_fit_never_returns_negative_costs():
     assert (coef >= 0).all() and coef[0] == pytest.approx(1e-3, rel=0.05)
 
 
+def test_nonnegative_fit_is_the_best_over_every_set_of_free_coefficients():
+    """On noisy sub-millisecond profiles (the step model's 8 columns), the fit equals the brute-force
+    optimum: the least-squares solution of every subset of columns, kept where all its coefficients
+    are >= 0, the smallest residual of those (coefficients outside the subset are 0)."""
+    import itertools
+
+    from jaxspec.cost import _nonnegative_lstsq
+
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        points = [(b, k, s) for b in (1, 4) for k in (0, 1, 2) for s in (64, 128)]
+        x = np.array([[k, k * b, 1.0, b * (k + 1), b * s, b * (k + 1) * s, float(k > 0), float(k > 0) * b]
+                      for b, k, s in points])
+        truth = rng.uniform(0, 1, 8) * np.array([3e-5, 1e-6, 5e-5, 1e-6, 1e-8, 1e-9, 2e-5, 1e-6])
+        y = (x @ truth) * rng.lognormal(0.0, 0.3, len(points))   # timing noise of 30%
+        a, t = x / y[:, None], np.ones(len(y))                     # relative errors, as fit_linear weighs
+        best_residual = np.inf
+        for size in range(1, 9):
+            for subset in itertools.combinations(range(8), size):
+                sol = np.linalg.lstsq(a[:, subset], t, rcond=None)[0]
+                if (sol >= -1e-12).all():
+                    coef = np.zeros(8)
+                    coef[list(subset)] = sol
+                    residual = np.sum((a @ coef - t) ** 2)
+                    if residual < best_residual - 1e-12:
+                        best_residual = residual
+        got = _nonnegative_lstsq(a, t)
+        assert (got >= 0).all()
+        assert np.sum((a @ got - t) ** 2) == pytest.approx(best_residual, rel=1e-6, abs=1e-12), trial
+        assert (x[[k == 0 for _, k, _ in points]] @ got > 0).all()    # a plain step is never free
+
+
 def test_predictions_follow_the_contract():
     cost = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=2.0, target_per_token=0.01,
                                        target_per_context_token=0.001, target_per_attention=1e-4)

@@ -49,6 +49,27 @@ def test_multi_token_decode_at_per_row_positions_matches_uncached_logits(tiny_mo
         np.testing.assert_allclose(np.asarray(logits[b]), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_into_an_empty_cache_attends_to_the_prompt_only(tiny_model, dtype):
+    """`empty=True` (prefills) attends over the t new tokens instead of the whole buffer: the same
+    logits and the same cache as the general path, and the uncached model's logits."""
+    m = tiny_model if dtype == "float32" else jaxspec.Model(
+        tiny_model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params), dtype="bfloat16")
+    rng = np.random.default_rng(6)
+    lengths = np.array([3, 9, 1, 12])
+    tokens = np.where(np.arange(12)[None] < lengths[:, None], rng.integers(0, m.config.vocab_size, (4, 12)), 0)
+    last = jnp.asarray(lengths - 1)[:, None]
+    fast, fast_cache = m.forward(m.params, jnp.asarray(tokens), m.init_cache(4, 80), last, empty=True)
+    slow, slow_cache = m.forward(m.params, jnp.asarray(tokens), m.init_cache(4, 80), last)
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(fast_cache), jax.tree.leaves(slow_cache)):   # float rounding apart
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    if dtype == "float32":
+        for b in range(4):
+            full = np.asarray(m.logits(tokens[b:b + 1, :lengths[b]]))[0, -1]
+            np.testing.assert_allclose(np.asarray(fast[b, 0]), full, rtol=1e-4, atol=1e-4)
+
+
 def test_rolling_back_is_only_lowering_lengths(tiny_model):
     """Write a window of junk, roll back, write the real tokens: same logits as never writing junk."""
     m, rng = tiny_model, np.random.default_rng(2)

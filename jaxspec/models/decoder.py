@@ -188,11 +188,14 @@ class Decoder(nnx.Module):
         x_md, _ = self._run_blocks(self.embed(tokens_bt.reshape(-1)), None, body)
         return x_md.reshape(b, t, -1)
 
-    def hidden_cached(self, tokens_bt, cache: KVCache):
+    def hidden_cached(self, tokens_bt, cache: KVCache, empty: bool = False):
         """Final hidden states of t new tokens per row, written at slots lengths[b] + t.
 
         Returns the hidden states and the cache with the new keys/values written; `lengths` is
-        unchanged (the caller commits how many tokens to keep).
+        unchanged (the caller commits how many tokens to keep). `empty` (static): the cache holds
+        nothing yet (every length 0, a prefill), so the tokens attend to each other only, not to
+        the whole buffer: a prefill then costs the same whatever the cache's size (attending over
+        a 200-slot cache took 7% longer than over 192 at batch 16 with a 64-token prompt).
         """
         b, t = tokens_bt.shape
         pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
@@ -205,7 +208,11 @@ class Decoder(nnx.Module):
             # mode="drop": a write past the buffer is discarded instead of clamped onto live slots.
             k_layer = ks[i].at[rows_bt, pos_bt].set(k.astype(ks[i].dtype), mode="drop")
             v_layer = vs[i].at[rows_bt, pos_bt].set(v.astype(vs[i].dtype), mode="drop")
-            attn = attend(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), pos_bt, slot_pos_bs)
+            if empty:   # the slots at and past t hold nothing a query here may see
+                attn = attend(q, k.astype(ks[i].dtype).astype(q.dtype), v.astype(vs[i].dtype).astype(q.dtype),
+                              pos_bt, pos_bt)
+            else:
+                attn = attend(q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), pos_bt, slot_pos_bs)
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), kv
 

@@ -76,7 +76,7 @@ def _logits_uncached(graphdef, params, tokens_bt):
     return decoder.head(decoder.hidden_uncached(tokens_bt))
 
 
-def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None):
+def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empty: bool = False):
     """Runs t new tokens per row through the cache; returns (float32 logits, cache).
 
     Args:
@@ -86,9 +86,11 @@ def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None):
       cache: the KVCache; its lengths are not advanced (commit with `cache.commit`).
       logits_at_bm: optional int [b, m]: only compute logits at these token indices
         (saves the LM head on positions whose logits are not needed).
+      empty: static; the cache holds nothing yet (all lengths 0): attention runs over the t new
+        tokens only, not over the whole buffer (`Decoder.hidden_cached`).
     """
     decoder = nnx.merge(graphdef, params)
-    hidden_btd, cache = decoder.hidden_cached(tokens_bt, cache)
+    hidden_btd, cache = decoder.hidden_cached(tokens_bt, cache, empty)
     if logits_at_bm is not None:
         hidden_btd = jnp.take_along_axis(hidden_btd, logits_at_bm[:, :, None], axis=1)
     return decoder.head(hidden_btd), cache
@@ -172,9 +174,9 @@ class Model:
         """The NNX decoder with these params (call inside a trace)."""
         return nnx.merge(self.graphdef, params)
 
-    def forward(self, params, tokens_bt, cache: KVCache, logits_at_bm=None):
+    def forward(self, params, tokens_bt, cache: KVCache, logits_at_bm=None, empty: bool = False):
         """`forward` with this model's structure; see the module-level function."""
-        return forward(self.graphdef, params, tokens_bt, cache, logits_at_bm)
+        return forward(self.graphdef, params, tokens_bt, cache, logits_at_bm, empty)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.init(self.config, batch, max_len, self.dtype)
