@@ -596,6 +596,15 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     return max(float(np.median(times)), 1e-7)   # never free, whatever the noise
 
 
+def cache_length(prompt_width: int, out_len: int, max_new: int, k: int) -> int:
+    """Slots of a decode call's caches: the padded prompts, every output token, and a window of k
+    drafts past a row's last token (writes past the buffer are dropped, and would only ever hold
+    tokens past a row's budget). The output bucket, a power of two, mostly has room for the
+    window already: a cache 8 slots larger than the autoregressive loop's (200 against 192) made
+    every step of an autoregressive loop 2.8% slower at batch 16 on XLA:CPU, 256 slots 6%."""
+    return prompt_width + max(out_len, -(-(max_new + k + 1) // 8) * 8)
+
+
 def put_rows(array, slots_r, new):
     """Host-side twin of the refill scatter, for per-row inputs that live outside the state."""
     return array.at[slots_r].set(new, mode="drop")
@@ -683,8 +692,7 @@ class SpeculativeDecoder:
         batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
                                     max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens,
                                     request_ids=request_ids)
-        # Slots: prompt, every output token, and a window of k drafts past the last one.
-        cache_len = batch.tokens_bp.shape[1] + batch.out_len + prompts_lib.bucket_length(k + 2, 8)
+        cache_len = cache_length(batch.tokens_bp.shape[1], batch.out_len, int(np.max(batch.max_new_b)), k)
         if self._sliced:
             return self._generate_sliced(batch, seed, eos, cache_len, batch_size, on_finish)
         multiple = self.mesh.target_dp if self.mesh is not None else 1

@@ -23,7 +23,7 @@ import jaxspec
 from jaxspec.benchmarking import RESULTS_DIR, layer_skip_pair, machine, table, write_results
 from jaxspec.cost import CostModel
 from jaxspec.drafters import ModelDrafter
-from jaxspec.engine import time_steps
+from jaxspec.engine import cache_length, time_steps
 
 PAIRS = {
     # name: (config, draft layers, damping, sharpness)
@@ -103,7 +103,8 @@ def main() -> None:
         # configurations are within the noise, biased upward by about one noise width.)
         best_label = min(fixed, key=lambda label: float(np.median(secs[label])))
         best_fixed_s = secs[best_label]
-        cache_len = (jaxspec.prompts.bucket_length(max(map(len, ids))) + jaxspec.prompts.bucket_length(args.new_tokens))
+        prompt_width, out_len = (jaxspec.prompts.bucket_length(max(map(len, ids))),
+                                 jaxspec.prompts.bucket_length(args.new_tokens))
         batch_rows = []
         for label, spec in configs:
             res = results[label]
@@ -118,7 +119,7 @@ def main() -> None:
                    "same_output": res.tokens == reference}
             if label.startswith("fixed"):
                 # The step the prediction is about, at this run's compiled shape, in a loop.
-                step_len = cache_len + jaxspec.prompts.bucket_length(spec.k + 2, 8)
+                step_len = cache_length(prompt_width, out_len, args.new_tokens, spec.k)
                 measured = time_steps(target, ModelDrafter(draft), spec.k, jaxspec.prompts.bucket_batch(batch),
                                       step_len)
                 predicted = cost.step_seconds(jaxspec.prompts.bucket_batch(batch), spec.k, step_len)
