@@ -422,12 +422,13 @@ MAX_SEGMENT_CAP = 64
 # passes' length is bounded by MEASURE_PASS_SECONDS). MEASURE_PASSES passes go round
 # the plans, more (up to MEASURE_MAX_PASSES) while the timing has taken under MEASURE_SECONDS:
 # small shapes, whose few-millisecond steps are the noisiest, are timed more often at little cost.
-# Each pass is a 1-step call and a longer call, and a step's time is their difference over the
-# steps the longer one added: on XLA:CPU a drafting program's call costs about 1.3 ms besides its
-# steps and the round trip (tiny-8L pair, batch 1: k = 2 timed at 2.1 / 1.56 / 1.32 ms a step in
-# loops of 2 / 6 / 24 steps), which over 8 steps had timed drafting 15-25% dear at batch 1 and
-# kept a run in plain decoding where k = 2-3 was faster. That cost goes into the round trip
-# instead (the median, over the passes, of a 1-step call less its step).
+# Each pass makes every plan's 1-step call, then every plan's longer call, and a plan's step time
+# is the difference of its two calls over the steps the longer one added: on XLA:CPU a drafting
+# program's call costs about 1.3 ms besides its steps and the round trip (tiny-8L pair, batch 1:
+# k = 2 timed at 2.1 / 1.56 / 1.32 ms a step in loops of 2 / 6 / 24 steps), which over 8 steps
+# had timed drafting 15-25% dear at batch 1 and kept a run in plain decoding where k = 2-3 was
+# faster. That cost goes into the round trip instead (the median, over the passes, of a 1-step
+# call less its step).
 MEASURE_STEPS = 8
 MEASURE_PASS_SECONDS = 0.1
 MEASURE_PASSES = 3
@@ -597,11 +598,13 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
 
 
 def cache_length(prompt_width: int, out_len: int, max_new: int, k: int) -> int:
-    """Slots of a decode call's caches: the padded prompts, every output token, and a window of k
-    drafts past a row's last token (writes past the buffer are dropped, and would only ever hold
-    tokens past a row's budget). The output bucket, a power of two, mostly has room for the
-    window already: a cache 8 slots larger than the autoregressive loop's (200 against 192) made
-    every step of an autoregressive loop 2.8% slower at batch 16 on XLA:CPU, 256 slots 6%."""
+    """Slots of a decode call's caches: the padded prompts, then at least max_new + k + 1 (a row
+    with one token left verifies a window of k drafts past it), rounded up to 8. The output
+    bucket, a power of two, mostly has that room already, and then the cache is no larger than
+    the autoregressive loop's: 8 slots more (200 against 192, the window added on top of the
+    bucket as before) made every step of an autoregressive loop 2.8% slower at batch 16 on
+    XLA:CPU, 256 slots 6%. (A chain's inner level may write further; those writes are dropped
+    and would hold only tokens past a row's budget.)"""
     return prompt_width + max(out_len, -(-(max_new + k + 1) // 8) * 8)
 
 

@@ -135,6 +135,29 @@ def test_greedy_lossless_tetris_ngram_on_smollm2(smollm2):
         assert all(s.vsr > 0.2 for s in stats_by_k.values())
 
 
+def test_greedy_lossless_where_the_draft_window_spills_past_the_output_bucket(small):
+    """Budgets at a bucket's edge (16, 32: the window needs slots past the output bucket) and just
+    under it (13: it fits) with the cache `engine.cache_length` sizes; a chain whose inner window
+    (k = 4) reaches past the outer one (k = 1). Output equals the target's greedy output."""
+    from jaxspec.engine import cache_length
+
+    target, draft, smallest = small
+    prompts = ragged_prompts(SMALL_VOCAB, 4)[:4]
+    chain = jaxspec.SpeculativeDecoder(draft, smallest, spec=jaxspec.SpecConfig(k=4))
+    for max_new in (13, 16, 32):
+        want = jaxspec.generate(target, prompts, max_new_tokens=max_new).tokens
+        for d, spec in ((draft, jaxspec.SpecConfig(k=5)),
+                        (draft, jaxspec.SpecConfig(k=3, extra=2, selection="tetris", capacity=6)),
+                        (chain, jaxspec.SpecConfig(k=1))):
+            got = jaxspec.SpeculativeDecoder(target, d, spec=spec).generate(prompts, max_new_tokens=max_new)
+            assert got.tokens == want, (max_new, spec)
+    # A row's last verify window ends max_new + k slots past its prompt: always inside the cache,
+    # which is no larger than the autoregressive loop's where the bucket has room for the window.
+    for out_len, max_new, k in ((16, 13, 2), (16, 16, 2), (32, 20, 6), (128, 96, 6), (128, 128, 1)):
+        slots = cache_length(32, out_len, max_new, k) - 32
+        assert slots >= max_new + k + 1 and (slots == out_len or out_len < max_new + k + 1)
+
+
 def test_k_zero_is_plain_decoding(small):
     target, draft, _ = small
     prompts = ragged_prompts(SMALL_VOCAB, 3)
