@@ -355,7 +355,8 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     (`policy.seed_acceptance`; None: the bare prior); `draining` (traced bool; None: unset) says
     no request waits for a slot, so the opening plan is judged by when the slowest row will be
     done (`policy.drain_tokens_per_step`). When the next plan is plain decoding (the opening
-    choice, or `next_choice`, the running batch's, for rows refilled into it) the drafter starts
+    choice, or `next_choice`, the running batch's, for rows refilled into it; negative: no row is
+    running, the opening choice decides) the drafter starts
     from `init_deferred` and catches up if and when drafting starts.
     """
     state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
@@ -369,7 +370,8 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
             policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain,
             entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b)))
         state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds, backlog_b, drain))
-        next_choice = policy.choice if next_choice is None else next_choice
+        next_choice = policy.choice if next_choice is None else jnp.where(next_choice < 0, policy.choice,
+                                                                           next_choice)
     if schedule.drafts:
         init = functools.partial(drafter.init, cache_len=cache_len)
         if schedule.predict_ks is None:
@@ -498,20 +500,27 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         return go
 
     state = jax.lax.while_loop(running, body, state)
-    if goodput:
+    if not goodput:
+        return state
+    if not choose_each_step:
+        state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
+
+    def plan_next(policy):
         # Drafting after plain steps first catches the drafter up on them (`Drafter.backlog`).
         backlog_b = drafter.backlog(state.draft_state, state.target_cache.lengths)
-    if goodput and not choose_each_step:
-        state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
-        choice = policy_lib.probe_choice(
-            state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"],
-            drain=_drain(state, max_new_b, draining), switch_seconds=seconds["round_trip"],
-            entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b))
-        state = state.replace(policy=state.policy.replace(choice=choice))
-    if goodput:
-        state = state.replace(policy=_with_hold(state.policy, ~state.done_b, schedule, seconds, backlog_b,
-                                                _drain(state, max_new_b, draining)))
-    return state
+        drain = _drain(state, max_new_b, draining)
+        if not choose_each_step:
+            policy = policy.replace(choice=policy_lib.probe_choice(
+                policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain=drain,
+                switch_seconds=seconds["round_trip"],
+                entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b)))
+        return _with_hold(policy, ~state.done_b, schedule, seconds, backlog_b, drain)
+
+    # Once every row is done there is nothing to plan for (a refill plans for its new rows:
+    # `refill_on_device`), and the look-ahead of `plain_horizon` cost about 0.9 ms at batch 1 on
+    # XLA:CPU, 1.4% of a 96-token call that ended in one plain segment.
+    return state.replace(policy=jax.lax.cond(jnp.all(state.done_b), lambda policy: policy, plan_next,
+                                             state.policy))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(6,))
@@ -523,9 +532,12 @@ def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samp
     confidence and the policy's next choice carry over, and a new row's acceptance counts start
     from the batch's pooled acceptance (`policy.seed_acceptance`)."""
     running = state.policy
+    # With no row running, the running plan means nothing (`run_on_device` does not plan once
+    # every row is done): the new rows open on their own plan, as a run's first rows do.
+    idle = jnp.all(state.done_b)
     fresh = _fresh_rows(target_graphdef, drafter, schedule, sampling, target_params, draft_params, tokens_rp,
                         prompt_len_r, max_new_r, request_keys_r, eos_id, seconds,
-                        running.choice if running is not None else None,
+                        jnp.where(idle, -1, running.choice) if running is not None else None,
                         policy_lib.seed_acceptance(running.accepted_b, running.trials_b) if running is not None
                         else None, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
 
@@ -539,7 +551,9 @@ def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samp
                    counters=jax.tree.map(put, state.counters, fresh.counters))
     if state.policy is not None:
         per_row["policy"] = state.policy.replace(accepted_b=put(state.policy.accepted_b, fresh.policy.accepted_b),
-                                                 trials_b=put(state.policy.trials_b, fresh.policy.trials_b))
+                                                 trials_b=put(state.policy.trials_b, fresh.policy.trials_b),
+                                                 choice=jnp.where(idle, fresh.policy.choice, running.choice),
+                                                 hold=jnp.where(idle, fresh.policy.hold, running.hold))
     return state.replace(**per_row)
 
 
@@ -774,22 +788,12 @@ class SpeculativeDecoder:
             step_ks += [schedule.plans[plan_index].k] * segment_steps
             if goodput:
                 tracker.observe(plan_index, segment_steps, segment_seconds, trial=trial is not None)
-            if goodput and not (done_b.all() and not len(queue)):   # another segment follows: plan it
-                choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
-                seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
-                if drains:
-                    tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, max_new - n_out_b,
-                                                                schedule.predict_ks, xp=np)
-                else:
-                    tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
-                if trial is not None and schedule.plans[plan_index].k == 0 and tokens_j.size:
-                    # The baseline was just measured: decide on the measurement now (the device
-                    # chose with the step times from before it).
-                    choice = int(np.argmax(tokens_j / tracker.corrected()))
                 segment_cap = MAX_SEGMENT_CAP
-                trial = tracker.explore(int(choice), tokens_j, baseline=schedule.predict_ks.index(0),
-                                        steps=segment_cap)
-                plan_index = int(choice) if trial is None else trial
+            idle = bool(done_b.all())
+            if goodput and not idle:   # another segment follows: plan it
+                seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
+                plan_index, hold, trial = self._plan_segment(schedule, tracker, policy, done_b, max_new - n_out_b,
+                                                             drains, trial, plan_index)
             table.harvest(done_b, out_bo, n_out_b, counters)
             refill = table.refill()
             if refill is None:
@@ -800,10 +804,19 @@ class SpeculativeDecoder:
             keys_r = request_keys(seed, sub.request_ids_b)
             new_in = put((jnp.asarray(slots_r), jnp.asarray(sub.tokens_bp), jnp.asarray(sub.lengths_b),
                           jnp.asarray(sub.max_new_b), keys_r))
+            if goodput and idle:
+                seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
             state = refill_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
                                      *new_in, eos_t, seconds, **static)
             max_new_b, keys_b = put_rows(max_new_b, new_in[0], new_in[3]), put_rows(keys_b, new_in[0], new_in[4])
-            if goodput:
+            if goodput and idle:
+                # Every row was done: the refilled rows opened on their own plan (the read also
+                # waits for the refill, as below).
+                policy, done_b, n_out_b, max_new = jax.device_get((state.policy, state.done_b, state.n_out_b,
+                                                                   max_new_b))
+                plan_index, hold, trial = self._plan_segment(schedule, tracker, policy, done_b, max_new - n_out_b,
+                                                             not len(queue), trial, plan_index)
+            elif goodput:
                 jax.block_until_ready(state)   # so the next segment's wall time is its steps alone
         seconds_taken = time.perf_counter() - start
         tokens = queue.results()
@@ -814,6 +827,22 @@ class SpeculativeDecoder:
             stats.extra["segments"] = [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
             self._acceptance.remember(policy.accepted_b, policy.trials_b)   # seeds the next calls' rows
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+    def _plan_segment(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, policy, done_b, remaining_b,
+                      drains: bool, trial, plan_index: int) -> tuple[int, int, int | None]:
+        """The next segment's plan, its hold (`policy.hold`) and whether it is a timing trial
+        (`StepTimeTracker.explore`), from the policy state the device left (read on the host)."""
+        choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
+        if drains:
+            tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, remaining_b, schedule.predict_ks, xp=np)
+        else:
+            tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
+        if trial is not None and schedule.plans[plan_index].k == 0 and tokens_j.size:
+            # The baseline was just measured: decide on the measurement now (the device chose
+            # with the step times from before it).
+            choice = int(np.argmax(tokens_j / tracker.corrected()))
+        trial = tracker.explore(choice, tokens_j, baseline=schedule.predict_ks.index(0), steps=MAX_SEGMENT_CAP)
+        return (choice if trial is None else trial), hold, trial
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:

@@ -539,6 +539,29 @@ def test_drafting_after_plain_steps_is_lossless(pair, monkeypatch):
     assert trace[0] == 0 and max(trace) > 0, "".join(map(str, trace))
 
 
+def test_requests_queued_for_a_single_slot_each_open_on_their_own_plan(pair, monkeypatch):
+    """One slot, three requests: each refill finds no row running, so the new request opens on
+    the plan its acceptance and the step times call for (here: drafting, with a perfect draft
+    that costs nothing), not on what was left over from a batch with no live row."""
+    monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args: 0.0)
+    observe = cost_lib.StepTimeTracker.observe
+
+    def as_predicted(self, plan, steps, seconds, trial=False):   # step times at the cost model's word
+        observe(self, plan, steps, steps * float(self.predicted_j[plan]) + self.round_trip, trial)
+    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", as_predicted)
+    target, _ = pair
+    prompts = prompts16(5)[:3]
+    want = jaxspec.generate(target, prompts, max_new_tokens=16).tokens
+    free = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=5e-3, target_per_token=1e-5)
+    decoder = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(k=3, policy="goodput", cost_model=free,
+                                                                                 measure_plans=False))
+    drafted = {}
+    got = decoder.generate(prompts, max_new_tokens=16, batch_size=1,
+                           on_finish=lambda i, tokens, counters: drafted.setdefault(i, int(counters["drafted"])))
+    assert got.tokens == want
+    assert sorted(drafted) == [0, 1, 2] and all(n > 0 for n in drafted.values()), drafted
+
+
 def test_drafter_catches_up_after_steps_without_drafting(pair):
     """The draft cache after catch_up equals a fresh prefill of the same tokens."""
     from jaxspec.drafters import catch_up, prefill_cache
