@@ -368,7 +368,8 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
         backlog_b = prompt_len_b
         policy = policy.replace(choice=policy_lib.opening_choice(
             policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain,
-            entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b)))
+            entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b),
+            switch_seconds=seconds["round_trip"]))
         state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds, backlog_b, drain))
         next_choice = policy.choice if next_choice is None else jnp.where(next_choice < 0, policy.choice,
                                                                            next_choice)
@@ -404,7 +405,7 @@ start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_row
 
 # A goodput branch runs at least this many steps before the loop returns to switch branches, so a
 # policy that changes its mind every step costs a host round trip every few steps, not every step.
-MIN_SEGMENT = 4
+MIN_SEGMENT = policy_lib.PROBE_STEPS
 # ... and at most this many: each return lets the host correct the step times from the segment's
 # measured time (`cost.StepTimeTracker`), and costs a round trip (1-2 ms on XLA:CPU, a third of a
 # step at batch 1). A first segment planned by the profile alone (`measure_plans=False`) is kept
@@ -447,8 +448,8 @@ ROUND_TRIPS = 9
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
 def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
                   draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, seconds,
-                  stop_on_finish, max_steps, draining=None, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
-                  plan_index: int = 0) -> DecodeState:
+                  stop_on_finish, max_steps, draining=None, follow=None, *, cache_len: int, seq_len: int, out_len: int,
+                  mesh=None, plan_index: int = 0) -> DecodeState:
     """Decode steps with plan `schedule.plans[plan_index]` until every row is done, or, when the
     traced flag `stop_on_finish` is set, until one more row is done than at entry (continuous
     batching stops there to refill the finished slot; counted on device, so the host need not
@@ -470,6 +471,12 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
 
     `draining` (traced bool; None: unset): no request waits for a slot, so the policy judges plans
     by when the slowest row will be done (`policy.drain_tokens_per_step`).
+
+    `follow` (traced bool; None: unset): the host dispatched this plan before reading the policy's
+    choice (a run's opening, queued behind the prefill, so the device does not wait on a host round
+    trip between the two). The segment then runs only if the choice is this plan (else no step, and
+    the policy is left as it was, for the host to read), and a plain plan runs for the policy's
+    `hold` instead of `max_steps`.
     """
     b = state.seq_bl.shape[0]
     plan = schedule.plans[plan_index]
@@ -478,6 +485,12 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     entry_steps = state.steps
     entry_done = jnp.sum(state.done_b.astype(jnp.int32))
     stop_at_done = jnp.where(stop_on_finish > 0, entry_done + 1, jnp.where(stop_on_finish < 0, 0, b + 1))
+    missed = jnp.bool_(False)
+    if follow is not None:
+        missed = follow & (state.policy.choice != plan_index)
+        if plan.k == 0:
+            max_steps = jnp.where(follow, state.policy.hold, max_steps)
+        max_steps = jnp.where(missed, 0, max_steps)
 
     def choose(state, optimistic, current=None):
         return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic,
@@ -519,7 +532,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     # Once every row is done there is nothing to plan for (a refill plans for its new rows:
     # `refill_on_device`), and the look-ahead of `plain_horizon` cost about 0.9 ms at batch 1 on
     # XLA:CPU, 1.4% of a 96-token call that ended in one plain segment.
-    return state.replace(policy=jax.lax.cond(jnp.all(state.done_b), lambda policy: policy, plan_next,
+    return state.replace(policy=jax.lax.cond(jnp.all(state.done_b) | missed, lambda policy: policy, plan_next,
                                              state.policy))
 
 
@@ -681,6 +694,9 @@ class SpeculativeDecoder:
         self._trackers: dict = {}
         # Goodput: the acceptance measured by warm-ups and at the end of runs; seeds a run's rows.
         self._acceptance = policy_lib.AcceptanceMemory()
+        # Goodput: per compiled shape, the plan the last call opened on (the next call's first
+        # segment is dispatched on it before the device's choice is read; see `run_on_device`).
+        self._openings: dict = {}
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -762,8 +778,13 @@ class SpeculativeDecoder:
         state = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
                                 seconds, None, acceptance, draining, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
-        plan_index, hold = (int(x) for x in jax.device_get((state.policy.choice, state.policy.hold))) \
-            if goodput else (0, 0)
+        # Goodput: the first segment is queued behind the prefill on a guess of the opening plan
+        # (the last call's at this shape; `follow` below); on XLA:CPU waiting for the device's
+        # choice first cost 1-1.5 ms a call, 2% of a 96-token call at batch 1. A wrong guess runs
+        # no step and costs what that wait did.
+        opening = goodput
+        plan_index = self._openings.get(shape_key, schedule.predict_ks.index(0)) if goodput else 0
+        hold = 0
         no_cap = put(np.int32(batch.out_len + 1))
         step_ks: list[int] = []
         segment_cap = (FIRST_SEGMENT_CAP if goodput and warm.plan_seconds is None and not tracker.segments
@@ -781,15 +802,25 @@ class SpeculativeDecoder:
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
                                   max_new_b, eos_t, budget_t, seconds, put(np.int32(stop)),
                                   put(np.int32(hold if plain else segment_cap)) if goodput else no_cap,
-                                  put(np.bool_(drains)) if goodput else None, **static, plan_index=plan_index)
+                                  put(np.bool_(drains)) if goodput else None,
+                                  put(np.bool_(opening)) if goodput else None, **static, plan_index=plan_index)
             done_b, out_bo, n_out_b, counters, steps, policy, max_new = _segment_outputs(state, max_new_b)
             segment_seconds = time.perf_counter() - segment_start
             segment_steps = int(steps) - len(step_ks)
+            idle = bool(done_b.all())
+            if opening:
+                opening = False
+                if segment_steps == 0 and not idle:   # the guess was wrong: run the device's choice
+                    plan_index, hold = int(policy.choice), int(policy.hold)
+                    self._openings[shape_key] = plan_index
+                    continue
+                self._openings[shape_key] = plan_index
+                # Timed from the opening's dispatch: the segment started when the prefill ended.
+                segment_seconds = time.perf_counter() - start - (warm.opening_seconds - warm.round_trip)
             step_ks += [schedule.plans[plan_index].k] * segment_steps
             if goodput:
-                tracker.observe(plan_index, segment_steps, segment_seconds, trial=trial is not None)
+                tracker.observe(plan_index, segment_steps, max(segment_seconds, 0.0), trial=trial is not None)
                 segment_cap = MAX_SEGMENT_CAP
-            idle = bool(done_b.all())
             if goodput and not idle:   # another segment follows: plan it
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
                 plan_index, hold, trial = self._plan_segment(schedule, tracker, policy, done_b, max_new - n_out_b,
@@ -943,18 +974,26 @@ class SpeculativeDecoder:
         max_new_b, keys_b = rows_in[2], rows_in[3]
         no_stop, seconds = put(np.int32(0)), put(_as_arrays(predicted))
         # Arguments of the run's own kinds, so the run reuses these compiled programs.
-        acceptance, draining = put(self._acceptance.seed()), put(np.bool_(True))
+        acceptance, draining, follow = put(self._acceptance.seed()), put(np.bool_(True)), put(np.bool_(False))
 
         def timed(state, plan_index: int, steps: int):
             start = time.perf_counter()
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
                                   max_new_b, eos_t, budget_t, seconds, no_stop, put(np.int32(steps)), draining,
-                                  **static, plan_index=plan_index)
+                                  follow, **static, plan_index=plan_index)
             ran = int(_segment_outputs(state)[4])
             return state, ran, time.perf_counter() - start
 
-        scratch = start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
-                                  seconds, None, acceptance, draining, **static)
+        def opened():
+            return start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
+                                   seconds, None, acceptance, draining, **static)
+
+        scratch = jax.block_until_ready(opened())
+        starts = []
+        for _ in range(3):   # what a run's opening costs (prefill, first plan), fetch included
+            start = time.perf_counter()
+            jax.tree.map(np.asarray, opened().policy)
+            starts.append(time.perf_counter() - start)
         runs = [timed(jax.tree.map(jnp.copy, scratch), i, 1) for i in range(len(schedule.plans))]
         del scratch
         states, steps_j = [r[0] for r in runs], [r[1] for r in runs]
@@ -966,7 +1005,7 @@ class SpeculativeDecoder:
         round_trip = float(np.median(trips))
         position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
-            return _Warm(None, round_trip, _acceptance_seen(schedule, states), position)
+            return _Warm(None, round_trip, _acceptance_seen(schedule, states), position, float(np.median(starts)))
         # At most a share of the rows' tokens a pass (a 1-step call and a longer one), so that
         # MEASURE_PASSES passes of a plan that emits k + 1 tokens a step still find rows running.
         cap_j = np.array([np.clip(static["out_len"] // (MEASURE_PASSES * (plan.k + 1) + 1) - 1, 1, MEASURE_STEPS)
@@ -1004,7 +1043,7 @@ class SpeculativeDecoder:
         if entries:
             round_trip = max(round_trip, float(np.median(entries)))
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
-                     _acceptance_seen(schedule, states), position)
+                     _acceptance_seen(schedule, states), position, float(np.median(starts)))
 
     def _position_seconds(self, tokens_bp, prompt_len_b, cache_len: int) -> float:
         """Goodput warm-up: the drafter's seconds per position fed, from its prefill of this call's
@@ -1051,6 +1090,7 @@ class _Warm(NamedTuple):
     round_trip: float                 # seconds of a segment's call and fetch, besides its steps
     acceptance: tuple | None          # (accepted_b, trials_b) the drafting plans counted (None: none)
     position_seconds: float           # the drafter's seconds per position it feeds (its prefill's rate)
+    opening_seconds: float            # a run's opening (`start_on_device`) and the fetch of its choice
 
 
 def _acceptance_seen(schedule: Schedule, states) -> tuple | None:

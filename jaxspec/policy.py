@@ -44,6 +44,7 @@ EXPLORE = 0.2          # optimism bonus while the batch has little recent eviden
 THIN_EVIDENCE = 0.3    # extra switch margin while the batch has little recent evidence (see `choose_k`)
 SWITCH_MARGIN = 0.04   # predicted gain that makes the running plan switch (see `choose_k`)
 SEED_WEIGHT = 1.0 / (1.0 - DECAY)   # most trials per row a seed is worth (see `seed_acceptance`)
+PROBE_STEPS = 4        # steps a drafting plan runs before it may hand back (engine.MIN_SEGMENT; `probe_choice`)
 DRAIN_GRID = 64        # points of the integral over steps in `drain_tokens_per_step`
 DRAIN_EXACT = 16       # remaining tokens up to which `drain_tokens_per_step` counts steps exactly
 
@@ -409,8 +410,15 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     """The next plan while speculation is off: a probe with the cheapest drafting plan (the
     smallest k > 0) if, under the optimistic estimate, some k > 0 beats plain decoding's
     predicted goodput by more than `margin`, and its gain over the live rows' remaining tokens
-    outweighs `entry_seconds` (the drafter's catch-up) and, while the batch drains,
-    `switch_seconds` (`_saves_a_switch`); else plain decoding.
+    outweighs `entry_seconds` (the drafter's catch-up), the probe's own expected loss and, while
+    the batch drains, `switch_seconds` (`_saves_a_switch`); else plain decoding.
+
+    The probe's loss: its PROBE_STEPS steps of the cheapest plan, times the share of plain
+    decoding's goodput that plan falls short by under the plain estimate `alpha_b` (none where it
+    is expected to beat plain decoding). Without it, a decoder at batch 1 whose best draft length
+    was within a few percent of plain decoding (the optimism of the planning estimate, which the
+    evidence carried between calls keeps at about 0.06, made the hope clear the margin) probed
+    k = 1 at the opening of most calls, and each probe cost about 4% of a 96-token call.
 
     A few steps of k = 1 measure acceptance for about what plain steps would have cost; probing
     with the optimistic argmax instead (k = 4-6 at small batches) cost 5-15% of a short run each
@@ -425,24 +433,29 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     plain = ks.index(0)
     cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
     hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
+    expected_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j)
+    shortfall = jnp.clip(1.0 - expected_j[cheapest] / jnp.maximum(expected_j[plain], 1e-30), 0.0, 1.0)
+    probe_loss = PROBE_STEPS * seconds_j[cheapest] * shortfall
     probe = ((hope > (1.0 + margin) * goodput_j[plain])
-             & _saves_a_switch(goodput_j[plain], hope, live_b, drain, switch_seconds, entry_seconds))
+             & _saves_a_switch(goodput_j[plain], hope, live_b, drain, switch_seconds, entry_seconds + probe_loss))
     return jnp.where(probe, cheapest, plain).astype(jnp.int32)
 
 
-def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None, entry_seconds=0.0) -> jax.Array:
+def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None, entry_seconds=0.0,
+                   switch_seconds=0.0) -> jax.Array:
     """The first plan of a run, before it has observed anything: the plan the estimate (the seeded
     counts, or the bare prior) expects to be best, if it drafts and its gain over plain decoding
     pays for `entry_seconds` (the drafter's prefill, which plain decoding skips: `_saves_a_switch`);
     else `probe_choice` (speculation is probed if, under the optimistic estimate, it beats plain
-    decoding by the switch margin and pays for its entry)."""
+    decoding by the switch margin and pays for its entry, its own steps and, while the batch
+    drains, `switch_seconds`: the round trip back to plain decoding if it fails)."""
     goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     plain = ks.index(0)
     drafts = ((jnp.asarray(ks)[best] > 0)
               & _saves_a_switch(goodput_j[plain], goodput_j[best], live_b, drain, 0.0, entry_seconds))
     return jnp.where(drafts, best, probe_choice(state, live_b, ks, seconds_j, drain=drain,
-                                                entry_seconds=entry_seconds))
+                                                switch_seconds=switch_seconds, entry_seconds=entry_seconds))
 
 
 # Step counts at which `plain_horizon` looks ahead: 4 * 2^(g/4), 4 to 1024 steps.

@@ -331,6 +331,31 @@ def test_starting_to_draft_must_pay_for_the_drafters_catch_up():
             assert probe == opening == (1 if drafts else 0), (draining, fraction, saved)
 
 
+def test_a_probe_must_pay_for_its_own_steps():
+    """Plain decoding running, thin evidence: the optimistic estimate hopes k = 3 beats plain
+    decoding by 20%, but the probe runs k = 1, which under the plain estimate falls short of plain
+    decoding. It probes only where the hoped gain over the remaining tokens outweighs the probe's
+    expected loss: PROBE_STEPS steps of k = 1 times k = 1's shortfall (computed here from the
+    formula for expected tokens, apart from the policy's code)."""
+    ks = (0, 1, 3)
+    live = jnp.ones((1,), bool)
+    state = state_with_alpha([0.75], weight=10.0)
+    step = np.asarray([1e-3, 2e-3, 2.4e-3])
+    alpha, hope = float(state.alpha_b()[0]), float(state.planning_alpha_b()[0])
+
+    def rate(a, j):   # tokens per second of plan j at acceptance a
+        return ((1 - a ** (ks[j] + 1)) / (1 - a)) / step[j]
+    assert rate(hope, 2) > 1.15 * rate(hope, 0) and rate(alpha, 1) < rate(alpha, 0)
+    loss = policy.PROBE_STEPS * step[1] * (1 - rate(alpha, 1) / rate(alpha, 0))
+    saved_per_token = 1 / rate(hope, 0) - 1 / rate(hope, 2)
+    threshold = loss / saved_per_token          # remaining tokens at which the probe breaks even
+    assert 4 < threshold < 10
+    for remaining, probes in ((int(threshold // 2), False), (int(2 * threshold) + 1, True)):
+        drain = (jnp.asarray([remaining]), False)
+        got = int(policy.probe_choice(state, live, ks, jnp.asarray(step, jnp.float32), drain=drain))
+        assert got == (1 if probes else 0), (remaining, threshold)
+
+
 def test_plain_horizon_is_the_first_grid_point_where_ageing_probes_speculation_again():
     ks = (0, 1, 2, 3)
     live = jnp.ones((4,), bool)
@@ -560,6 +585,32 @@ def test_requests_queued_for_a_single_slot_each_open_on_their_own_plan(pair, mon
                            on_finish=lambda i, tokens, counters: drafted.setdefault(i, int(counters["drafted"])))
     assert got.tokens == want
     assert sorted(drafted) == [0, 1, 2] and all(n > 0 for n in drafted.values()), drafted
+
+
+def test_a_wrong_guess_of_the_opening_plan_defers_to_the_devices_choice(pair):
+    """The first segment is dispatched on the plan the last call opened on, before the device's
+    own opening choice is read. Guessed wrong either way (drafting where the draft is made
+    expensive, plain decoding where a perfect draft is free), the guessed plan runs no step, the
+    device's choice runs, and the output is the target's."""
+    target, draft = pair
+    prompts = prompts16(7)
+    want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    expensive = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=5e-3,
+                                            target_per_token=5e-4)
+    free = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=5e-3, target_per_token=1e-5)
+    for d, cost, opens in ((draft, expensive, 0), (target, free, 4)):
+        decoder = jaxspec.SpeculativeDecoder(target, d, spec=jaxspec.SpecConfig(k=4, policy="goodput", cost_model=cost,
+                                                                                measure_plans=False))
+        first = decoder.generate(prompts, max_new_tokens=20)
+        assert first.tokens == want and first.stats.extra["k_trace"][0] == opens
+        (shape,) = decoder._openings
+        ks = [p.k for p in shape[3].plans]
+        assert ks[decoder._openings[shape]] == opens        # the next call's guess: this call's opening
+        decoder._openings[shape] = ks.index(4 if opens == 0 else 0)   # a wrong guess
+        got = decoder.generate(prompts, max_new_tokens=20)
+        assert got.tokens == want and got.stats.extra["k_trace"][0] == opens
+        assert ks[decoder._openings[shape]] == opens
+        assert got.stats.steps == len(got.stats.extra["k_trace"]) == sum(n for _, n, *_ in got.stats.extra["segments"])
 
 
 def test_drafter_catches_up_after_steps_without_drafting(pair):
