@@ -348,7 +348,9 @@ def test_profile_writes_a_loadable_cost_model(tmp_path, capsys):
                      "--ks", "0,1,2", "--cache-lens", "64,128", "--repeats", "2", "--output", str(out)]) == 0
     cost = CostModel.load(out)
     assert cost.target_name == "tiny" and cost.draft_name == "tiny"
-    assert cost.verify_seconds(16, 0) > 0
+    # A fit of noisy timings may put every coefficient but one at zero (nonnegative least squares),
+    # but it predicts a positive time at every profiled shape.
+    assert all(cost.step_seconds(b, k, c) > 0 for b in (1, 4) for k in (0, 1, 2) for c in (64, 128))
     printed = capsys.readouterr().out
     assert "target_per_token" in printed and "r2" in printed
     assert json.loads(out.read_text())["fit"]["step"]["points"] == 12
