@@ -835,8 +835,7 @@ class SpeculativeDecoder:
                 continue
             slots_r, sub = refill
             keys_r = request_keys(seed, sub.request_ids_b)
-            new_in = put((jnp.asarray(slots_r), jnp.asarray(sub.tokens_bp), jnp.asarray(sub.lengths_b),
-                          jnp.asarray(sub.max_new_b), keys_r))
+            new_in = put((slots_r, sub.tokens_bp, sub.lengths_b, sub.max_new_b, keys_r))
             if goodput and idle:
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
             state = refill_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
