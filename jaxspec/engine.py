@@ -431,7 +431,11 @@ MAX_SEGMENT_CAP = 64
 # k = 2 timed at 2.1 / 1.56 / 1.32 ms a step in loops of 2 / 6 / 24 steps), which over 8 steps
 # had timed drafting 15-25% dear at batch 1 and kept a run in plain decoding where k = 2-3 was
 # faster. That cost goes into the round trip instead (the median, over the passes, of a 1-step
-# call less its step).
+# call less its step). A plan whose rows have too few tokens left for its next pass restarts from
+# a copy of the prefilled rows (after an untimed step): a pass that ran the rows out was timed
+# with the call's own cost in it, and at batch 1 the drafting plans' fourth and fifth passes did
+# (k = 3 at 2.56-2.71 ms a step where its other passes took 1.74-2.34 and a fixed k = 3 run's
+# steps 1.8), which tilted a near-tie toward plain decoding.
 MEASURE_STEPS = 8
 MEASURE_PASS_SECONDS = 0.1
 MEASURE_PASSES = 3
@@ -977,13 +981,19 @@ class SpeculativeDecoder:
         # Arguments of the run's own kinds, so the run reuses these compiled programs.
         acceptance, draining, follow = put(self._acceptance.seed()), put(np.bool_(True)), put(np.bool_(False))
 
+        max_new_host = np.asarray(max_new_b)
+
         def timed(state, plan_index: int, steps: int):
+            """The state after `steps` more steps of a plan, the steps run so far, the call's
+            seconds (fetch included) and the tokens the longest-running row has left."""
             start = time.perf_counter()
             state = run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
                                   max_new_b, eos_t, budget_t, seconds, no_stop, put(np.int32(steps)), draining,
                                   follow, **static, plan_index=plan_index)
-            ran = int(_segment_outputs(state)[4])
-            return state, ran, time.perf_counter() - start
+            done_b, _, n_out_b, _, ran, *_ = _segment_outputs(state)
+            elapsed = time.perf_counter() - start
+            room = int(np.max(np.where(done_b, 0, max_new_host - n_out_b), initial=0))
+            return state, int(ran), elapsed, room
 
         def opened():
             return start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t,
@@ -995,22 +1005,26 @@ class SpeculativeDecoder:
             start = time.perf_counter()
             jax.tree.map(np.asarray, opened().policy)
             starts.append(time.perf_counter() - start)
-        runs = [timed(jax.tree.map(jnp.copy, scratch), i, 1) for i in range(len(schedule.plans))]
-        del scratch
-        states, steps_j = [r[0] for r in runs], [r[1] for r in runs]
+
+        def fresh(i: int):
+            # The prefilled rows after plan i's first step, untimed: a drafter whose prefill the
+            # opening deferred catches up on the prompts there.
+            return timed(jax.tree.map(jnp.copy, scratch), i, 1)
+
+        runs = [fresh(i) for i in range(len(schedule.plans))]
+        states, steps_j, rooms_j = [r[0] for r in runs], [r[1] for r in runs], [r[3] for r in runs]
         trips = []
         for n in range(ROUND_TRIPS):
             i = n % len(states)
-            states[i], _, elapsed = timed(states[i], i, 0)
+            states[i], _, elapsed, _ = timed(states[i], i, 0)
             trips.append(elapsed)
         round_trip = float(np.median(trips))
         position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
             return _Warm(None, round_trip, _acceptance_seen(schedule, states), position, float(np.median(starts)))
-        # At most a share of the rows' tokens a pass (a 1-step call and a longer one), so that
-        # MEASURE_PASSES passes of a plan that emits k + 1 tokens a step still find rows running.
-        cap_j = np.array([np.clip(static["out_len"] // (MEASURE_PASSES * (plan.k + 1) + 1) - 1, 1, MEASURE_STEPS)
-                          for plan in schedule.plans])
+        # A pass (a 1-step call and a longer one) must fit in the tokens of fresh rows after their
+        # first step, even where every step emits k + 1 tokens.
+        cap_j = np.array([np.clip(static["out_len"] // (plan.k + 1) - 2, 1, MEASURE_STEPS) for plan in schedule.plans])
         pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 2, cap_j)
         passes_j: list[list[float]] = [[] for _ in states]
         entries: list[float] = []   # a segment's seconds besides its steps, as the 1-step calls saw it
@@ -1018,16 +1032,19 @@ class SpeculativeDecoder:
         for n in range(MEASURE_MAX_PASSES):
             if n >= MEASURE_PASSES and time.perf_counter() - start > MEASURE_SECONDS:
                 break
+            for i, plan in enumerate(schedule.plans):
+                if rooms_j[i] < (1 + pass_steps_j[i]) * (plan.k + 1):
+                    states[i], steps_j[i], _, rooms_j[i] = fresh(i)
             # Every plan's 1-step call first, then every plan's longer call: each call follows
             # another plan's program, as a run's segment mostly does. (A plan's longer call right
             # after its own 1-step call ran faster than one after another program: the difference
             # then timed k = 1 at a fifth of its step at batch 1 on the tiny test pair.)
             ones = []
             for i, state in enumerate(states):
-                states[i], one, one_elapsed = timed(state, i, 1)
+                states[i], one, one_elapsed, _ = timed(state, i, 1)
                 ones.append((one, one_elapsed))
             for i, (state, (one, one_elapsed)) in enumerate(zip(states, ones)):
-                states[i], steps, elapsed = timed(state, i, int(pass_steps_j[i]))
+                states[i], steps, elapsed, rooms_j[i] = timed(state, i, int(pass_steps_j[i]))
                 if one > steps_j[i] and steps - one >= 2:
                     # A step's time is the difference of the two calls over the steps the longer one
                     # added: what a call costs besides its steps (see MEASURE_STEPS) cancels out.
@@ -1041,6 +1058,7 @@ class SpeculativeDecoder:
                 if n == 0 and passes_j[i]:
                     pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 2, cap_j[i])
                 steps_j[i] = steps
+        del scratch
         if entries:
             round_trip = max(round_trip, float(np.median(entries)))
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
