@@ -1058,7 +1058,6 @@ class SpeculativeDecoder:
                 if n == 0 and passes_j[i]:
                     pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 2, cap_j[i])
                 steps_j[i] = steps
-        del scratch
         if entries:
             round_trip = max(round_trip, float(np.median(entries)))
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
