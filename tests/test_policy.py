@@ -569,6 +569,39 @@ def test_drafting_after_plain_steps_is_lossless(pair, monkeypatch):
     assert trace[0] == 0 and max(trace) > 0, "".join(map(str, trace))
 
 
+def test_calls_of_one_segment_re_time_a_close_runner_up_at_their_opening(pair, monkeypatch):
+    """Each call decodes plainly in one segment, so no segment boundary offers a timing trial.
+    The cost model rates k = 1 a little below plain decoding (within the tracker's explore
+    margin, short of what would make the policy probe it; k = 2 lower); their true steps, which
+    the tracker is fed, are 5-9x cheaper. A later call opens on a trial of drafting once the
+    tracker's budget allows; it measures the true time, and the calls after open drafting. Lossless throughout. (Before
+    the opening trial, every call decoded plainly.)"""
+    monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args: 0.0)
+    true_j = np.array([5e-3, 1e-3, 1.5e-3])
+    observe = cost_lib.StepTimeTracker.observe
+
+    def truly(self, plan, steps, seconds, trial=False):   # each segment took its plan's true time
+        observe(self, plan, steps, steps * true_j[plan] + self.round_trip, trial)
+    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", truly)
+    target, _ = pair
+    prompts = prompts16(11)
+    want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
+    # Plain 5 ms, k = 1 9 ms: at the prior's alpha 0.6 k = 1 gives 0.89 of plain decoding's goodput,
+    # and 1.0 at the optimistic 0.8, short of the switch margin, so no call probes it.
+    cost = CostModel.from_coefficients(draft_fixed=4e-3, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    decoder = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+                                                                                 cost_model=cost, measure_plans=False))
+    openings = []
+    for _ in range(20):
+        got = decoder.generate(prompts, max_new_tokens=96)
+        assert got.tokens == want
+        openings.append(got.stats.extra["segments"][0][0])
+        if len(openings) >= 3 and openings[-1] > 0 and openings[-2] > 0:
+            break
+    assert openings[0] == 0, openings                      # plain decoding first, by the cost model
+    assert openings[-1] > 0 and openings[-2] > 0, openings  # a trial, then the calls open drafting
+
+
 def test_requests_queued_for_a_single_slot_each_open_on_their_own_plan(pair, monkeypatch):
     """One slot, three requests: each refill finds no row running, so the new request opens on
     the plan its acceptance and the step times call for (here: drafting, with a perfect draft
