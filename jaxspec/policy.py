@@ -62,6 +62,10 @@ def expected_tokens_per_step(alpha, k):
 class PolicyState:
     accepted_b: jax.Array       # decayed accepted drafts per row
     trials_b: jax.Array         # decayed acceptance trials per row
+    seed_accepted_b: jax.Array  # the seed's accepted drafts per row (see `init`)
+    seed_trials_b: jax.Array    # the seed's trials per row
+    total_accepted: jax.Array   # accepted drafts over the run, every row, undecayed (`AcceptanceMemory`)
+    total_trials: jax.Array     # acceptance trials over the run, every row, undecayed
     calib_tried_c: jax.Array    # decayed verified slots per confidence bin
     calib_accepted_c: jax.Array  # decayed accepted slots per confidence bin
     choice: jax.Array           # candidate index for the next step
@@ -71,20 +75,37 @@ class PolicyState:
     def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS, seed=None, live_b=None) -> PolicyState:
         """Counts before the first step: none, or with `seed` = (alpha, weight) (from
         `seed_acceptance`; traced) every row (every `live_b` row, if given) starts as if it had
-        seen `weight` trials at acceptance alpha. The seed then decays like any other evidence."""
+        seen `weight` trials at acceptance alpha.
+
+        The seed is kept apart from the row's own counts: what a drafter usually achieves, the
+        level a row's acceptance comes back to after a hard stretch of text. It does not decay
+        while the row drafts (`observe`), so a dip weighs against it rather than alone: decaying
+        with the row's counts, the seed had mostly gone after a row's first few steps, and a dip
+        there (at batch 1 of the tiny-8L pair, 4 of a prompt's first 12 tokens rejected, then 85%
+        accepted) turned speculation off for the rest of the call, 1-2 calls in 4. While
+        speculation is off the seed ages with everything else (`age`), so the optimism that
+        re-probes speculation grows back as before, whatever the seed said.
+        """
         zeros_b = jnp.zeros((b,), jnp.float32)
-        accepted_b, trials_b = zeros_b, zeros_b
+        seed_accepted_b, seed_trials_b = zeros_b, zeros_b
         if seed is not None:
             alpha, weight = jnp.asarray(seed, jnp.float32)
             weight_b = zeros_b + weight if live_b is None else jnp.where(live_b, weight, 0.0)
-            accepted_b, trials_b = alpha * weight_b, weight_b
-        return cls(accepted_b=accepted_b, trials_b=trials_b,
+            seed_accepted_b, seed_trials_b = alpha * weight_b, weight_b
+        return cls(accepted_b=zeros_b, trials_b=zeros_b, seed_accepted_b=seed_accepted_b, seed_trials_b=seed_trials_b,
+                   total_accepted=jnp.float32(0.0), total_trials=jnp.float32(0.0),
                    calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
                    choice=jnp.int32(first_choice), hold=jnp.int32(0))
 
     def alpha_b(self) -> jax.Array:
-        """Per-row acceptance estimate, shrunk toward the prior when little has been seen."""
-        return (self.accepted_b + PRIOR_ALPHA * PRIOR_WEIGHT) / (self.trials_b + PRIOR_WEIGHT)
+        """Per-row acceptance estimate: the row's counts and its seed, shrunk toward the prior
+        when little has been seen."""
+        return ((self.accepted_b + self.seed_accepted_b + PRIOR_ALPHA * PRIOR_WEIGHT)
+                / (self.evidence_b() + PRIOR_WEIGHT))
+
+    def evidence_b(self) -> jax.Array:
+        """Trials per row the estimate rests on: the row's own and its seed's."""
+        return self.trials_b + self.seed_trials_b
 
     def planning_alpha_b(self) -> jax.Array:
         """The estimate used to decide whether to (re)start speculating: optimistic in proportion
@@ -97,7 +118,7 @@ class PolicyState:
         so the bonus grows back and a batch whose acceptance might now pay for drafting is probed
         again; a cost model under which even alpha = 1 does not pay keeps speculation off for good.
         """
-        return jnp.minimum(1.0, self.alpha_b() + EXPLORE / jnp.sqrt(1.0 + jnp.sum(self.trials_b)))
+        return jnp.minimum(1.0, self.alpha_b() + EXPLORE / jnp.sqrt(1.0 + jnp.sum(self.evidence_b())))
 
     def calibration_curve(self) -> jax.Array:
         """Observed acceptance per confidence bin (the bin centre where nothing was observed)."""
@@ -130,14 +151,16 @@ def seed_acceptance(accepted_b, trials_b, cap: float = SEED_WEIGHT, xp=jnp) -> j
 class AcceptanceMemory:
     """Acceptance measured over a decoder's calls (on the host), to seed each new run's rows.
 
-    The rate is pooled over everything remembered: the warm-up's drafting plans, then the end
-    state of every call. A call's end state holds only its last ~10 steps per row (the decay),
-    a noisy sample: at batch 1 one call ended at 0.66 where the run's acceptance was 0.85, and
-    seeding the next call with it alone turned speculation off. The weight a fresh row starts
-    with is the largest any measurement had (`seed_acceptance`): the pooled evidence only grows,
-    and a call that ended on plain decoding ends with aged counts, which as the weight had every
-    later call open on the bare prior (and at batch 1, where that prior's probe just fails, run
-    plain decoding from then on).
+    The rate is pooled over everything remembered: the warm-up's drafting plans, then every
+    call's whole count (`PolicyState.total_accepted` / `total_trials`, undecayed). A call's end
+    state holds only its last ~10 steps per row (the decay), a noisy and biased sample: at batch 1
+    one call ended at 0.66 where the run's acceptance was 0.85, and seeding the next call with it
+    alone turned speculation off; pooled over calls, end states said 0.86 where the calls accepted
+    0.78 (text gets easier toward the end of these benchmark prompts), which favoured long drafts.
+    The weight a fresh row starts with is the largest any measurement had (`seed_acceptance`):
+    the pooled evidence only grows, and a call that ended on plain decoding ends with aged counts,
+    which as the weight had every later call open on the bare prior (and at batch 1, where that
+    prior's probe just fails, run plain decoding from then on).
     """
     accepted: float = 0.0
     trials: float = 0.0
@@ -185,9 +208,10 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
     tried_c = jnp.zeros((bins,), jnp.float32).at[bin_bk].add(tried_bk.astype(jnp.float32))
     hit_c = jnp.zeros((bins,), jnp.float32).at[bin_bk].add(hit_bk.astype(jnp.float32))
     live = live_b.astype(jnp.float32)
+    hits_b, tries_b = live * jnp.sum(hit_bk, axis=1), live * jnp.sum(tried_bk, axis=1)
     return state.replace(
-        accepted_b=state.accepted_b * decay + live * jnp.sum(hit_bk, axis=1),
-        trials_b=state.trials_b * decay + live * jnp.sum(tried_bk, axis=1),
+        accepted_b=state.accepted_b * decay + hits_b, trials_b=state.trials_b * decay + tries_b,
+        total_accepted=state.total_accepted + jnp.sum(hits_b), total_trials=state.total_trials + jnp.sum(tries_b),
         calib_tried_c=state.calib_tried_c * decay + tried_c,
         calib_accepted_c=state.calib_accepted_c * decay + hit_c)
 
@@ -202,6 +226,7 @@ def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
     """
     factor = jnp.asarray(decay, jnp.float32) ** jnp.asarray(steps, jnp.float32)
     return state.replace(accepted_b=state.accepted_b * factor, trials_b=state.trials_b * factor,
+                         seed_accepted_b=state.seed_accepted_b * factor, seed_trials_b=state.seed_trials_b * factor,
                          calib_tried_c=state.calib_tried_c * factor, calib_accepted_c=state.calib_accepted_c * factor)
 
 
@@ -362,7 +387,7 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
-    margin = margin + THIN_EVIDENCE / jnp.sqrt(1.0 + jnp.sum(state.trials_b))
+    margin = margin + THIN_EVIDENCE / jnp.sqrt(1.0 + jnp.sum(state.evidence_b()))
     switch = ((goodput_j[best] > (1.0 + margin) * goodput_j[current])
               & _saves_a_switch(goodput_j[current], goodput_j[best], live_b, drain, switch_seconds))
     return jnp.where(switch, best, jnp.int32(current))

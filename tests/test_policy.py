@@ -158,8 +158,80 @@ def test_seeded_acceptance_is_the_pooled_rate_of_the_rows_that_saw_trials():
         assert alpha == pytest.approx(accepted[seen].sum() / trials[seen].sum(), rel=1e-5)
         assert weight == pytest.approx(min(trials[seen].mean(), policy.SEED_WEIGHT), rel=1e-5)
         state = policy.PolicyState.init(3, 0, seed=(alpha, weight))
-        np.testing.assert_allclose(state.trials_b, weight, rtol=1e-6)
-        np.testing.assert_allclose(state.accepted_b, alpha * weight, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state.evidence_b(), weight, rtol=1e-6)
+        np.testing.assert_allclose(state.seed_accepted_b, alpha * weight, rtol=1e-5, atol=1e-6)
+        assert not np.any(state.trials_b)                                 # the row's own counts: none yet
+
+
+def test_a_seeded_row_keeps_drafting_through_a_dip_and_the_seed_ages_while_speculation_is_off():
+    """One row drafting k = 4 meets a hard stretch (its acceptances per step 2, 0, 0, 4, 0: the
+    opening of a batch-1 benchmark prompt whose later tokens are 85% accepted). Seeded with what
+    the decoder measured before (0.8 over a window of trials), it keeps drafting; the same
+    outcomes without a seed turn speculation off. Drafting observes without decaying the seed;
+    plain steps age it like everything else, so a long plain stretch forgets it."""
+    ks = (0, 1, 2, 3, 4)
+    seconds = jnp.asarray([0.8, 1.6, 1.9, 2.1, 2.4]) * 1e-3
+    live = jnp.ones((1,), bool)
+
+    def after_dip(seed):
+        state = policy.PolicyState.init(1, 4, seed=seed)
+        for accepted in (2, 0, 0, 4, 0):
+            state = policy.observe(state, jnp.zeros((1, 4)), jnp.asarray([4]), jnp.asarray([accepted]), live)
+        return state
+
+    seeded, bare = after_dip((0.8, policy.SEED_WEIGHT)), after_dip(None)
+    assert int(policy.choose_k(seeded, live, ks, seconds, optimistic=False, current=4)) == 4
+    assert int(policy.choose_k(bare, live, ks, seconds, optimistic=False, current=4)) == 0
+    np.testing.assert_allclose(seeded.seed_trials_b, policy.SEED_WEIGHT)   # drafting kept the seed whole
+    aged = policy.age(seeded, 500)
+    assert float(aged.evidence_b()[0]) < 1e-3
+    assert float(aged.alpha_b()[0]) == pytest.approx(policy.PRIOR_ALPHA, abs=1e-3)
+
+
+def test_run_totals_count_every_trial_undecayed():
+    """`total_accepted` / `total_trials` sum every live row's outcomes over the run: a row with a
+    drafts verified and a accepted tried min(a + 1, v) of them (the accepted ones and the first
+    rejection), counted directly here; neither total decays, in drafting steps or in plain ones."""
+    rng = np.random.default_rng(8)
+    b, k = 5, 4
+    state = policy.PolicyState.init(b, 0, seed=(0.7, 3.0))
+    want_accepted = want_trials = 0.0
+    for step in range(30):
+        verified_b = rng.integers(0, k + 1, b)
+        accepted_b = np.minimum(rng.integers(0, k + 1, b), verified_b)
+        live_b = rng.random(b) < 0.8
+        state = policy.observe(state, jnp.log(jnp.asarray(rng.uniform(0.05, 1, (b, k)), jnp.float32)),
+                               jnp.asarray(verified_b), jnp.asarray(accepted_b), jnp.asarray(live_b))
+        want_accepted += float(np.sum(np.where(live_b, accepted_b, 0)))
+        want_trials += float(np.sum(np.where(live_b, np.minimum(accepted_b + 1, verified_b), 0)))
+        if step % 10 == 9:
+            state = policy.age(state, 7)
+    assert float(state.total_accepted) == pytest.approx(want_accepted)
+    assert float(state.total_trials) == pytest.approx(want_trials)
+
+
+def test_a_decoder_remembers_each_calls_whole_acceptance(pair, monkeypatch):
+    """The target as its own draft accepts every draft, so a call's trials are its verified drafts
+    (the counters say how many); the decoder's memory grows by exactly that, not by the decayed
+    end-of-call window. (Drafting is free by the cost model, and segments are taken to last what
+    it predicts: measured, a target-sized draft rightly would not draft.)"""
+    observe = cost_lib.StepTimeTracker.observe
+
+    def as_predicted(self, plan, steps, seconds, trial=False):
+        observe(self, plan, steps, steps * float(self.predicted_j[plan]) + self.round_trip, trial)
+    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", as_predicted)
+    target, _ = pair
+    prompts = prompts16(12)
+    free = CostModel.from_coefficients(draft_fixed=1e-6, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    decoder = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+                                                                                 cost_model=free, measure_plans=False))
+    decoder.generate(prompts, max_new_tokens=48)
+    before = (decoder._acceptance.accepted, decoder._acceptance.trials)
+    got = decoder.generate(prompts, max_new_tokens=48)
+    verified = got.stats.verified_tokens
+    assert verified > 0 and got.stats.accepted_tokens == verified
+    assert decoder._acceptance.trials - before[1] == pytest.approx(verified)
+    assert decoder._acceptance.accepted - before[0] == pytest.approx(verified)
 
 
 def test_acceptance_memory_pools_every_measurement_and_seeds_with_the_largest_weight():
@@ -852,7 +924,9 @@ def test_goodput_plans_with_step_times_measured_at_the_runs_shape(pair):
         cache_len = cache_length(jaxspec.prompts.bucket_length(max(map(len, prompts))),
                                  jaxspec.prompts.bucket_length(120), 120, 2)   # the run's: its largest k
         for k, seconds in enumerate(warm.plan_seconds):
-            reference = time_steps(target, ModelDrafter(draft), k, slots, cache_len)
+            # The faster of two timings: a neighbour's burst once stretched one to 1.0 ms where
+            # the step takes 0.17 (under `-n 2`, the suite's other worker shares both cores).
+            reference = min(time_steps(target, ModelDrafter(draft), k, slots, cache_len) for _ in range(2))
             # Sub-millisecond steps on a shared machine: agree within a factor, not a percentage.
             assert 0.33 < seconds / reference < 3, (k, seconds, reference)
         # Dearer plans measure dearer: drafting two tokens costs more than one, and one more than none.
