@@ -28,6 +28,7 @@ def machine() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),   # e.g. XLA:CPU's thread settings
     }
 
 

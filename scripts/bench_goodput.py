@@ -160,7 +160,8 @@ def main() -> None:
         "included: `cost.StepTimeTracker`, plus the round trip); `segment_errors`: the median error per segment, how "
         "many segments, and the median error of the runs' first segments (judged by what the calls before measured; "
         "the untimed first call, by the warm-up alone). "
-        f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}. "
+        f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}"
+        f"{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}. "
         f"Cost model profiled on this machine (real decode steps, batch 1..64, k 0..6): fit R^2 "
         f"{cost.fit['step']['r2']:.3f}, worst held-out error {cost.fit['step']['worst_heldout_rel_error']:.1%}.",
         "", table(rows, COLUMNS), "", f"![goodput]({args.name}.png)"])
