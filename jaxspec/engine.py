@@ -884,8 +884,8 @@ class SpeculativeDecoder:
 
         Trials are otherwise proposed between segments, and a call that runs one segment (plain
         decoding, or one draft length, all the way) has none: a ranking of near-tied plans that
-        the warm-up's timing got wrong then stood for every later call at the shape (at batch 4,
-        plain decoding for 15 calls in a row where fixed k = 1 was 7% faster). Judged on the
+        the warm-up's timing got wrong then stood for every later call at the shape (in one batch-4
+        diagnostic, 15 calls in a row decoded plainly where fixed k = 1 ran 7% faster). Judged on the
         acceptance the decoder remembers, against the plan the call is expected to open on."""
         if not tracker.segments:
             return None
