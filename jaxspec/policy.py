@@ -372,12 +372,13 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
         on where it does not pay, e.g. at large batches where plain decoding wins by a few percent).
       current: the index of the plan running now, if any: it is kept unless the best candidate's
         predicted goodput beats it by more than `margin` plus `THIN_EVIDENCE / sqrt(1 + trials)` (the
-        batch's decayed trials). A switch costs a host round trip, and where goodput is flat over
-        k (a few percent apart, closer than step times are predicted) switching back and forth
-        costs more than it can gain. The second term asks more of a switch while evidence is thin:
-        at batch 1 a row's first few verifications are a handful of coin flips, and turning
-        speculation off on them (for a plain stretch of up to 64 steps before the next probe) cost
-        10% of a run where k = 1 was 10% better than plain decoding.
+        batch's evidence: its decayed trials and its rows' seeds, `evidence_b`). A switch costs a
+        host round trip, and where goodput is flat over k (a few percent apart, closer than step
+        times are predicted) switching back and forth costs more than it can gain. The second
+        term asks more of a switch while evidence is thin: at batch 1 a row's first few
+        verifications are a handful of coin flips, and turning speculation off on them (for a
+        plain stretch of up to 64 steps before the next probe) cost 10% of a run where k = 1 was
+        10% better than plain decoding.
       drain: as in `goodput_of_ks`.
       switch_seconds: what a switch costs (the host round trip). While the batch drains, a switch
         must also save more than that over the rest of the run (`_saves_a_switch`).

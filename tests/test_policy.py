@@ -210,16 +210,24 @@ def test_run_totals_count_every_trial_undecayed():
     assert float(state.total_trials) == pytest.approx(want_trials)
 
 
+def segments_take(monkeypatch, true_j=None):
+    """Feeds every goodput segment's time to the step-time tracker as if it took `true_j[plan]` a
+    step (default: what the tracker's cost model predicts), plus the round trip: decisions that a
+    test pins on step times then do not hang on this machine's wall clock."""
+    observe = cost_lib.StepTimeTracker.observe
+
+    def synthetic(self, plan, steps, seconds, trial=False):
+        step = float(self.predicted_j[plan] if true_j is None else true_j[plan])
+        observe(self, plan, steps, steps * step + self.round_trip, trial)
+    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", synthetic)
+
+
 def test_a_decoder_remembers_each_calls_whole_acceptance(pair, monkeypatch):
     """The target as its own draft accepts every draft, so a call's trials are its verified drafts
     (the counters say how many); the decoder's memory grows by exactly that, not by the decayed
     end-of-call window. (Drafting is free by the cost model, and segments are taken to last what
     it predicts: measured, a target-sized draft rightly would not draft.)"""
-    observe = cost_lib.StepTimeTracker.observe
-
-    def as_predicted(self, plan, steps, seconds, trial=False):
-        observe(self, plan, steps, steps * float(self.predicted_j[plan]) + self.round_trip, trial)
-    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", as_predicted)
+    segments_take(monkeypatch)
     target, _ = pair
     prompts = prompts16(12)
     free = CostModel.from_coefficients(draft_fixed=1e-6, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
@@ -622,11 +630,7 @@ def test_drafting_after_plain_steps_is_lossless(pair, monkeypatch):
     corrected by this machine's wall clock: measured, a target-sized draft's steps can rightly
     forbid the probe, as can its catch-up, which is taken as free here for the same reason.)"""
     monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args: 0.0)
-    observe = cost_lib.StepTimeTracker.observe
-
-    def as_predicted(self, plan, steps, seconds, trial=False):   # every segment took what was predicted
-        observe(self, plan, steps, steps * float(self.predicted_j[plan]) + self.round_trip, trial)
-    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", as_predicted)
+    segments_take(monkeypatch)   # every segment took what was predicted
     target, _ = pair
     prompts = prompts16(9)
     want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
@@ -646,15 +650,10 @@ def test_calls_of_one_segment_re_time_a_close_runner_up_at_their_opening(pair, m
     The cost model rates k = 1 a little below plain decoding (within the tracker's explore
     margin, short of what would make the policy probe it; k = 2 lower); their true steps, which
     the tracker is fed, are 5-9x cheaper. A later call opens on a trial of drafting once the
-    tracker's budget allows; it measures the true time, and the calls after open drafting. Lossless throughout. (Before
-    the opening trial, every call decoded plainly.)"""
+    tracker's budget allows; it measures the true time, and the calls after open drafting.
+    Lossless throughout. (Before the opening trial, every call decoded plainly.)"""
     monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args: 0.0)
-    true_j = np.array([5e-3, 1e-3, 1.5e-3])
-    observe = cost_lib.StepTimeTracker.observe
-
-    def truly(self, plan, steps, seconds, trial=False):   # each segment took its plan's true time
-        observe(self, plan, steps, steps * true_j[plan] + self.round_trip, trial)
-    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", truly)
+    segments_take(monkeypatch, true_j=np.array([5e-3, 1e-3, 1.5e-3]))   # each plan's true step time
     target, _ = pair
     prompts = prompts16(11)
     want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
@@ -679,11 +678,7 @@ def test_requests_queued_for_a_single_slot_each_open_on_their_own_plan(pair, mon
     the plan its acceptance and the step times call for (here: drafting, with a perfect draft
     that costs nothing), not on what was left over from a batch with no live row."""
     monkeypatch.setattr(jaxspec.SpeculativeDecoder, "_position_seconds", lambda *args: 0.0)
-    observe = cost_lib.StepTimeTracker.observe
-
-    def as_predicted(self, plan, steps, seconds, trial=False):   # step times at the cost model's word
-        observe(self, plan, steps, steps * float(self.predicted_j[plan]) + self.round_trip, trial)
-    monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", as_predicted)
+    segments_take(monkeypatch)   # step times at the cost model's word
     target, _ = pair
     prompts = prompts16(5)[:3]
     want = jaxspec.generate(target, prompts, max_new_tokens=16).tokens
