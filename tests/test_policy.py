@@ -188,6 +188,79 @@ def test_a_seeded_row_keeps_drafting_through_a_dip_and_the_seed_ages_while_specu
     assert float(aged.alpha_b()[0]) == pytest.approx(policy.PRIOR_ALPHA, abs=1e-3)
 
 
+def test_the_forecast_weighs_recent_acceptance_by_how_far_the_row_has_to_go():
+    """`forecast_alpha_b` over r remaining tokens: recent acceptance weighted by the mean of
+    exp(-t / FORECAST_TOKENS) over those tokens (summed here directly), the seed's rate for the
+    rest; rows without a seed keep their recent estimate."""
+    state = policy.PolicyState.init(3, 4, seed=(0.8, policy.SEED_WEIGHT), live_b=jnp.asarray([True, True, False]))
+    live = jnp.ones((3,), bool)
+    for accepted in (0, 1, 0):
+        state = policy.observe(state, jnp.zeros((3, 4)), jnp.asarray([4, 4, 4]), jnp.asarray([accepted] * 3), live)
+    recent = np.asarray(state.alpha_b())
+    for r in (1, 5, 16, 80, 1000):
+        t = np.arange(r) + 0.5                   # midpoints of the remaining tokens
+        weight = np.mean(np.exp(-t / policy.FORECAST_TOKENS))
+        want = weight * recent[:2] + (1 - weight) * 0.8
+        got = np.asarray(state.forecast_alpha_b(jnp.full((3,), r)))
+        np.testing.assert_allclose(got[:2], want, atol=2e-3 * max(1.0, 16 / r))
+        assert got[2] == pytest.approx(recent[2])            # no seed: the recent estimate
+    np.testing.assert_allclose(state.forecast_alpha_b(np.full(3, 40.0), xp=np),
+                               state.forecast_alpha_b(jnp.full((3,), 40.0)), rtol=1e-5)
+
+
+def test_a_dip_stops_drafting_only_near_the_rows_end():
+    """The dip of the test above (acceptances 2, 0, 0, 4, 0 at k = 4), seeded with a measured 0.8
+    over a window of trials, at step times where that rate favours drafting and the dip favours
+    plain decoding. Draft lengths follow recent acceptance either way; a stop, which stands for
+    the rest of the row, is judged over its remaining tokens: with 80 tokens to go the row keeps
+    drafting, with 3 it stops, as it does without a seed or without the remaining tokens. A row
+    running above its seed (all accepted) chooses as it would without the forecast."""
+    ks = (0, 1, 2, 3, 4)
+    seconds = jnp.asarray([0.8, 1.6, 1.9, 2.1, 2.4]) * 1e-3
+    live = jnp.ones((1,), bool)
+
+    def after(outcomes, seed=(0.8, policy.SEED_WEIGHT)):
+        state = policy.PolicyState.init(1, 4, seed=seed)
+        for accepted in outcomes:
+            state = policy.observe(state, jnp.zeros((1, 4)), jnp.asarray([4]), jnp.asarray([accepted]), live)
+        return state
+
+    def choice(state, remaining, draining=False):
+        drain = None if remaining is None else (jnp.asarray([remaining], jnp.float32), jnp.bool_(draining))
+        return int(policy.choose_k(state, live, ks, seconds, optimistic=False, current=4, drain=drain))
+
+    dip = after((2, 0, 0, 4, 0, 1, 0))
+    assert policy.goodput_of_ks(dip.alpha_b(), live, ks, seconds).argmax() == 0      # recent: plain wins
+    for draining in (False, True):
+        assert choice(dip, 80.0, draining) > 0
+        assert choice(dip, 3.0, draining) == 0
+        assert choice(after((2, 0, 0, 4, 0, 1, 0), seed=None), 80.0, draining) == 0
+    assert choice(dip, None) == 0
+    burst = after((4, 4, 4, 4), seed=(0.3, policy.SEED_WEIGHT))
+    for remaining in (3.0, 80.0):
+        assert choice(burst, remaining) == choice(burst, None) == 4
+
+
+def test_a_long_memory_keeps_the_opening_from_probing_what_it_has_measured():
+    """Batch 1, a k = 1..3 step costing 2.2-2.6 plain steps, a remembered acceptance of 0.72
+    (plain decoding best by the plain estimate, k = 3 ahead by 9% under the seed's optimism). With
+    the seed's own weight as the only evidence the opening probes k = 1; with a memory of 100
+    trials behind the same rate it opens plain. The memory's evidence ages with the counts."""
+    ks = (0, 1, 2, 3)
+    seconds = jnp.asarray([0.6, 1.3, 1.45, 1.56]) * 1e-3
+    live = jnp.ones((1,), bool)
+    thin = policy.PolicyState.init(1, 0, seed=(0.72, policy.SEED_WEIGHT, 0.0))
+    long = policy.PolicyState.init(1, 0, seed=(0.72, policy.SEED_WEIGHT, policy.MEMORY_EVIDENCE))
+    assert float(long.memory_trials) == policy.MEMORY_EVIDENCE
+    rates = np.asarray(policy.goodput_of_ks(thin.alpha_b(), live, ks, seconds))
+    assert rates.argmax() == 0 and rates[1:].max() > rates[0] / 1.1              # a near tie, plain ahead
+    assert int(policy.opening_choice(thin, live, ks, seconds)) == 1
+    assert int(policy.opening_choice(long, live, ks, seconds)) == 0
+    assert float(long.planning_alpha_b()[0]) < float(thin.planning_alpha_b()[0])
+    aged = policy.age(long, 30)
+    assert float(aged.memory_trials) == pytest.approx(policy.MEMORY_EVIDENCE * policy.OFF_DECAY ** 30, rel=1e-5)
+
+
 def test_run_totals_count_every_trial_undecayed():
     """`total_accepted` / `total_trials` sum every live row's outcomes over the run: a row with a
     drafts verified and a accepted tried min(a + 1, v) of them (the accepted ones and the first
@@ -244,9 +317,9 @@ def test_a_decoder_remembers_each_calls_whole_acceptance(pair, monkeypatch):
 
 def test_acceptance_memory_pools_every_measurement_and_seeds_with_the_largest_weight():
     memory = policy.AcceptanceMemory()
-    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0])
+    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0, 0.0])
     memory.remember([0.0, 0.0], [0.0, 0.0])                        # nothing seen: nothing kept
-    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0])
+    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0, 0.0])
     rng = np.random.default_rng(5)
     accepted, trials = [], []
     for scale in (3, 8, 30, 0.5, 20):     # a call ending on plain decoding: aged, small counts
@@ -255,9 +328,10 @@ def test_acceptance_memory_pools_every_measurement_and_seeds_with_the_largest_we
         memory.remember(a, t)
         accepted.append(a)
         trials.append(t)
-        alpha, weight = memory.seed()
+        alpha, weight, evidence = memory.seed()
         assert alpha == pytest.approx(np.sum(accepted) / np.sum(trials), rel=1e-5)
         assert weight == pytest.approx(min(max(np.mean(x) for x in trials), policy.SEED_WEIGHT), rel=1e-5)
+        assert evidence == pytest.approx(min(np.sum(trials), policy.MEMORY_EVIDENCE), rel=1e-5)
 
 
 def test_opening_follows_the_seeded_acceptance_not_the_bare_prior():
