@@ -298,6 +298,10 @@ class StepTimeTracker:
         self.kind_j = np.zeros(self.predicted_j.shape, np.int64) if kinds is None else np.asarray(kinds)
         if self.kind_j.shape != self.predicted_j.shape:
             raise ValueError(f"kinds must give one label per plan ({self.predicted_j.size}), got {kinds!r}")
+        # Per kind: its members, and the prior weight (steps' worth) its ratio is shrunk with.
+        self._kinds = [(members, prior_steps * float(np.mean(self.predicted_j[members])))
+                       for members in (self.kind_j == kind for kind in np.unique(self.kind_j))]
+        self._ratios = None   # `_ratio` until the sums change (it is read several times a segment)
         if not np.isfinite(round_trip) or round_trip < 0:
             raise ValueError(f"round_trip must be seconds >= 0, got {round_trip!r}")
         self.prior_steps, self.decay, self.round_trip = prior_steps, decay, float(round_trip)
@@ -330,6 +334,7 @@ class StepTimeTracker:
         self.expected_j *= self.decay
         self.measured_j[plan] += steps_seconds(seconds, self.round_trip)
         self.expected_j[plan] += steps * self.predicted_j[plan]
+        self._ratios = None
         self.tried_j[plan] = True
         self.segments += 1
         self.last_j[plan] = self.segments
@@ -340,6 +345,7 @@ class StepTimeTracker:
         self.history = []
         self.measured_j *= self.call_decay
         self.expected_j *= self.call_decay
+        self._ratios = None
 
     def overall_ratio(self) -> float:
         total = self.expected_j.sum()
@@ -352,21 +358,32 @@ class StepTimeTracker:
 
     def _ratio(self) -> tuple[np.ndarray, np.ndarray]:
         """`ratio`, and per plan whether its kind has run (else its prior is the other kinds')."""
-        prior_j = np.full(self.predicted_j.shape, self.overall_ratio())
+        if self._ratios is not None:
+            return self._ratios
+        overall = self.overall_ratio()
+        prior_j = np.full(self.predicted_j.shape, overall)
         ran_j = np.zeros(self.predicted_j.shape, bool)
-        for kind in np.unique(self.kind_j):
-            members = self.kind_j == kind
+        for members, weight in self._kinds:
             expected = self.expected_j[members].sum()
             if expected > 0:
-                weight = self.prior_steps * float(np.mean(self.predicted_j[members]))
-                prior_j[members] = (self.measured_j[members].sum() + prior_j[members] * weight) / (expected + weight)
+                prior_j[members] = (self.measured_j[members].sum() + overall * weight) / (expected + weight)
                 ran_j[members] = True
         weight_j = self.prior_steps * self.predicted_j
-        return (self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j), ran_j
+        self._ratios = ((self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j), ran_j)
+        return self._ratios
 
     def corrected(self) -> np.ndarray:
         """Seconds per step of each plan: the prediction times its ratio."""
         return self.predicted_j * self.ratio()
+
+    def in_doubt(self, chosen: int) -> bool:
+        """Whether any plan besides `chosen` could be proposed for a trial (`explore`) on its
+        doubt or age alone, before its goodput is weighed: the host skips predicting every plan's
+        tokens (a drain count on the host, up to 0.6 ms at batch 1) when none could."""
+        ratio_j, kind_ran_j = self._ratio()
+        doubtful_j = ~self.tried_j | (self.tried_j & ~kind_ran_j & (ratio_j > 1.0 + self.explore_margin))
+        stale_j = self.segments - self.last_j >= self.retime_segments
+        return bool(np.any(np.delete(doubtful_j | stale_j, chosen)))
 
     def explore(self, chosen: int, tokens_j, baseline: int | None = None, steps: int = 4) -> int | None:
         """A plan worth one short trial instead of `chosen`, or None.

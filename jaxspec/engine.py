@@ -647,8 +647,20 @@ def cache_length(prompt_width: int, out_len: int, max_new: int, k: int) -> int:
 
 
 def put_rows(array, slots_r, new):
-    """Host-side twin of the refill scatter, for per-row inputs that live outside the state."""
+    """Host-side twin of the refill scatter, for per-row inputs that live outside the state
+    (a numpy array stays one; an out-of-range slot drops its row)."""
+    if isinstance(array, np.ndarray):
+        slots_r, new = np.asarray(slots_r), np.asarray(new)
+        keep = (slots_r >= 0) & (slots_r < array.shape[0])
+        array = array.copy()
+        array[slots_r[keep]] = new[keep]
+        return array
     return array.at[slots_r].set(new, mode="drop")
+
+
+def _on_host(tree):
+    """`put` on one device: values stay on the host until a compiled call takes them."""
+    return tree
 
 
 class SpeculativeDecoder:
@@ -750,11 +762,13 @@ class SpeculativeDecoder:
         predicted = self._predicted_seconds(schedule, slots, cache_len)
         static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=self._target_mesh)
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
+        # On a mesh host values are placed replicated. On one device they go to the compiled calls
+        # as numpy arrays: jit's own transfer of a few small arrays costs microseconds, where an
+        # eager `jax.device_put` of them cost 0.1-0.4 ms of host time each (tiny-8L pair, XLA:CPU),
+        # before the prefill and after each segment, while the device sits idle.
         put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
-               if self._target_mesh is not None else jax.device_put)
+               if self._target_mesh is not None else _on_host)
         keys_b = request_keys(seed, first.request_ids_b)
-        # Host values go over in a few batched puts: one put each cost about 20 us, and the opening's
-        # host work before the prefill is time the device sits idle (3% of a call at batch 1).
         *rows_in, eos_t, budget_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos),
                                          np.int32(budget)))
         tracker = None
@@ -897,6 +911,9 @@ class SpeculativeDecoder:
         """The next segment's plan, its hold (`policy.hold`) and whether it is a timing trial
         (`StepTimeTracker.explore`), from the policy state the device left (read on the host)."""
         choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
+        decide_here = trial is not None and schedule.plans[plan_index].k == 0
+        if not decide_here and not tracker.in_doubt(choice):
+            return choice, hold, None
         if drains:
             tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, remaining_b, schedule.predict_ks, xp=np)
         else:

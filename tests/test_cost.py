@@ -337,3 +337,30 @@ def test_older_calls_count_less_so_a_kind_not_run_since_drifts_back():
     assert calls(0.5)[1] < 1.1 and calls(1.0)[1] > 1.3, (calls(0.5), calls(1.0))
     with pytest.raises(ValueError, match="call_decay"):
         StepTimeTracker(np.ones(2), call_decay=0.0)
+
+
+def test_a_tracker_not_in_doubt_proposes_no_trial():
+    """`in_doubt` is the engine's shortcut past predicting every plan's tokens: over random
+    histories (plans measured or not before the run, kinds, segments of random plans and times,
+    new calls, random token estimates), whenever it says no plan besides the chosen one is in
+    doubt, `explore` proposes nothing; and it does say so on some histories and not on others."""
+    rng = np.random.default_rng(11)
+    seen = set()
+    for case in range(300):
+        n = int(rng.integers(2, 6))
+        tracker = StepTimeTracker(rng.uniform(0.5, 2.0, n), kinds=rng.integers(0, 2, n) > 0,
+                                  measured=rng.random(n) < 0.7, retime_segments=int(rng.integers(2, 20)),
+                                  round_trip=float(rng.uniform(0, 0.2)))
+        for _ in range(int(rng.integers(0, 40))):
+            if rng.random() < 0.1:
+                tracker.new_call()
+            plan = int(rng.integers(0, n))
+            tracker.observe(plan, int(rng.integers(1, 30)), float(rng.uniform(0.1, 40.0)), trial=rng.random() < 0.2)
+        chosen = int(rng.integers(0, n))
+        doubt = tracker.in_doubt(chosen)
+        seen.add(doubt)
+        for _ in range(5):
+            trial = tracker.explore(chosen, rng.uniform(0.5, 4.0, n), baseline=int(rng.integers(0, n)),
+                                    steps=int(rng.integers(1, 64)))
+            assert doubt or trial is None, case
+    assert seen == {True, False}
