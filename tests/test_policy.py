@@ -653,6 +653,31 @@ def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_
     assert got.tokens == want and set(got.stats.extra["k_trace"]) == {4}
 
 
+def test_goodput_with_tetris_drafts_the_standard_length_that_pays_best(pair, monkeypatch):
+    """TETRIS under the policy also offers standard draft lengths below k: at batch 1 with a
+    perfect draft (the target itself) and drafting that costs 0.4 target steps a position, a
+    standard k = 2 step (3 tokens in 9 ms) beats TETRIS's 3 + 1 drafts (4 tokens in 13 ms), k = 1
+    (2 in 7 ms) and plain decoding. The decoder runs the brute-force argmax of tokens per predicted second and
+    its output is the target's own. (The step times are the cost model's as given: this machine's
+    own, which the tracker would otherwise learn, are not the premise.)"""
+    monkeypatch.setattr(cost_lib.StepTimeTracker, "ratio", lambda self: np.ones_like(self.predicted_j))
+    monkeypatch.setattr(cost_lib.StepTimeTracker, "explore", lambda self, *args, **kwargs: None)
+    target, _ = pair
+    prompts = prompts16(6)[2:3]
+    want = jaxspec.generate(target, prompts, max_new_tokens=24).tokens
+    cost = CostModel.from_coefficients(draft_fixed=2e-3, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    spec = jaxspec.SpecConfig(k=3, extra=1, selection="tetris", policy="goodput", cost_model=cost, measure_plans=False)
+    decoder = jaxspec.SpeculativeDecoder(target, target, spec=spec)
+    got = decoder.generate(prompts, max_new_tokens=24)
+    assert got.tokens == want
+    drafted = [0, 1, 2, 4]                                  # positions each plan drafts (TETRIS: k + extra)
+    stands_for = [0, 1, 2, 3]                               # tokens per step - 1 at acceptance 1
+    best = max(range(4), key=lambda j: (stands_for[j] + 1) / (5e-3 + 2e-3 * drafted[j]))
+    assert stands_for[best] == 2
+    trace = got.stats.extra["k_trace"]
+    assert trace.count(2) >= len(trace) - 1 and got.stats.accepted_tokens == got.stats.drafted_tokens
+
+
 @pytest.mark.slow  # a minute: two decoders' programs to compile
 def test_a_decoder_opens_with_the_acceptance_its_warm_up_measured(pair):
     """A call's opening plan is the policy's choice for its batch (a static batch: judged by when
