@@ -126,7 +126,7 @@ class PolicyState:
         over them: (L / r)(1 - exp(-r / L)). Near a row's end the recent estimate decides; at its
         start the seed does. Before this, a hard start (on the tiny-8L pair at batch 1, one
         benchmark prompt rejects 4 of its first 12 drafts and accepts 85% after) turned
-        speculation off for the rest of 2-5 calls in 15, each then 5-10% slower than drafting
+        speculation off for the rest of 3 calls in 15, each then 5-10% slower than drafting
         throughout. Rows without a seed keep `alpha_b`.
         """
         r_b = xp.maximum(xp.asarray(remaining_b, xp.float32), 1.0)
@@ -150,7 +150,7 @@ class PolicyState:
         MEMORY_EVIDENCE) where that exceeds the rows' seed weights (at most 10 trials a row): at
         batch 1 the seed alone left a bonus of 0.06, which had calls open on a probe of k = 1 where
         the remembered acceptance said plain decoding was best; the probe then ran into a hard start
-        and each such call cost about 6% more than plain decoding.
+        and each such call cost 4-6% more than plain decoding.
         """
         seen = jnp.sum(self.trials_b) + jnp.maximum(jnp.sum(self.seed_trials_b), self.memory_trials)
         return jnp.minimum(1.0, self.alpha_b() + EXPLORE / jnp.sqrt(1.0 + seen))
