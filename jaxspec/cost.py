@@ -376,13 +376,19 @@ class StepTimeTracker:
         """Seconds per step of each plan: the prediction times its ratio."""
         return self.predicted_j * self.ratio()
 
+    def _doubts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per plan: contradicted (measured before the run, but scaled up by the error of kinds
+        that did run), doubtful (untried or contradicted) and stale (its last measurement
+        `retime_segments` segments old): what makes a plan a candidate for a trial."""
+        ratio_j, kind_ran_j = self._ratio()
+        contradicted_j = self.tried_j & ~kind_ran_j & (ratio_j > 1.0 + self.explore_margin)
+        return contradicted_j, ~self.tried_j | contradicted_j, self.segments - self.last_j >= self.retime_segments
+
     def in_doubt(self, chosen: int) -> bool:
         """Whether any plan besides `chosen` could be proposed for a trial (`explore`) on its
         doubt or age alone, before its goodput is weighed: the host skips predicting every plan's
         tokens (a drain count on the host, up to 0.6 ms at batch 1) when none could."""
-        ratio_j, kind_ran_j = self._ratio()
-        doubtful_j = ~self.tried_j | (self.tried_j & ~kind_ran_j & (ratio_j > 1.0 + self.explore_margin))
-        stale_j = self.segments - self.last_j >= self.retime_segments
+        _, doubtful_j, stale_j = self._doubts()
         return bool(np.any(np.delete(doubtful_j | stale_j, chosen)))
 
     def explore(self, chosen: int, tokens_j, baseline: int | None = None, steps: int = 4) -> int | None:
@@ -400,12 +406,8 @@ class StepTimeTracker:
             keeps all trials within `explore_budget` of the run's time (a drafting trial at
             batch 64 costs 2.5 plain steps per step, too dear early in a short run).
         """
-        ratio_j, kind_ran_j = self._ratio()
-        corrected_j = self.predicted_j * ratio_j
-        # Measured before the run, but scaled up by the error of kinds that did run.
-        contradicted_j = self.tried_j & ~kind_ran_j & (ratio_j > 1.0 + self.explore_margin)
-        doubtful_j = ~self.tried_j | contradicted_j
-        stale_j = self.segments - self.last_j >= self.retime_segments
+        corrected_j = self.corrected()
+        contradicted_j, doubtful_j, stale_j = self._doubts()
         tokens_j = np.asarray(tokens_j, np.float64)
         hopeful_j = tokens_j / np.where(contradicted_j, self.predicted_j, corrected_j)
         close_j = hopeful_j >= (1.0 - self.explore_margin) * tokens_j[chosen] / corrected_j[chosen]

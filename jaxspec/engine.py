@@ -351,7 +351,7 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     """Loop state for freshly prefilled rows: target and drafter caches, policy counts, and the
     policy's first choice.
 
-    Goodput policy: `acceptance` = (alpha, weight) seeds the live rows' acceptance counts
+    Goodput policy: `acceptance` = (alpha, weight[, memory trials]) seeds the live rows' acceptance counts
     (`policy.seed_acceptance`; None: the bare prior); `draining` (traced bool; None: unset) says
     no request waits for a slot, so the opening plan is judged by when the slowest row will be
     done (`policy.drain_tokens_per_step`). When the next plan is plain decoding (the opening
@@ -910,15 +910,16 @@ class SpeculativeDecoder:
                       drains: bool, trial, plan_index: int) -> tuple[int, int, int | None]:
         """The next segment's plan, its hold (`policy.hold`) and whether it is a timing trial
         (`StepTimeTracker.explore`), from the policy state the device left (read on the host)."""
-        choice, hold, alpha_b = int(policy.choice), int(policy.hold), policy.alpha_b()
+        choice, hold = int(policy.choice), int(policy.hold)
         decide_here = trial is not None and schedule.plans[plan_index].k == 0
         if not decide_here and not tracker.in_doubt(choice):
             return choice, hold, None
+        alpha_b = policy.alpha_b()
         if drains:
             tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, remaining_b, schedule.predict_ks, xp=np)
         else:
             tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
-        if trial is not None and schedule.plans[plan_index].k == 0 and tokens_j.size:
+        if decide_here and tokens_j.size:
             # The baseline was just measured: decide on the measurement now (the device chose
             # with the step times from before it).
             choice = int(np.argmax(tokens_j / tracker.corrected()))

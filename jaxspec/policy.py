@@ -113,7 +113,7 @@ class PolicyState:
         """Trials per row the estimate rests on: the row's own and its seed's."""
         return self.trials_b + self.seed_trials_b
 
-    def forecast_alpha_b(self, remaining_b, xp=jnp) -> jax.Array:
+    def forecast_alpha_b(self, remaining_b) -> jax.Array:
         """Per-row acceptance expected over the row's `remaining_b` tokens: the recent estimate
         `alpha_b` for the next few tokens, the seed's rate (what the drafter achieves over whole
         calls, `AcceptanceMemory`) beyond them.
@@ -129,10 +129,10 @@ class PolicyState:
         speculation off for the rest of 3 calls in 15, each then 5-10% slower than drafting
         throughout. Rows without a seed keep `alpha_b`.
         """
-        r_b = xp.maximum(xp.asarray(remaining_b, xp.float32), 1.0)
-        recent_b = xp.where(self.seed_trials_b > 0,
-                            FORECAST_TOKENS / r_b * (1.0 - xp.exp(-r_b / FORECAST_TOKENS)), 1.0)
-        seed_b = self.seed_accepted_b / xp.maximum(self.seed_trials_b, 1e-6)
+        r_b = jnp.maximum(jnp.asarray(remaining_b, jnp.float32), 1.0)
+        recent_b = jnp.where(self.seed_trials_b > 0,
+                             FORECAST_TOKENS / r_b * (1.0 - jnp.exp(-r_b / FORECAST_TOKENS)), 1.0)
+        seed_b = self.seed_accepted_b / jnp.maximum(self.seed_trials_b, 1e-6)
         return recent_b * self.alpha_b() + (1.0 - recent_b) * seed_b
 
     def planning_alpha_b(self) -> jax.Array:
