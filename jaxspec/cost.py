@@ -332,12 +332,28 @@ class StepTimeTracker:
         self.history.append((plan, steps, float(self.corrected()[plan]) + self.round_trip / steps, seconds / steps))
         self.measured_j *= self.decay
         self.expected_j *= self.decay
-        self.measured_j[plan] += steps_seconds(seconds, self.round_trip)
-        self.expected_j[plan] += steps * self.predicted_j[plan]
+        expected = steps * self.predicted_j[plan]
+        weight = self.evidence(expected)
+        self.measured_j[plan] += weight * steps_seconds(seconds, self.round_trip)
+        self.expected_j[plan] += weight * expected
         self._ratios = None
-        self.tried_j[plan] = True
         self.segments += 1
-        self.last_j[plan] = self.segments
+        if weight >= 0.5:   # a glimpse (steps shorter than the round trip) neither times a plan nor renews it
+            self.tried_j[plan] = True
+            self.last_j[plan] = self.segments
+
+    def evidence(self, expected_seconds: float) -> float:
+        """How much a segment whose steps are expected to take `expected_seconds` counts, from 0
+        to 1: expected / (expected + round trip). A segment's wall time is its steps plus a round
+        trip that jitters by a sizeable part of itself (1-step plain segments at batch 1 on the
+        tiny-8L pair: 1.5-2.1 ms, a 0.9 ms round trip and a 0.6 ms step), so a segment shorter than
+        its round trip says little about its steps. Each call's last token, decoded plainly after a
+        drain's switch, had moved plain decoding's time from its warm-up's 0.76 ms to 0.95-1.07 ms
+        over ten calls (its long segments in another decoder of the same process: 0.61-0.66 ms a
+        step), and had renewed its measurement's age each call, so it was never re-timed
+        (`explore`): in one process the decoder drafted on where plain decoding was 9% faster. Long
+        segments count fully; one weighed under 1/2 (a glimpse) does not count as timing its plan."""
+        return expected_seconds / (expected_seconds + self.round_trip) if self.round_trip > 0 else 1.0
 
     def new_call(self) -> None:
         """Starts a call's segment log (`history`); what the calls before measured counts
@@ -357,7 +373,11 @@ class StepTimeTracker:
         return self._ratio()[0]
 
     def _ratio(self) -> tuple[np.ndarray, np.ndarray]:
-        """`ratio`, and per plan whether its kind has run (else its prior is the other kinds')."""
+        """`ratio`, and per plan whether its kind has run: whether the kind's own segments carry at
+        least half the weight of its prior (else its ratio is mostly the other kinds'). A few short
+        segments do not count as a run: a drain's 1-step plain segments, weighed lightly
+        (`evidence`), would otherwise have spared a plain plan scaled up by the drafting plans'
+        error from its trial (`_doubts`)."""
         if self._ratios is not None:
             return self._ratios
         overall = self.overall_ratio()
@@ -367,7 +387,7 @@ class StepTimeTracker:
             expected = self.expected_j[members].sum()
             if expected > 0:
                 prior_j[members] = (self.measured_j[members].sum() + overall * weight) / (expected + weight)
-                ran_j[members] = True
+                ran_j[members] = expected >= 0.5 * weight
         weight_j = self.prior_steps * self.predicted_j
         self._ratios = ((self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j), ran_j)
         return self._ratios
