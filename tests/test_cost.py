@@ -396,3 +396,27 @@ def test_a_calls_last_plain_token_neither_skews_nor_renews_plain_decodings_time(
         choices.append(choice)
     assert choices[-12:].count(0) >= 8, choices
     assert abs(tracker.corrected()[0] / true[0] - 1) < 0.05, tracker.corrected()
+
+
+def test_a_plan_due_for_re_timing_is_judged_by_its_own_last_measurement():
+    """Drafting runs 14% behind its warm-up time (not enough to contradict the other kind's
+    warm-up); plain decoding, not run since its warm-up, is scaled up by that error and by its
+    corrected time falls outside the margin. Once its warm-up time is `retime_segments` segments
+    old it is re-timed all the same, as by that time it is within the margin; a plan far behind by
+    both is not."""
+    warm = np.array([0.70, 1.80, 2.0])
+    tokens = np.array([1.0, 3.1, 2.0])
+    tracker = StepTimeTracker(warm, kinds=[False, True, True], measured=[True] * 3, retime_segments=12)
+    for _ in range(11):
+        tracker.observe(1, 31, 31 * 1.14 * warm[1])
+        assert tracker.explore(1, tokens, baseline=0, steps=64) is None
+    corrected = tracker.corrected()
+    assert tokens[0] / corrected[0] < 0.85 * tokens[1] / corrected[1] < tokens[0] / warm[0], corrected
+    tracker.observe(1, 31, 31 * 1.14 * warm[1])
+    assert tracker.explore(1, tokens, baseline=0, steps=64) == 0
+    tracker.observe(0, 64, 64 * 0.6, trial=True)
+    assert np.argmax(tokens / tracker.corrected()) == 0
+    # Plan 2 is stale too, but a third behind plan 1 by its warm-up time: never trialled.
+    for _ in range(8):
+        tracker.observe(0, 95, 95 * 0.6)
+        assert tracker.explore(0, tokens, steps=4) != 2
