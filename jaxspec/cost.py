@@ -271,7 +271,8 @@ class StepTimeTracker:
     plan look that much dearer, plain decoding included, and kept the policy drafting), or its last
     measurement is `retime_segments` segments old (a decoder keeps its tracker across calls, so
     the runner-up is re-timed now and then instead of being judged forever by a warm-up). A plan in
-    the second case is judged by its own measurement, not scaled up by the others' error. Trials
+    the second or third case is judged by its own warm-up time (or the profile's) where that is
+    the better one, not only as scaled by the others' error. Trials
     are held to `explore_budget` of the time observed so far, their own included, so a short run
     is not spent exploring a flat goodput curve.
 
@@ -429,8 +430,8 @@ class StepTimeTracker:
         corrected_j = self.corrected()
         contradicted_j, doubtful_j, stale_j = self._doubts()
         tokens_j = np.asarray(tokens_j, np.float64)
-        # A plan in doubt or due for re-timing may be as fast as it was last measured: its corrected
-        # time scales it by the other plans' error, which is the machine's drift only if the error
+        # A plan in doubt or due for re-timing may be as fast as its warm-up (or profile) said: its
+        # corrected time scales it by the other plans' error, which is the machine's drift only if the error
         # is not theirs alone (at batch 1 a decoder's drafting ran 15% behind its warm-up, where
         # plain decoding, by the autoregressive loop beside it, ran 15% ahead of its own; plain,
         # scaled up by drafting's error, never came within the margin again, and the decoder

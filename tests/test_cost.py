@@ -398,7 +398,7 @@ def test_a_calls_last_plain_token_neither_skews_nor_renews_plain_decodings_time(
     assert abs(tracker.corrected()[0] / true[0] - 1) < 0.05, tracker.corrected()
 
 
-def test_a_plan_due_for_re_timing_is_judged_by_its_own_last_measurement():
+def test_a_plan_due_for_re_timing_is_judged_by_its_warm_up_time_too():
     """Drafting runs 14% behind its warm-up time (not enough to contradict the other kind's
     warm-up); plain decoding, not run since its warm-up, is scaled up by that error and by its
     corrected time falls outside the margin. Once its warm-up time is `retime_segments` segments
