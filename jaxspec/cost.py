@@ -431,11 +431,11 @@ class StepTimeTracker:
         contradicted_j, doubtful_j, stale_j = self._doubts()
         tokens_j = np.asarray(tokens_j, np.float64)
         # A plan in doubt or due for re-timing may be as fast as its warm-up (or profile) said: its
-        # corrected time scales it by the other plans' error, which is the machine's drift only if the error
-        # is not theirs alone (at batch 1 a decoder's drafting ran 15% behind its warm-up, where
-        # plain decoding, by the autoregressive loop beside it, ran 15% ahead of its own; plain,
-        # scaled up by drafting's error, never came within the margin again, and the decoder
-        # drafted on, 9% behind the autoregressive loop).
+        # corrected time scales it by the other plans' error, which is the machine's drift only if
+        # the error is not theirs alone (at batch 1 a decoder's drafting ran 15% behind its
+        # warm-up, where plain decoding, by the autoregressive loop beside it, ran 15% ahead of its
+        # own; plain, scaled up by drafting's error, never came within the margin again, and the
+        # decoder drafted on, 9% behind the autoregressive loop).
         hopeful_j = tokens_j / np.where(contradicted_j | stale_j, np.minimum(self.predicted_j, corrected_j),
                                         corrected_j)
         close_j = hopeful_j >= (1.0 - self.explore_margin) * tokens_j[chosen] / corrected_j[chosen]
