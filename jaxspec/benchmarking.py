@@ -84,6 +84,19 @@ def round_robin(fns: dict[str, Callable[[Callable | None], Any]], rounds: int):
             {label: np.asarray(v) for label, v in latencies.items()})
 
 
+def median_interval(samples, level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval of the median of `samples` (e.g. a configuration's ratio to
+    another within each timed round): how far the reported median could move were the rounds
+    drawn again, so a goal a few percent from the median can be read against the noise."""
+    x = np.asarray(samples, np.float64).ravel()
+    if x.size == 0 or not 0.0 < level < 1.0:
+        raise ValueError(f"median_interval needs samples and a level in (0, 1), got {x.size} samples, {level!r}")
+    draws = np.random.default_rng(seed).integers(0, x.size, (resamples, x.size))
+    medians = np.median(x[draws], axis=1)
+    tail = 100.0 * (1.0 - level) / 2.0
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100.0 - tail))
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     """A GitHub-markdown table of dict rows (floats to 3 significant digits)."""
     columns = list(columns or rows[0].keys())

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import RESULTS_DIR, layer_skip_pair, machine, table, write_results
+from jaxspec.benchmarking import RESULTS_DIR, layer_skip_pair, machine, median_interval, table, write_results
 from jaxspec.cost import CostModel
 from jaxspec.drafters import ModelDrafter
 from jaxspec.engine import cache_length, time_steps
@@ -67,7 +67,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, int(n)).tolist() for n in rng.integers(8, 48, max(args.batches))]
     kmax = max(args.ks)
-    rows = []
+    rows, round_seconds = [], {}
     for batch in args.batches:
         ids = prompts[:batch]
         configs = [("autoregressive", None)]
@@ -114,6 +114,7 @@ def main() -> None:
                    "tok_s": tokens / float(np.median(secs[label])),
                    "vs_ar": float(np.median(secs["autoregressive"] / secs[label])),
                    "vs_best_fixed": float(np.median(best_fixed_s / secs[label])),
+                   "vs_best_fixed_90": "{:.3f}-{:.3f}".format(*median_interval(best_fixed_s / secs[label])),
                    "steps": s.steps, "draft_len": s.mean_draft_length,
                    "acceptance": s.acceptance_rate if spec is not None else None,
                    "same_output": res.tokens == reference}
@@ -144,6 +145,7 @@ def main() -> None:
             batch_rows.append(row)
             print(table([row], COLUMNS), flush=True)
         rows += batch_rows
+        round_seconds[batch] = {label: v.tolist() for label, v in secs.items()}
         jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
     m = machine()
     md = "\n".join([
@@ -152,7 +154,8 @@ def main() -> None:
         f"timed once per round for {args.rounds} rounds; `vs_ar` and `vs_best_fixed` are medians over rounds of "
         "ratios within a round (this shared VM's speed drifts by tens of percent over minutes, so times from "
         "different moments are not comparable); the best fixed configuration is the fixed one with the best median "
-        "time (`best_fixed`). `step_ms`: one decode step at the run's compiled shape timed in a compiled loop, "
+        "time (`best_fixed`); `vs_best_fixed_90`: a 90% bootstrap interval of that median over the rounds. "
+        "`step_ms`: one decode step at the run's compiled shape timed in a compiled loop, "
         "against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall time per step of "
         "the segments after each run's first, pooled over the rounds (the loop returns to the host between segments, "
         "round trip included), against the step times the policy predicted for them (each plan's steps timed at warm-"
@@ -167,11 +170,13 @@ def main() -> None:
         "", table(rows, COLUMNS), "", f"![goodput]({args.name}.png)"])
     plot(rows, args.batches, RESULTS_DIR / f"{args.name}.png")
     print("\n" + md)
-    write_results(args.name, {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows}, md)
+    write_results(args.name, {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
+                              "round_seconds": round_seconds}, md)
 
 
-COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "step_ms", "predicted_step_ms",
-           "prediction_error", "segment_errors", "steps", "draft_len", "acceptance", "k_used", "same_output"]
+COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "vs_best_fixed_90", "step_ms",
+           "predicted_step_ms", "prediction_error", "segment_errors", "steps", "draft_len", "acceptance", "k_used",
+           "same_output"]
 
 
 def plot(rows, batches, path):
