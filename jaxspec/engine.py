@@ -369,7 +369,7 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
         policy = policy.replace(choice=policy_lib.opening_choice(
             policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain,
             entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b),
-            switch_seconds=seconds["round_trip"]))
+            switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds)))
         state = state.replace(policy=_with_hold(policy, ~state.done_b, schedule, seconds, backlog_b, drain))
         next_choice = policy.choice if next_choice is None else jnp.where(next_choice < 0, policy.choice,
                                                                            next_choice)
@@ -385,6 +385,15 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     return state
 
 
+def _tetris_plan(schedule: Schedule, seconds) -> policy_lib.TetrisPlan | None:
+    """The goodput policy's view of the schedule's TETRIS plan (`policy.goodput_of_ks`), if any."""
+    j = next((j for j, plan in enumerate(schedule.plans) if plan.capacities is not None), None)
+    if j is None:
+        return None
+    plan = schedule.plans[j]
+    return policy_lib.TetrisPlan(j, plan.k, plan.capacities, seconds["capacities"])
+
+
 def _drain(state: DecodeState, max_new_b, draining):
     """The goodput policy's view of a draining batch (`policy.goodput_of_ks`), None if unset."""
     return None if draining is None else (max_new_b - state.n_out_b, draining)
@@ -398,8 +407,8 @@ def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, secon
 
     def horizon():
         return policy_lib.plain_horizon(policy, live_b, schedule.predict_ks, seconds["plans"], drain=drain,
-                                        switch_seconds=seconds["round_trip"],
-                                        entry=(seconds["position"], backlog_b)).astype(jnp.int32)
+                                        switch_seconds=seconds["round_trip"], entry=(seconds["position"], backlog_b),
+                                        tetris=_tetris_plan(schedule, seconds)).astype(jnp.int32)
 
     # A branch: the look-ahead costs about 0.9 ms at batch 1 on XLA:CPU, and a drafting plan has no hold.
     return policy.replace(hold=jax.lax.cond(plain, horizon, lambda: jnp.int32(0)))
@@ -504,7 +513,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     def choose(state, optimistic, current=None):
         return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic,
                                    current, drain=_drain(state, max_new_b, draining),
-                                   switch_seconds=seconds["round_trip"])
+                                   switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds))
 
     def body(state):
         state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
@@ -534,7 +543,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         if not choose_each_step:
             policy = policy.replace(choice=policy_lib.probe_choice(
                 policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain=drain,
-                switch_seconds=seconds["round_trip"],
+                switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds),
                 entry_seconds=policy_lib.draft_entry_seconds(seconds["position"], backlog_b, ~state.done_b)))
         return _with_hold(policy, ~state.done_b, schedule, seconds, backlog_b, drain)
 
@@ -975,7 +984,7 @@ class SpeculativeDecoder:
         TETRIS with capacity=None spends C = N * k over the N real requests: the budget standard
         speculative decoding with k spends, the paper's fair comparison. The program is compiled
         for C rounded up to a bucket and selects exactly C inside it. The goodput policy compiles
-        one branch per candidate: k = 0..k (standard), or k = 0..k-1 and TETRIS with a few
+        one branch per candidate: k = 0..k (standard), or k = 0..k+extra-1 and TETRIS with a few
         candidate budgets up to C.
         """
         spec, big_k = self.spec, self.spec.draft_len
@@ -998,13 +1007,17 @@ class SpeculativeDecoder:
                                threshold=threshold)
         # Drafting k + extra positions costs the same whatever budget is then verified, so where
         # the batch's best budget is small (few rows, or acceptance that does not pay for the
-        # extra drafts) standard draft lengths below k are the cheaper choice: k = 1 is also the
-        # opening probe (`policy.opening_choice`). With only k = 1 besides plain decoding and
-        # TETRIS, batch-1 decoders of the tiny-8L pair decoded plainly and ran 0-10% behind the
-        # best fixed configuration in eight runs (5% at the median).
+        # extra drafts) a standard window is the cheaper choice: every draft length below k +
+        # extra is offered (k = 1 is also the opening probe, `policy.opening_choice`). The TETRIS
+        # plan stands for k where a draft length is needed (the host's trial proposals, a drain)
+        # and is otherwise judged by its best budget (`policy.tetris_goodput`). With only k = 1
+        # besides plain decoding and TETRIS, batch-1 decoders of the tiny-8L pair decoded plainly
+        # and ran 0-10% behind the best fixed configuration in eight runs (5% at the median); with
+        # k = 1..k - 1 and TETRIS judged as k, one at SmolLM2 shapes ran k = 3 at batch 1, 9% behind
+        # the best fixed k (5).
         standard = tuple(StepPlan(k=j, cache_len=cache_len, threshold=threshold if j else None)
-                         for j in range(spec.k))
-        return Schedule(plans=standard + (tetris_plan,), predict_ks=tuple(range(spec.k + 1))), 0
+                         for j in range(big_k))
+        return Schedule(plans=standard + (tetris_plan,), predict_ks=tuple(range(big_k)) + (spec.k,)), 0
 
     def _warm_up(self, schedule: Schedule, rows_in, eos_t, budget_t, predicted, static, put) -> _Warm:
         """Goodput: compiles every plan's program and runs it on a scratch state prefilled with

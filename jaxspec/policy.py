@@ -27,6 +27,7 @@ one step's expected tokens summed over rows.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -374,7 +375,19 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool 
     return xp.sum(r_b) / xp.maximum(steps_j, 1e-6)
 
 
-def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool = True):
+class TetrisPlan(NamedTuple):
+    """The goodput policy's view of a TETRIS plan among its candidates: plan `index` drafts
+    `draft_len` positions per row, then verifies the best C of them across the batch, C chosen
+    among `capacities` (static), each with its predicted step time `seconds_c` (traced)."""
+
+    index: int
+    draft_len: int
+    capacities: tuple[int, ...]
+    seconds_c: jax.Array
+
+
+def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool = True,
+                  tetris: TetrisPlan | None = None):
     """Predicted goodput (tokens per second) of each candidate draft length.
 
     Args:
@@ -388,19 +401,49 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool 
         draft length is worth until the slowest row is done (`drain_tokens_per_step`) instead of
         the expected tokens of one step summed over rows.
       exact_drain: static; False keeps `drain_tokens_per_step` to its normal approximation.
+      tetris: the TETRIS plan among the candidates, if any. Its goodput is that of its best budget
+        (`tetris_goodput`), not that of the standard draft length it stands for in `ks`: at batch 1
+        the TETRIS plan of a k = 4, extra = 2 decoder verifies up to 6 drafts, and judged as k = 4
+        at the cost of drafting 6 it lost to standard k = 3, 9% behind the best fixed k (5) at
+        SmolLM2 shapes. While the batch drains, that goodput is discounted by the drain rule's
+        factor for the length it stands for.
     """
     ks_j = jnp.asarray(ks, jnp.float32)
-    tokens_j = jnp.sum(jnp.where(live_b[None, :], expected_tokens_per_step(alpha_b[None, :], ks_j[:, None]), 0.0),
-                       axis=1)
+    step_tokens_j = jnp.sum(jnp.where(live_b[None, :], expected_tokens_per_step(alpha_b[None, :], ks_j[:, None]),
+                                      0.0), axis=1)
+    tokens_j = step_tokens_j
     if drain is not None:
         remaining_b, draining = drain
         tokens_j = jnp.where(draining, drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, exact=exact_drain),
                              tokens_j)
-    return tokens_j / seconds_j
+    goodput_j = tokens_j / seconds_j
+    if tetris is not None:
+        # While the batch drains, the best budget's goodput is discounted as the drain rule
+        # discounts the length the plan stands for (what the slowest row's last steps waste).
+        j = tetris.index
+        discount = tokens_j[j] / jnp.maximum(step_tokens_j[j], 1e-30)
+        goodput_j = goodput_j.at[j].set(jnp.max(tetris_goodput(alpha_b, live_b, tetris)) * discount)
+    return goodput_j
+
+
+def tetris_goodput(alpha_b, live_b, tetris: TetrisPlan):
+    """Predicted goodput of each budget of a TETRIS plan, before drafting: the j-th draft of a row
+    survives with probability alpha^j (its cumulative acceptance), so the C slots TETRIS verifies
+    are the C largest of those over the live rows' `draft_len` positions
+    (`goodput_of_capacities`, with the geometric model's probabilities for the drafts' calibrated
+    ones)."""
+    j_k = jnp.arange(1, tetris.draft_len + 1, dtype=jnp.float32)
+    log_alpha_b = jnp.log(jnp.clip(jnp.asarray(alpha_b, jnp.float32), 0.0, 1.0))
+    cum_bk = jnp.where(live_b[:, None], j_k[None, :] * log_alpha_b[:, None], -jnp.inf)
+    # The budgets are the whole batch's; a refill plans for its new rows only, fewer slots.
+    slots = max(cum_bk.size, max(tetris.capacities))
+    cum_flat = jnp.full((slots,), -jnp.inf, jnp.float32).at[:cum_bk.size].set(cum_bk.reshape(-1))
+    return goodput_of_capacities(cum_flat, jnp.sum(live_b), tetris.capacities, tetris.seconds_c)
 
 
 def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True, current=None,
-             margin: float = SWITCH_MARGIN, drain=None, switch_seconds=0.0) -> jax.Array:
+             margin: float = SWITCH_MARGIN, drain=None, switch_seconds=0.0,
+             tetris: TetrisPlan | None = None) -> jax.Array:
     """Index into `ks` of the candidate with the highest predicted goodput (first on ties).
 
     Args:
@@ -422,11 +465,12 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
       drain: as in `goodput_of_ks`.
       switch_seconds: what a switch costs (the host round trip). While the batch drains, a switch
         must also save more than that over the rest of the run (`_saves_a_switch`).
+      tetris: as in `goodput_of_ks`.
     """
     alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
-    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain)
+    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain, tetris=tetris)
     if not optimistic and drain is not None:
-        goodput_j = _stopping_judged_ahead(state, live_b, ks, seconds_j, goodput_j, drain[0])
+        goodput_j = _stopping_judged_ahead(state, live_b, ks, seconds_j, goodput_j, drain[0], tetris)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
@@ -436,7 +480,7 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     return jnp.where(switch, best, jnp.int32(current))
 
 
-def _stopping_judged_ahead(state: PolicyState, live_b, ks, seconds_j, goodput_j, remaining_b):
+def _stopping_judged_ahead(state: PolicyState, live_b, ks, seconds_j, goodput_j, remaining_b, tetris=None):
     """`goodput_j` with plain decoding's scaled down by how much more the best drafting plan is
     worth over the rows' remaining tokens (`forecast_alpha_b`) than over their next few (`alpha_b`).
 
@@ -451,8 +495,8 @@ def _stopping_judged_ahead(state: PolicyState, live_b, ks, seconds_j, goodput_j,
     to the end, each 5-10% slower than drafting throughout; the ratio uses one step's expected
     tokens (not the drain rule's count, which costs 7-40 us a step on XLA:CPU)."""
     drafting_j = jnp.asarray(ks) > 0
-    recent_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j)
-    ahead_j = goodput_of_ks(state.forecast_alpha_b(remaining_b), live_b, ks, seconds_j)
+    recent_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, tetris=tetris)
+    ahead_j = goodput_of_ks(state.forecast_alpha_b(remaining_b), live_b, ks, seconds_j, tetris=tetris)
     best_recent = jnp.max(jnp.where(drafting_j, recent_j, 0.0))
     best_ahead = jnp.max(jnp.where(drafting_j, ahead_j, 0.0))
     factor = jnp.minimum(1.0, best_recent / jnp.maximum(best_ahead, 1e-30))
@@ -497,7 +541,8 @@ def draft_entry_seconds(position_seconds, backlog_b, live_b):
 
 
 def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWITCH_MARGIN, drain=None,
-                 switch_seconds=0.0, entry_seconds=0.0, exact_drain: bool = True) -> jax.Array:
+                 switch_seconds=0.0, entry_seconds=0.0, exact_drain: bool = True,
+                 tetris: TetrisPlan | None = None) -> jax.Array:
     """The next plan while speculation is off: a probe with the cheapest drafting plan (the
     smallest k > 0) if, under the optimistic estimate, some k > 0 beats plain decoding's
     predicted goodput by more than `margin`, and its gain over the live rows' remaining tokens
@@ -517,14 +562,14 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     k after `MIN_SEGMENT` steps of evidence. The margin is the switch margin of `choose_k` (the
     running plan is plain decoding): where the best hope is a tie (batch 64, a k = 1 step costing
     1.9 plain steps), a probe cannot gain and costs the draft's prefill, 6% of such a run.
-    `exact_drain` as in `goodput_of_ks`.
+    `exact_drain` and `tetris` as in `goodput_of_ks`.
     """
     ks_j = jnp.asarray(ks)
-    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j, drain, exact_drain)
+    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j, drain, exact_drain, tetris)
     plain = ks.index(0)
     cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
     hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
-    expected_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j)
+    expected_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, tetris=tetris)
     shortfall = jnp.clip(1.0 - expected_j[cheapest] / jnp.maximum(expected_j[plain], 1e-30), 0.0, 1.0)
     probe_loss = PROBE_STEPS * seconds_j[cheapest] * shortfall
     probe = ((hope > (1.0 + margin) * goodput_j[plain])
@@ -533,20 +578,22 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
 
 
 def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None, entry_seconds=0.0,
-                   switch_seconds=0.0) -> jax.Array:
+                   switch_seconds=0.0, tetris: TetrisPlan | None = None) -> jax.Array:
     """The first plan of a run, before it has observed anything: the plan the estimate (the seeded
     counts, or the bare prior) expects to be best, if it drafts and its gain over plain decoding
     pays for `entry_seconds` (the drafter's prefill, which plain decoding skips: `_saves_a_switch`);
     else `probe_choice` (speculation is probed if, under the optimistic estimate, it beats plain
     decoding by the switch margin and pays for its entry, its own steps and, while the batch
-    drains, `switch_seconds`: the round trip back to plain decoding if it fails)."""
-    goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain)
+    drains, `switch_seconds`: the round trip back to plain decoding if it fails). `tetris` as in
+    `goodput_of_ks`."""
+    goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain, tetris=tetris)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     plain = ks.index(0)
     drafts = ((jnp.asarray(ks)[best] > 0)
               & _saves_a_switch(goodput_j[plain], goodput_j[best], live_b, drain, 0.0, entry_seconds))
     return jnp.where(drafts, best, probe_choice(state, live_b, ks, seconds_j, drain=drain,
-                                                switch_seconds=switch_seconds, entry_seconds=entry_seconds))
+                                                switch_seconds=switch_seconds, entry_seconds=entry_seconds,
+                                                tetris=tetris))
 
 
 # Step counts at which `plain_horizon` looks ahead: 4 * 2^(g/4), 4 to 1024 steps.
@@ -554,7 +601,7 @@ HORIZON_GRID = tuple(sorted({int(round(4 * 2 ** (g / 4))) for g in range(33)}))
 
 
 def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, drain=None,
-                  switch_seconds=0.0, entry=None) -> jax.Array:
+                  switch_seconds=0.0, entry=None, tetris: TetrisPlan | None = None) -> jax.Array:
     """Plain decoding steps until the aged optimistic estimate would probe speculation again
     (`probe_choice`).
 
@@ -569,7 +616,8 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, 
     each plain step looked ahead adds a position to every row's backlog. The look-ahead keeps the
     drain rule to its normal approximation: under `vmap` the exact count's branch is not skipped,
     and it made one look-ahead 3 ms dearer at batch 1 on XLA:CPU (the probe on return counts
-    exactly, so a look-ahead misjudging the last tokens costs at most a round trip).
+    exactly, so a look-ahead misjudging the last tokens costs at most a round trip). `tetris` as
+    in `goodput_of_ks`.
     """
     def probes(steps):
         live, ahead = live_b, None
@@ -579,7 +627,7 @@ def plain_horizon(state: PolicyState, live_b, ks, seconds_j, grid=HORIZON_GRID, 
             live = jnp.where(draining, live_b & (remaining_b > steps), live_b)
         entry_seconds = 0.0 if entry is None else draft_entry_seconds(entry[0], entry[1] + steps, live)
         choice = probe_choice(age(state, steps), live, ks, seconds_j, drain=ahead, switch_seconds=switch_seconds,
-                              entry_seconds=entry_seconds, exact_drain=False)
+                              entry_seconds=entry_seconds, exact_drain=False, tetris=tetris)
         return jnp.asarray(ks)[choice] > 0
 
     grid_g = jnp.asarray(grid, jnp.int32)
