@@ -45,7 +45,9 @@ bench-tetris: $(STAMP)
 	$(BIN)/python scripts/bench_tetris.py --part qwen --name bench_tetris_qwen
 
 bench-goodput: $(STAMP)
-	$(BIN)/python scripts/bench_goodput.py
+	$(BIN)/python scripts/bench_goodput.py --rounds 30
+	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 --rounds 30 --name bench_goodput_smollm2
+	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 16 --rounds 10 --name bench_goodput_smollm2_b16
 
 mesh-sweep: $(STAMP)
 	$(BIN)/python scripts/mesh_sweep.py
