@@ -321,6 +321,11 @@ class Schedule:
     def drafts(self) -> bool:
         return any(plan.k > 0 for plan in self.plans)
 
+    @property
+    def tetris_index(self) -> int | None:
+        """The goodput policy's TETRIS plan (the one that searches budgets), if any."""
+        return next((j for j, plan in enumerate(self.plans) if plan.capacities is not None), None)
+
 
 def initial_state(target_graphdef, sampling: SamplingConfig, target_params, tokens_bp, prompt_len_b, max_new_b,
                   request_keys_b, eos_id, *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
@@ -387,7 +392,7 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
 
 def _tetris_plan(schedule: Schedule, seconds) -> policy_lib.TetrisPlan | None:
     """The goodput policy's view of the schedule's TETRIS plan (`policy.goodput_of_ks`), if any."""
-    j = next((j for j, plan in enumerate(schedule.plans) if plan.capacities is not None), None)
+    j = schedule.tetris_index
     if j is None:
         return None
     plan = schedule.plans[j]
@@ -1146,7 +1151,7 @@ class SpeculativeDecoder:
         here once per call and passed in traced (a new cost model does not recompile)."""
         cost, spec = self.spec.cost_model, self.spec
         plans = schedule.plans if schedule.predict_ks is not None else ()
-        caps = next((p.capacities for p in plans if p.capacities is not None), ())
+        caps = () if schedule.tetris_index is None else schedule.plans[schedule.tetris_index].capacities
         # Measured at warm-up (0 until then): "round_trip", a segment's seconds besides its steps;
         # "position", the drafter's seconds per position fed to catch up (`policy.draft_entry_seconds`).
         measured = {"round_trip": np.float32(0.0), "position": np.float32(0.0)}
@@ -1192,8 +1197,7 @@ def _segment_outputs(state: DecodeState, max_new_b=None):
 def _scaled(predicted: dict[str, np.ndarray], ratio_j: np.ndarray, schedule: Schedule) -> dict[str, np.ndarray]:
     """Predicted step times with each plan's scaled by `ratio_j`; a TETRIS plan's budgets follow
     that plan's ratio."""
-    tetris_j = [j for j, p in enumerate(schedule.plans) if p.capacities is not None]
-    caps_ratio = ratio_j[tetris_j[0]] if tetris_j else 1.0
+    caps_ratio = 1.0 if schedule.tetris_index is None else ratio_j[schedule.tetris_index]
     return {**predicted, "plans": (predicted["plans"] * ratio_j).astype(np.float32),
             "capacities": (predicted["capacities"] * caps_ratio).astype(np.float32)}
 
