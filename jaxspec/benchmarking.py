@@ -148,3 +148,39 @@ def layer_skip_pair(config, *, draft_layers: int, damping: float, sharpness: flo
     target = Model(config, params)
     draft = Model(config.replace(num_layers=draft_layers, name=f"{config.name}-first{draft_layers}"), draft_params)
     return target, draft
+
+
+def skeleton_pair(target_config, draft_config, *, damping: float, sharpness: float = 4.0, seed: int = 0,
+                  dtype="float32"):
+    """A random target and draft of different shapes (e.g. the qwen2.5-1.5b and -0.5b presets)
+    whose greedy choices agree where their layers are quiet, for timing a real pair's step shapes
+    with a controlled acceptance.
+
+    Both are untied (the head costs what a tied one does; only the embedding is stored twice). The
+    draft's embedding and head are random; the target's are the draft's, zero-padded to its width,
+    so with no layers both would compute the same random bigram map. Every layer of both writes
+    into the residual stream scaled by `damping`, a context-dependent perturbation that flips the
+    argmax where the bigram map's top logits are close: acceptance falls as `damping` grows.
+    `sharpness` scales both final norms. Needs draft width <= target width and one vocabulary.
+    """
+    from jaxspec.models.model import Model
+
+    if draft_config.vocab_size != target_config.vocab_size or draft_config.hidden_size > target_config.hidden_size:
+        raise ValueError("skeleton_pair needs one vocabulary and a draft no wider than the target, got "
+                         f"vocab {draft_config.vocab_size} / {target_config.vocab_size}, width "
+                         f"{draft_config.hidden_size} / {target_config.hidden_size}")
+    target_config = target_config.replace(tie_word_embeddings=False)
+    draft_config = draft_config.replace(tie_word_embeddings=False)
+
+    def quiet(params):
+        params = dict(params, final_norm={"scale": params["final_norm"]["scale"] * sharpness})
+        params["layers"] = {i: dict(layer, o_nhd=layer["o_nhd"] * damping, down_fd=layer["down_fd"] * damping)
+                            for i, layer in params["layers"].items()}
+        return params
+
+    draft_params = quiet(Model.random(draft_config, seed=seed, dtype=dtype).params)
+    target_params = quiet(Model.random(target_config, seed=seed + 1, dtype=dtype).params)
+    pad = target_config.hidden_size - draft_config.hidden_size
+    target_params["embed_vd"] = jax.numpy.pad(draft_params["embed_vd"], ((0, 0), (0, pad)))
+    target_params["lm_head_dv"] = jax.numpy.pad(draft_params["lm_head_dv"], ((0, pad), (0, 0)))
+    return Model(target_config, target_params, dtype=dtype), Model(draft_config, draft_params, dtype=dtype)

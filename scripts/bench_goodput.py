@@ -20,19 +20,48 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import RESULTS_DIR, layer_skip_pair, machine, median_interval, table, write_results
+from jaxspec.benchmarking import (
+    RESULTS_DIR,
+    layer_skip_pair,
+    machine,
+    median_interval,
+    skeleton_pair,
+    table,
+    write_results,
+)
 from jaxspec.cost import CostModel
 from jaxspec.drafters import ModelDrafter
 from jaxspec.engine import cache_length, time_steps
 
 PAIRS = {
-    # name: (config, draft layers, damping, sharpness)
+    # name: (target config, draft config or None, draft layers, damping, sharpness). None: the
+    # draft is the target's first layers (`layer_skip_pair`); else a pair of its own shape
+    # (`skeleton_pair`), for the real pair's step shapes with a controlled acceptance.
     "tiny-8L": (jaxspec.ModelConfig(vocab_size=2048, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=2,
                                     intermediate_size=768, max_position_embeddings=2048, tie_word_embeddings=True,
-                                    name="tiny-8L"), 2, 0.06, 6.0),
+                                    name="tiny-8L"), None, 2, 0.06, 6.0),
     "smollm2-shape": (jaxspec.ModelConfig.preset("smollm2-135m").replace(vocab_size=8192, name="smollm2-v8k"),
-                      4, 0.04, 6.0),
+                      None, 4, 0.04, 6.0),
+    # Acceptance 0.75-0.8 at damping 5e-4 and 0.6-0.75 at 1e-3 (float32 on CPU, argmax agreement
+    # along the target's greedy path and on random contexts).
+    "qwen2.5-shape": (jaxspec.ModelConfig.preset("qwen2.5-1.5b"), jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
+                      None, 7e-4, 6.0),
 }
+
+
+def build_pair(name: str, dtype: str):
+    """(target, draft, a sentence describing the pair) for PAIRS[name]."""
+    config, draft_config, layers, damping, sharpness = PAIRS[name]
+    if draft_config is None:
+        if dtype != "float32":
+            raise ValueError(f"--dtype {dtype} needs a pair with a draft of its own shape, not {name}")
+        target, draft = layer_skip_pair(config, draft_layers=layers, damping=damping, sharpness=sharpness)
+        return target, draft, (f"Pair `{name}` (random weights; the draft is the target's first {layers} layers, "
+                                f"deeper layers damped by {damping})")
+    target, draft = skeleton_pair(config, draft_config, damping=damping, sharpness=sharpness, dtype=dtype)
+    return target, draft, (f"Pair `{name}`: a random {config.name}-shaped target and {draft_config.name}-shaped "
+                           f"draft in {dtype} (untied heads; the target's embedding and head are the draft's, "
+                           f"zero-padded; every layer of both damped by {damping}: `benchmarking.skeleton_pair`)")
 
 
 def profile_batches(batches):
@@ -49,42 +78,81 @@ def generate_fn(decoder, target, ids, new_tokens):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="tiny-8L", choices=sorted(PAIRS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    parser.add_argument("--tetris", action=argparse.BooleanOptionalAction, default=True,
+                        help="also fixed-k TETRIS and the goodput policy with TETRIS")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds over all configurations")
     parser.add_argument("--cost-model", help="use this cost model JSON instead of profiling first")
-    parser.add_argument("--name", default="bench_goodput")
+    parser.add_argument("--profile-ks", type=int, nargs="+", default=[0, 1, 2, 4, 6])
+    parser.add_argument("--profile-per-batch", action="store_true",
+                        help="profile each batch's own shapes (--profile-ks at its cache size and twice that) just "
+                             "before benchmarking it, refitting over every point so far, instead of a grid first")
+    parser.add_argument("--deadline", type=float,
+                        help="start no batch after this many seconds (results are written after every batch)")
+    parser.add_argument("--name", default="bench_goodput", help="output name under docs/results (or a path)")
     args = parser.parse_args()
-    config, layers, damping, sharpness = PAIRS[args.pair]
-    target, draft = layer_skip_pair(config, draft_layers=layers, damping=damping, sharpness=sharpness)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    target, draft, pair_text = build_pair(args.pair, args.dtype)
+    config = target.config
+    out = RESULTS_DIR / args.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    provenance = dict(target_name=config.name, draft_name=draft.config.name, dtype=str(target.dtype), mesh_shape=(),
+                      device_kind=jax.devices()[0].device_kind)
+    points = []   # profiled steps (batch, k, cache size, seconds)
+    cost = None
     if args.cost_model:
         cost = CostModel.load(args.cost_model)
-    else:
+    elif not args.profile_per_batch:
         start = time.perf_counter()
         cost = CostModel.profile(target, draft, batches=profile_batches(args.batches),
-                                 ks=(0, 1, 2, 4, 6), cache_lens=(128, 256), repeats=3)
+                                 ks=tuple(args.profile_ks), cache_lens=(128, 256), repeats=3)
         print(f"profiled in {time.perf_counter() - start:.0f} s: R^2 {cost.fit['step']['r2']:.3f}, worst held-out "
               f"error {cost.fit['step']['worst_heldout_rel_error']:.1%}", flush=True)
-        cost.save(RESULTS_DIR / f"{args.name}_cost_model.json")
-        jax.clear_caches()
+        cost.save(f"{out}_cost_model.json")
+        points = [tuple(p) for p in cost.fit["step"]["points_seconds"]]
+        if jax.devices()[0].platform == "cpu":
+            jax.clear_caches()   # bounds XLA:CPU's memory maps; elsewhere the fixed rows reuse the programs
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, int(n)).tolist() for n in rng.integers(8, 48, max(args.batches))]
     kmax = max(args.ks)
-    rows, round_seconds = [], {}
+    rows, round_seconds, skipped = [], {}, []
     for batch in args.batches:
+        if args.deadline is not None and time.perf_counter() - started > args.deadline:
+            skipped.append(batch)
+            print(f"batch {batch} skipped: past the {args.deadline:.0f} s deadline", flush=True)
+            continue
         ids = prompts[:batch]
+        prompt_width, out_len = (jaxspec.prompts.bucket_length(max(map(len, ids))),
+                                 jaxspec.prompts.bucket_length(args.new_tokens))
+        rows_b = jaxspec.prompts.bucket_batch(batch)
+        if args.profile_per_batch and not args.cost_model:
+            start = time.perf_counter()
+            step_len = cache_length(prompt_width, out_len, args.new_tokens, kmax)
+            drafter = ModelDrafter(draft)
+            points += [(rows_b, k, s, time_steps(target, drafter, k, rows_b, s))
+                       for s in (step_len, 2 * step_len) for k in args.profile_ks]
+            cost = CostModel.fit_points(points, **provenance)
+            cost.save(f"{out}_cost_model.json")
+            print(f"batch {batch}: profiled in {time.perf_counter() - start:.0f} s; fit over {len(points)} points: "
+                  f"R^2 {cost.fit['step']['r2']:.3f}", flush=True)
+        profiled = {(b, k, s): sec for b, k, s, sec in points}
         configs = [("autoregressive", None)]
         configs += [(f"fixed k={k}", jaxspec.SpecConfig(k=k)) for k in args.ks]
-        configs += [("tetris k=2 extra=2", jaxspec.SpecConfig(k=2, extra=2, selection="tetris")),
-                    ("tetris k=4 extra=2", jaxspec.SpecConfig(k=4, extra=2, selection="tetris")),
-                    ("goodput", jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost)),
-                    ("goodput + tetris", jaxspec.SpecConfig(k=4, extra=2, selection="tetris", policy="goodput",
-                                                            cost_model=cost))]
+        if args.tetris:
+            configs += [("tetris k=2 extra=2", jaxspec.SpecConfig(k=2, extra=2, selection="tetris")),
+                        ("tetris k=4 extra=2", jaxspec.SpecConfig(k=4, extra=2, selection="tetris"))]
+        configs += [("goodput", jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost))]
+        if args.tetris:
+            configs += [("goodput + tetris", jaxspec.SpecConfig(k=4, extra=2, selection="tetris", policy="goodput",
+                                                                cost_model=cost))]
+        start = time.perf_counter()
         fns = {label: generate_fn(None if spec is None else jaxspec.SpeculativeDecoder(target, draft, spec=spec),
                                   target, ids, args.new_tokens) for label, spec in configs}
         results = {label: fn() for label, fn in fns.items()}          # warm-up (compiles)
+        print(f"batch {batch}: warmed up in {time.perf_counter() - start:.0f} s", flush=True)
         reference = results["autoregressive"].tokens
         # The machine's speed drifts over minutes (a shared VM), so every configuration is timed
         # once per round and ratios are taken within a round, then the median over rounds. The
@@ -108,8 +176,6 @@ def main() -> None:
         # configurations are within the noise, biased upward by about one noise width.)
         best_label = min(fixed, key=lambda label: float(np.median(secs[label])))
         best_fixed_s = secs[best_label]
-        prompt_width, out_len = (jaxspec.prompts.bucket_length(max(map(len, ids))),
-                                 jaxspec.prompts.bucket_length(args.new_tokens))
         batch_rows = []
         for label, spec in configs:
             res = results[label]
@@ -126,9 +192,10 @@ def main() -> None:
             if label.startswith("fixed"):
                 # The step the prediction is about, at this run's compiled shape, in a loop.
                 step_len = cache_length(prompt_width, out_len, args.new_tokens, spec.k)
-                measured = time_steps(target, ModelDrafter(draft), spec.k, jaxspec.prompts.bucket_batch(batch),
-                                      step_len)
-                predicted = cost.step_seconds(jaxspec.prompts.bucket_batch(batch), spec.k, step_len)
+                measured = profiled.get((rows_b, spec.k, step_len))
+                if measured is None:
+                    measured = time_steps(target, ModelDrafter(draft), spec.k, rows_b, step_len)
+                predicted = cost.step_seconds(rows_b, spec.k, step_len)
                 row.update(step_ms=1e3 * measured, predicted_step_ms=1e3 * predicted,
                            prediction_error=predicted / measured - 1)
             if label.startswith("goodput"):
@@ -152,10 +219,27 @@ def main() -> None:
         rows += batch_rows
         round_seconds[batch] = {label: v.tolist() for label, v in secs.items()}
         jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
+        report(args, out, pair_text, cost, points, rows, round_seconds, skipped)
+    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped))
+
+
+def report(args, out, pair_text, cost, points, rows, round_seconds, skipped) -> str:
+    """Writes <out>.{json,md,png} for the batches run so far; returns the markdown."""
     m = machine()
+    fit = cost.fit.get("step", {})
+    held = fit.get("worst_heldout_rel_error")
+    shapes = (f"batch {min(p[0] for p in points)}..{max(p[0] for p in points)}, k "
+              f"{min(p[1] for p in points)}..{max(p[1] for p in points)}, {len(points)} shapes"
+              + (", each batch's just before it was benchmarked" if args.profile_per_batch else "")) if points else ""
+    if points:
+        profile = (f"Cost model profiled on this machine (real decode steps, {shapes}): fit R^2 "
+                   f"{fit.get('r2', float('nan')):.3f}")
+        profile += f", worst held-out error {held:.1%}." if held is not None else " (too few shapes to hold any out)."
+    else:
+        profile = f"Cost model loaded from `{args.cost_model}`."
+    batches_run = [b for b in args.batches if b in round_seconds]
     md = "\n".join([
-        f"Pair `{args.pair}` (random weights; the draft is the target's first {layers} layers, deeper layers damped "
-        f"by {damping}), greedy, {args.new_tokens} new tokens per request. Every configuration is warmed up, then "
+        f"{pair_text}, greedy, {args.new_tokens} new tokens per request. Every configuration is warmed up, then "
         f"timed once per round for {args.rounds} rounds; `vs_ar` and `vs_best_fixed` are medians over rounds of "
         "ratios within a round (this shared VM's speed drifts by tens of percent over minutes, so times from "
         "different moments are not comparable); the best fixed configuration is the fixed one with the best median "
@@ -169,14 +253,14 @@ def main() -> None:
         "many segments, and the median error of the runs' first segments (judged by what the calls before measured; "
         "the untimed first call, by the warm-up alone). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}"
-        f"{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}. "
-        f"Cost model profiled on this machine (real decode steps, batch 1..64, k 0..6): fit R^2 "
-        f"{cost.fit['step']['r2']:.3f}, worst held-out error {cost.fit['step']['worst_heldout_rel_error']:.1%}.",
-        "", table(rows, COLUMNS), "", f"![goodput]({args.name}.png)"])
-    plot(rows, args.batches, RESULTS_DIR / f"{args.name}.png")
-    print("\n" + md)
-    write_results(args.name, {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
-                              "round_seconds": round_seconds}, md)
+        f"{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}. {profile}"
+        + (f" Not run (past the {args.deadline:.0f} s deadline): batch {', '.join(map(str, skipped))}." if skipped
+           else ""),
+        "", table(rows, COLUMNS), "", f"![goodput]({out.name}.png)"])
+    plot(rows, batches_run, out.with_name(f"{out.name}.png"))
+    write_results(str(out), {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
+                             "round_seconds": round_seconds, "skipped_batches": skipped}, md)
+    return md
 
 
 COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "vs_best_fixed_90", "step_ms",

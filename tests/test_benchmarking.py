@@ -1,9 +1,11 @@
-"""Benchmark helpers: the bootstrap interval of a median covers the true median as often as it claims."""
+"""Benchmark helpers: the bootstrap interval of a median covers the true median as often as it claims;
+the skeleton pair agrees with its target exactly without its layers and less as they grow louder."""
 
 import numpy as np
 import pytest
 
-from jaxspec.benchmarking import median_interval
+import jaxspec
+from jaxspec.benchmarking import median_interval, skeleton_pair
 
 
 def test_median_interval_covers_the_true_median_about_as_often_as_its_level():
@@ -27,3 +29,31 @@ def test_median_interval_covers_the_true_median_about_as_often_as_its_level():
         median_interval([], level=0.9)
     with pytest.raises(ValueError, match="level"):
         median_interval([1.0, 2.0], level=1.5)
+
+
+def test_skeleton_pair_has_its_own_shapes_and_an_acceptance_set_by_its_damping():
+    """A draft narrower and shallower than its target: with its layers silenced (damping 0) the
+    draft's argmax equals the target's at every position in float32 (both compute the same bigram
+    map; in bfloat16 rounding breaks a near-tie now and then); louder layers make them disagree
+    more (agreement strictly falls with damping); the weights are those of each config's shape
+    and dtype, and a pair that cannot share a vocabulary or would need a wider draft is refused."""
+    target_cfg = jaxspec.ModelConfig(vocab_size=512, hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                                     intermediate_size=192, max_position_embeddings=256, tie_word_embeddings=True,
+                                     attention_bias=True, name="t")
+    draft_cfg = target_cfg.replace(hidden_size=64, num_layers=2, intermediate_size=128, name="d")
+    tokens = np.random.default_rng(0).integers(0, 512, (4, 48))
+    agreement = []
+    for dtype, damping in (("float32", 0.0), ("float32", 0.02), ("float32", 0.3), ("bfloat16", 0.0)):
+        target, draft = skeleton_pair(target_cfg, draft_cfg, damping=damping, sharpness=4.0, dtype=dtype)
+        assert target.params["layers"][0]["q_dnh"].shape[0] == 96 and draft.params["layers"][0]["q_dnh"].shape[0] == 64
+        assert len(target.params["layers"]) == 3 and len(draft.params["layers"]) == 2
+        assert target.dtype == draft.dtype == np.dtype(dtype)
+        agree = np.asarray(target.logits(tokens)).argmax(-1) == np.asarray(draft.logits(tokens)).argmax(-1)
+        agreement.append(float(agree.mean()))
+    assert agreement[0] == 1.0, agreement
+    assert 1.0 > agreement[1] > agreement[2], agreement
+    assert agreement[3] >= 0.98, agreement
+    with pytest.raises(ValueError, match="vocab"):
+        skeleton_pair(target_cfg, draft_cfg.replace(vocab_size=256), damping=0.1)
+    with pytest.raises(ValueError, match="width"):
+        skeleton_pair(draft_cfg, target_cfg, damping=0.1)
