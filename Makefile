@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput mesh-sweep multilevel distill-smollm2 clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu mesh-sweep multilevel distill-smollm2 clean
 
 .venv: $(STAMP)
 
@@ -48,6 +48,10 @@ bench-goodput: $(STAMP)
 	$(BIN)/python scripts/bench_goodput.py --rounds 30
 	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 --rounds 30 --name bench_goodput_smollm2
 	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 16 --rounds 10 --name bench_goodput_smollm2_b16
+
+# On a GPU machine: qwen2.5-1.5b / 0.5b shapes in bfloat16, with the machine's own python3 and JAX.
+bench-goodput-gpu:
+	scripts/bench_goodput_gpu.sh docs/results/gpu
 
 mesh-sweep: $(STAMP)
 	$(BIN)/python scripts/mesh_sweep.py

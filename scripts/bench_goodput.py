@@ -69,6 +69,24 @@ def profile_batches(batches):
     return sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(batches)} | set(batches))
 
 
+def divergence(target, ids, reference, tokens):
+    """True where every row of `tokens` equals `reference`'s; else where the first differing row
+    parts from it, with the target's own logits (an uncached forward over the reference's prefix)
+    of the two tokens chosen there: a near-tie, which low-precision rounding can break either way
+    between a verify pass and an autoregressive step, or a real disagreement."""
+    bad = [i for i, (r, t) in enumerate(zip(reference, tokens)) if r != t]
+    if not bad:
+        return True
+    i = bad[0]
+    j = next((j for j, (a, b) in enumerate(zip(reference[i], tokens[i])) if a != b), None)
+    if j is None:
+        return f"no: {len(bad)} of {len(reference)} rows; row {i} has {len(tokens[i])} tokens, not {len(reference[i])}"
+    logits = np.asarray(target.logits(np.asarray([ids[i] + reference[i][:j]])))[0, -1]
+    a, b = reference[i][j], tokens[i][j]
+    return (f"no: {len(bad)} of {len(reference)} rows; row {i} from token {j}: target logits {logits[a]:.4f} "
+            f"(reference's) vs {logits[b]:.4f}, top {np.max(logits):.4f}")
+
+
 def generate_fn(decoder, target, ids, new_tokens):
     if decoder is None:
         return lambda: jaxspec.generate(target, ids, max_new_tokens=new_tokens)
@@ -190,7 +208,7 @@ def main() -> None:
                    "vs_best_fixed_90": "{:.3f}-{:.3f}".format(*median_interval(best_fixed_s / secs[label])),
                    "steps": s.steps, "draft_len": s.mean_draft_length,
                    "acceptance": s.acceptance_rate if spec is not None else None,
-                   "same_output": res.tokens == reference}
+                   "same_output": divergence(target, ids, reference, res.tokens)}
             if label.startswith("fixed"):
                 # The step the prediction is about, at this run's compiled shape, in a loop.
                 step_len = cache_length(prompt_width, out_len, args.new_tokens, spec.k)
@@ -255,7 +273,9 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped) -> 
         "up, `SpecConfig.measure_plans`, corrected online from the segments before, the decoder's earlier calls "
         "included: `cost.StepTimeTracker`, plus the round trip); `segment_errors`: the median error per segment, how "
         "many segments, and the median error of the runs' first segments (judged by what the calls before measured; "
-        "the untimed first call, by the warm-up alone). "
+        "the untimed first call, by the warm-up alone). `same_output`: the greedy output equals the autoregressive "
+        "loop's token for token, or where the first differing row parts from it, with the target's logits of both "
+        "tokens there (an uncached forward). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}"
         f"{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}. {profile}"
         + (f" Not run (they would have ended past the {args.deadline:.0f} s deadline): batch "
