@@ -106,8 +106,11 @@ def main() -> None:
     parser.add_argument("--cost-model", help="use this cost model JSON instead of profiling first")
     parser.add_argument("--profile-ks", type=int, nargs="+", default=[0, 1, 2, 4, 6])
     parser.add_argument("--profile-per-batch", action="store_true",
-                        help="profile each batch's own shapes (--profile-ks at its cache size and twice that) just "
-                             "before benchmarking it, refitting over every point so far, instead of a grid first")
+                        help="profile each batch's own shapes (--profile-ks at --profile-cache-sizes) just before "
+                             "benchmarking it, refitting over every point so far (with --cost-model, starting from "
+                             "that model's points), instead of a grid first")
+    parser.add_argument("--profile-cache-sizes", type=int, nargs="+", default=[1, 2],
+                        help="--profile-per-batch: the cache sizes timed, as multiples of the batch's own")
     parser.add_argument("--deadline", type=float,
                         help="seconds to finish in: a batch starts only if, at the pace of the slowest batch so far, "
                              "it ends by then (results are written after every batch)")
@@ -124,6 +127,8 @@ def main() -> None:
     cost = None
     if args.cost_model:
         cost = CostModel.load(args.cost_model)
+        if args.profile_per_batch:
+            points = [tuple(p) for p in cost.fit.get("step", {}).get("points_seconds", [])]
     elif not args.profile_per_batch:
         start = time.perf_counter()
         cost = CostModel.profile(target, draft, batches=profile_batches(args.batches),
@@ -148,12 +153,12 @@ def main() -> None:
         prompt_width, out_len = (jaxspec.prompts.bucket_length(max(map(len, ids))),
                                  jaxspec.prompts.bucket_length(args.new_tokens))
         rows_b = jaxspec.prompts.bucket_batch(batch)
-        if args.profile_per_batch and not args.cost_model:
+        if args.profile_per_batch:
             start = time.perf_counter()
             step_len = cache_length(prompt_width, out_len, args.new_tokens, kmax)
             drafter = ModelDrafter(draft)
             points += [(rows_b, k, s, time_steps(target, drafter, k, rows_b, s))
-                       for s in (step_len, 2 * step_len) for k in args.profile_ks]
+                       for s in sorted({m * step_len for m in args.profile_cache_sizes}) for k in args.profile_ks]
             cost = CostModel.fit_points(points, **provenance)
             cost.save(f"{out}_cost_model.json")
             print(f"batch {batch}: profiled in {time.perf_counter() - start:.0f} s; fit over {len(points)} points: "
@@ -253,7 +258,12 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped) -> 
     shapes = (f"batch {min(p[0] for p in points)}..{max(p[0] for p in points)}, k "
               f"{min(p[1] for p in points)}..{max(p[1] for p in points)}, {len(points)} shapes"
               + (", each batch's just before it was benchmarked" if args.profile_per_batch else "")) if points else ""
-    if points:
+    if points and args.cost_model:
+        profile = (f"Cost model: the points of `{args.cost_model}` with this machine's profile of each batch's own "
+                   f"shapes added (real decode steps, {shapes}), fitted together: R^2 "
+                   f"{fit.get('r2', float('nan')):.3f}")
+        profile += f", worst held-out error {held:.1%}." if held is not None else " (too few shapes to hold any out)."
+    elif points:
         profile = (f"Cost model profiled on this machine (real decode steps, {shapes}): fit R^2 "
                    f"{fit.get('r2', float('nan')):.3f}")
         profile += f", worst held-out error {held:.1%}." if held is not None else " (too few shapes to hold any out)."
