@@ -48,6 +48,8 @@ bench-goodput: $(STAMP)
 	$(BIN)/python scripts/bench_goodput.py --rounds 30
 	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 --rounds 30 --name bench_goodput_smollm2
 	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 16 --rounds 10 --name bench_goodput_smollm2_b16
+	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 64 --rounds 5 --profile-per-batch \
+		--cost-model docs/results/bench_goodput_smollm2_b16_cost_model.json --name bench_goodput_smollm2_b64
 
 # On a GPU machine: qwen2.5-1.5b / 0.5b shapes in bfloat16, with the machine's own python3 and JAX.
 bench-goodput-gpu:

@@ -4,11 +4,15 @@ For each batch size: autoregressive decoding, fixed k = 1..6 (standard), fixed-k
 goodput policy with standard selection (k chosen per step among 0..6) and with TETRIS (drafting on
 or off, then a budget C chosen per step). The cost model is profiled first on this device (and
 saved next to the results); for each fixed k the measured mean step time is compared with the
-cost model's prediction. Greedy outputs are checked identical to autoregressive decoding.
-Configurations are timed round-robin and compared within a round (the machine's speed drifts).
-Writes docs/results/<name>.{json,md,png}.
+cost model's prediction. Greedy outputs are checked identical to autoregressive decoding (and
+where one differs, the row and token where it parts are reported). Configurations are timed
+round-robin and compared within a round (the machine's speed drifts). Writes
+docs/results/<name>.{json,md,png} after every batch.
 
     python scripts/bench_goodput.py [--batches 1 4 16 64] [--new-tokens 96] [--cost-model FILE]
+
+On a GPU, at the qwen2.5-1.5b / 0.5b shapes in bfloat16, with options for a short lease
+(`--profile-per-batch`, `--no-tetris`, `--deadline`): scripts/bench_goodput_gpu.sh OUTDIR.
 """
 
 from __future__ import annotations
