@@ -396,6 +396,24 @@ def test_no_recompilation_after_warmup(small, compile_counter, spec):
     assert counter.count == 0
 
 
+
+def test_fixed_decoders_of_every_draft_length_share_one_prefill_program(small, compile_counter):
+    """Only a decoder's loop depends on its draft length: after k = 2 has run, a new decoder with
+    k = 3 (and a TETRIS one drafting as many, so its cache is as large) compiles its loop and
+    nothing else, and both still reproduce the target's greedy output."""
+    target, draft, _ = small
+    prompts = ragged_prompts(SMALL_VOCAB, 5)
+    reference = jaxspec.generate(target, prompts, max_new_tokens=12).tokens
+    first = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2)).generate(prompts,
+                                                                                           max_new_tokens=12)
+    assert first.tokens == reference
+    for spec in (jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=2, extra=1, selection="tetris")):
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
+        with compile_counter() as counter:
+            result = decoder.generate(prompts, max_new_tokens=12)
+        assert result.tokens == reference, spec
+        assert counter.count == 1, (spec, counter.count)
+
 # --- bad input ---
 
 def test_vocabulary_mismatch_names_both_sizes(small, tiny_model):
