@@ -25,11 +25,12 @@ import numpy as np
 
 import jaxspec
 from jaxspec.benchmarking import (
+    PAIRS,
     RESULTS_DIR,
-    layer_skip_pair,
+    build_pair,
+    divergence,
     machine,
     median_interval,
-    skeleton_pair,
     table,
     write_results,
 )
@@ -37,58 +38,10 @@ from jaxspec.cost import CostModel
 from jaxspec.drafters import ModelDrafter
 from jaxspec.engine import cache_length, time_steps
 
-PAIRS = {
-    # name: (target config, draft config or None, draft layers, damping, sharpness). None: the
-    # draft is the target's first layers (`layer_skip_pair`); else a pair of its own shape
-    # (`skeleton_pair`), for the real pair's step shapes with a controlled acceptance.
-    "tiny-8L": (jaxspec.ModelConfig(vocab_size=2048, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=2,
-                                    intermediate_size=768, max_position_embeddings=2048, tie_word_embeddings=True,
-                                    name="tiny-8L"), None, 2, 0.06, 6.0),
-    "smollm2-shape": (jaxspec.ModelConfig.preset("smollm2-135m").replace(vocab_size=8192, name="smollm2-v8k"),
-                      None, 4, 0.04, 6.0),
-    # Acceptance 0.75-0.8 at damping 5e-4 and 0.6-0.75 at 1e-3 (float32 on CPU, argmax agreement
-    # along the target's greedy path and on random contexts).
-    "qwen2.5-shape": (jaxspec.ModelConfig.preset("qwen2.5-1.5b"), jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
-                      None, 7e-4, 6.0),
-}
-
-
-def build_pair(name: str, dtype: str):
-    """(target, draft, a sentence describing the pair) for PAIRS[name]."""
-    config, draft_config, layers, damping, sharpness = PAIRS[name]
-    if draft_config is None:
-        if dtype != "float32":
-            raise ValueError(f"--dtype {dtype} needs a pair with a draft of its own shape, not {name}")
-        target, draft = layer_skip_pair(config, draft_layers=layers, damping=damping, sharpness=sharpness)
-        return target, draft, (f"Pair `{name}` (random weights; the draft is the target's first {layers} layers, "
-                                f"deeper layers damped by {damping})")
-    target, draft = skeleton_pair(config, draft_config, damping=damping, sharpness=sharpness, dtype=dtype)
-    return target, draft, (f"Pair `{name}`: a random {config.name}-shaped target and {draft_config.name}-shaped "
-                           f"draft in {dtype} (untied heads; the target's embedding and head are the draft's, "
-                           f"zero-padded; every layer of both damped by {damping}: `benchmarking.skeleton_pair`)")
-
 
 def profile_batches(batches):
     """The batch sizes profiled: powers of two up to the largest benchmarked, and those benchmarked."""
     return sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(batches)} | set(batches))
-
-
-def divergence(target, ids, reference, tokens):
-    """True where every row of `tokens` equals `reference`'s; else where the first differing row
-    parts from it, with the target's own logits (an uncached forward over the reference's prefix)
-    of the two tokens chosen there: a near-tie, which low-precision rounding can break either way
-    between a verify pass and an autoregressive step, or a real disagreement."""
-    bad = [i for i, (r, t) in enumerate(zip(reference, tokens)) if r != t]
-    if not bad:
-        return True
-    i = bad[0]
-    j = next((j for j, (a, b) in enumerate(zip(reference[i], tokens[i])) if a != b), None)
-    if j is None:
-        return f"no: {len(bad)} of {len(reference)} rows; row {i} has {len(tokens[i])} tokens, not {len(reference[i])}"
-    logits = np.asarray(target.logits(np.asarray([ids[i] + reference[i][:j]])))[0, -1]
-    a, b = reference[i][j], tokens[i][j]
-    return (f"no: {len(bad)} of {len(reference)} rows; row {i} from token {j}: target logits {logits[a]:.4f} "
-            f"(reference's) vs {logits[b]:.4f}, top {np.max(logits):.4f}")
 
 
 def generate_fn(decoder, target, ids, new_tokens):

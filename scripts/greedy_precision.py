@@ -15,22 +15,17 @@ autoregressive prefix). Writes docs/results/greedy_precision.{json,md}.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import machine, table, write_results
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_goodput import build_pair, divergence  # noqa: E402
+from jaxspec.benchmarking import PAIRS, build_pair, divergence, machine, table, write_results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", default="qwen2.5-shape")
+    parser.add_argument("--pair", default="qwen2.5-shape", choices=sorted(PAIRS))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -53,7 +48,7 @@ def main() -> None:
                      "seconds": time.perf_counter() - start})
         print(table(rows[-1:]), flush=True)
         del target, draft
-    md = "\n".join([f"Pair `{args.pair}` (random weights, `scripts/bench_goodput.py`'s PAIRS), batch {args.batch}, "
+    md = "\n".join([f"Pair `{args.pair}` (random weights, `benchmarking.PAIRS`), batch {args.batch}, "
                     f"fixed k = {args.k} against the autoregressive loop, {args.new_tokens} new tokens, greedy; "
                     f"`scripts/greedy_precision.py` on {machine()['device_kind']}. `same_output`: True, or where the "
                     "first differing row parts from the autoregressive loop's output, with the target's logits of "

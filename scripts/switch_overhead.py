@@ -15,10 +15,9 @@ import argparse
 import time
 
 import numpy as np
-from bench_goodput import PAIRS
 
 import jaxspec
-from jaxspec.benchmarking import layer_skip_pair, table, write_results
+from jaxspec.benchmarking import build_pair, table, write_results
 
 
 def main() -> None:
@@ -27,8 +26,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    config, layers, damping, sharpness = PAIRS["tiny-8L"]
-    target, draft = layer_skip_pair(config, draft_layers=layers, damping=damping, sharpness=sharpness)
+    target, draft, _ = build_pair("tiny-8L")
+    config = target.config
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config.vocab_size, int(n)).tolist() for n in rng.integers(8, 48, args.batch)]
     never = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-3,
