@@ -441,6 +441,12 @@ MIN_SEGMENT = policy_lib.PROBE_STEPS
 # short so its correction comes early; plans timed at warm-up need none that soon (the device
 # still switches plans within the segment when the acceptance it sees asks for it).
 FIRST_SEGMENT_CAP = MIN_SEGMENT
+# A drafting segment re-chooses its plan every CHOOSE_EVERY steps (from MIN_SEGMENT on), not every
+# step: the choice is a few hundred small operations (the drain rule's expected maximum over rows,
+# the judgement of a stop over the rows' remaining tokens), which XLA:CPU runs one by one. Every
+# step it cost 1.5-3% of a batch-1 call of the tiny-8L pair at k = 4 (a 2 ms step); a switch the
+# acceptance asks for comes at most CHOOSE_EVERY - 1 steps later.
+CHOOSE_EVERY = 4
 MAX_SEGMENT_CAP = 64
 # Goodput warm-up with `SpecConfig.measure_plans` (`SpeculativeDecoder._warm_up`): after one
 # untimed step, each plan is timed in passes of up to MEASURE_STEPS steps, as many as make about
@@ -490,8 +496,9 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     now and then so the host can correct the cost model with measured times). A negative
     `stop_on_finish` returns at once (compile only).
 
-    Under the goodput policy, after each drafting step the policy chooses the next step's plan
-    on device from the statistics that step has just updated; while it keeps choosing this plan
+    Under the goodput policy, after a drafting plan's MIN_SEGMENT-th step and every CHOOSE_EVERY
+    steps after it, the policy chooses the next step's plan on device from the statistics that
+    step has just updated; while it keeps choosing this plan
     the loop goes on, and once it has chosen another (and this plan ran MIN_SEGMENT steps) the
     loop returns so the host can run the chosen plan's program. A plain decoding plan (k = 0)
     observes nothing, so its steps skip the policy entirely (they cost what an autoregressive step
@@ -525,17 +532,22 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
             max_steps = jnp.where(follow, state.policy.hold, max_steps)
         max_steps = jnp.where(missed, 0, max_steps)
 
-    def choose(state, optimistic, current=None):
-        return policy_lib.choose_k(state.policy, ~state.done_b, schedule.predict_ks, seconds["plans"], optimistic,
-                                   current, drain=_drain(state, max_new_b, draining),
-                                   switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds))
+    def choose(policy, done_b, n_out_b):
+        drain = None if draining is None else (max_new_b - n_out_b, draining)
+        return policy.replace(choice=policy_lib.choose_k(
+            policy, ~done_b, schedule.predict_ks, seconds["plans"], False, plan_index, drain=drain,
+            switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds)))
 
     def body(state):
         state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
                                  request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
         if choose_each_step:
-            choice = choose(state, optimistic=False, current=plan_index)
-            state = state.replace(policy=state.policy.replace(choice=choice))
+            # The choice can end the segment only from MIN_SEGMENT steps on, and it is made every
+            # CHOOSE_EVERY steps from there (a branch: see CHOOSE_EVERY), and once more on return.
+            ran = state.steps - entry_steps
+            due = (ran >= MIN_SEGMENT) & ((ran - MIN_SEGMENT) % CHOOSE_EVERY == 0)
+            state = state.replace(policy=jax.lax.cond(due, choose, lambda policy, *_: policy, state.policy,
+                                                      state.done_b, state.n_out_b))
         return state
 
     def running(state):
@@ -555,7 +567,10 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         # Drafting after plain steps first catches the drafter up on them (`Drafter.backlog`).
         backlog_b = drafter.backlog(state.draft_state, state.target_cache.lengths)
         drain = _drain(state, max_new_b, draining)
-        if not choose_each_step:
+        if choose_each_step:
+            # The segment may have ended between two choices (its step cap, a finished row).
+            policy = choose(policy, state.done_b, state.n_out_b)
+        else:
             policy = policy.replace(choice=policy_lib.probe_choice(
                 policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain=drain,
                 switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds),

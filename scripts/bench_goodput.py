@@ -44,10 +44,19 @@ def profile_batches(batches):
     return sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max(batches)} | set(batches))
 
 
-def generate_fn(decoder, target, ids, new_tokens):
+def generate_fn(decoder, target, new_tokens):
     if decoder is None:
-        return lambda: jaxspec.generate(target, ids, max_new_tokens=new_tokens)
-    return lambda: decoder.generate(ids, max_new_tokens=new_tokens)
+        return lambda ids: jaxspec.generate(target, ids, max_new_tokens=new_tokens)
+    return lambda ids: decoder.generate(ids, max_new_tokens=new_tokens)
+
+
+def prompt_sets(vocab_size: int, batch: int, count: int, seed: int = 0) -> list[list[list[int]]]:
+    """`count` sets of `batch` random prompts. Every set has the first set's prompt lengths (8 to
+    47 tokens), so all of them run at one compiled shape; only the tokens differ, and with them
+    the texts each pair generates and its acceptance."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(8, 48, batch)
+    return [[rng.integers(0, vocab_size, int(n)).tolist() for n in lengths] for _ in range(count)]
 
 
 def main() -> None:
@@ -60,6 +69,9 @@ def main() -> None:
                         help="also fixed-k TETRIS and the goodput policy with TETRIS")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds over all configurations")
+    parser.add_argument("--prompt-sets", type=int, default=1,
+                        help="round i runs prompt set i mod N (same lengths, other tokens): the best fixed "
+                             "configuration is then the best over N samples of text, not on one (default: one set)")
     parser.add_argument("--cost-model", help="use this cost model JSON instead of profiling first")
     parser.add_argument("--profile-ks", type=int, nargs="+", default=[0, 1, 2, 4, 6])
     parser.add_argument("--profile-per-batch", action="store_true",
@@ -96,8 +108,7 @@ def main() -> None:
         points = [tuple(p) for p in cost.fit["step"]["points_seconds"]]
         if jax.devices()[0].platform == "cpu":
             jax.clear_caches()   # bounds XLA:CPU's memory maps; elsewhere the fixed rows reuse the programs
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, config.vocab_size, int(n)).tolist() for n in rng.integers(8, 48, max(args.batches))]
+    sets = prompt_sets(config.vocab_size, max(args.batches), max(args.prompt_sets, 1))
     kmax = max(args.ks)
     rows, round_seconds, skipped, batch_seconds = [], {}, [], [0.0]
     for batch in args.batches:
@@ -106,7 +117,8 @@ def main() -> None:
             skipped.append(batch)
             print(f"batch {batch} skipped: it would end past the {args.deadline:.0f} s deadline", flush=True)
             continue
-        ids = prompts[:batch]
+        batch_sets = [prompts[:batch] for prompts in sets]
+        ids = batch_sets[0]
         prompt_width, out_len = (jaxspec.prompts.bucket_length(max(map(len, ids))),
                                  jaxspec.prompts.bucket_length(args.new_tokens))
         rows_b = jaxspec.prompts.bucket_batch(batch)
@@ -132,10 +144,9 @@ def main() -> None:
                                                                 cost_model=cost))]
         start = time.perf_counter()
         fns = {label: generate_fn(None if spec is None else jaxspec.SpeculativeDecoder(target, draft, spec=spec),
-                                  target, ids, args.new_tokens) for label, spec in configs}
-        results = {label: fn() for label, fn in fns.items()}          # warm-up (compiles)
+                                  target, args.new_tokens) for label, spec in configs}
+        results = {label: fn(ids) for label, fn in fns.items()}          # warm-up (compiles)
         print(f"batch {batch}: warmed up in {time.perf_counter() - start:.0f} s", flush=True)
-        reference = results["autoregressive"].tokens
         # The machine's speed drifts over minutes (a shared VM), so every configuration is timed
         # once per round and ratios are taken within a round, then the median over rounds. The
         # order is shuffled each round: in a fixed order the goodput runs always came last, ten
@@ -144,11 +155,12 @@ def main() -> None:
         seconds = {label: [] for label in fns}
         segments = {label: [] for label in fns}   # the goodput runs' segments, one list per round
         order = np.random.default_rng(batch)
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
+            ids = batch_sets[round_index % len(batch_sets)]
             for i in order.permutation(len(fns)):
                 label, fn = list(fns.items())[i]
                 start = time.perf_counter()
-                results[label] = fn()
+                results[label] = fn(ids)
                 seconds[label].append(time.perf_counter() - start)
                 segments[label].append(results[label].stats.extra.get("segments", []))
         secs = {label: np.asarray(v) for label, v in seconds.items()}
@@ -158,6 +170,7 @@ def main() -> None:
         # configurations are within the noise, biased upward by about one noise width.)
         best_label = min(fixed, key=lambda label: float(np.median(secs[label])))
         best_fixed_s = secs[best_label]
+        reference = results["autoregressive"].tokens   # the last round's, on its prompts (`ids`)
         batch_rows = []
         for label, spec in configs:
             res = results[label]
@@ -229,7 +242,11 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped) -> 
     batches_run = [b for b in args.batches if b in round_seconds]
     md = "\n".join([
         f"{pair_text}, greedy, {args.new_tokens} new tokens per request. Every configuration is warmed up, then "
-        f"timed once per round for {args.rounds} rounds; `vs_ar` and `vs_best_fixed` are medians over rounds of "
+        f"timed once per round for {args.rounds} rounds"
+        + (f", round i on prompt set i mod {args.prompt_sets} (random prompts of the same lengths, other tokens: "
+           "every configuration meets the same text in a round, and the best fixed one is best over several "
+           "samples of text, not picked after the fact on one)" if args.prompt_sets > 1 else ", on one prompt set")
+        + "; `vs_ar` and `vs_best_fixed` are medians over rounds of "
         "ratios within a round (this shared VM's speed drifts by tens of percent over minutes, so times from "
         "different moments are not comparable); the best fixed configuration is the fixed one with the best median "
         "time (`best_fixed`); `vs_best_fixed_90`: a 90% bootstrap interval of that median over the rounds. "
