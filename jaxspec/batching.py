@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxspec import prompts as prompts_lib
 
-COUNTER_FIELDS = ("row_steps", "drafted", "verified", "accepted", "emitted")
+COUNTER_FIELDS = ("row_steps", "drafted", "verified", "accepted", "emitted", "tried")
 
 
 def check_batch_size(batch_size, num_prompts: int) -> int:

@@ -56,11 +56,12 @@ class Counters:
     verified: jax.Array       # draft slots sent to the target
     accepted: jax.Array       # draft tokens accepted
     emitted: jax.Array        # tokens emitted
+    tried: jax.Array          # acceptance trials: accepted drafts plus the first rejection (`policy.observe`)
 
     @classmethod
     def zeros(cls, b: int) -> Counters:
         z = jnp.zeros((b,), jnp.int32)
-        return cls(row_steps=z, drafted=z, verified=z, accepted=z, emitted=z)
+        return cls(row_steps=z, drafted=z, verified=z, accepted=z, emitted=z, tried=z)
 
 
 @struct.dataclass
@@ -209,7 +210,8 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     c = state.counters
     counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * proposal.num_drafts_b,
                         verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
-                        emitted=c.emitted + count_b)
+                        emitted=c.emitted + count_b,
+                        tried=c.tried + live * jnp.minimum(accepted_b + 1, verify_b))
     # A step over finished rows only (a host-driven loop may run one) is not counted.
     return state.replace(counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
 
@@ -930,8 +932,10 @@ class SpeculativeDecoder:
         if goodput:
             # Per segment: (draft length, steps, predicted and measured seconds per step).
             stats.extra["segments"] = [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
-            # The call's whole count seeds the next calls' rows.
+            # The call's whole count seeds the next calls' rows; its requests' own counts measure how
+            # far rows differ (`AcceptanceMemory.spread`).
             self._acceptance.remember(np.atleast_1d(policy.total_accepted), np.atleast_1d(policy.total_trials))
+            self._acceptance.remember_requests(queue.counters["accepted"], queue.counters["tried"])
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _opening_trial(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, guess: int,
@@ -958,7 +962,8 @@ class SpeculativeDecoder:
             return choice, hold, None
         alpha_b = policy.alpha_b()
         if drains:
-            tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, remaining_b, schedule.predict_ks, xp=np)
+            tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, remaining_b, schedule.predict_ks, xp=np,
+                                                        spread=float(policy.spread))
         else:
             tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
         if decide_here and tokens_j.size:

@@ -50,6 +50,9 @@ DRAIN_GRID = 64        # points of the integral over steps in `drain_tokens_per_
 DRAIN_EXACT = 16       # remaining tokens up to which `drain_tokens_per_step` counts steps exactly
 FORECAST_TOKENS = 16.0  # how far ahead a row's recent acceptance departs from its seed (see `forecast_alpha_b`)
 MEMORY_EVIDENCE = 100.0  # most trials the decoder's memory counts as evidence for the bonus (see `planning_alpha_b`)
+SPREAD_MIN_TRIALS = 16  # trials a finished request needs to count toward the rows' spread (`AcceptanceMemory.spread`)
+SPREAD_REQUESTS = 256   # the most recent finished requests the spread is measured over
+SPREAD_PRIOR_REQUESTS = 8  # requests' worth of "no spread" the measured spread is shrunk toward
 
 
 def expected_tokens_per_step(alpha, k):
@@ -74,13 +77,15 @@ class PolicyState:
     choice: jax.Array           # candidate index for the next step
     hold: jax.Array             # when choice is plain decoding: its steps before a re-probe (see `plain_horizon`)
     memory_trials: jax.Array    # trials the decoder's memory rests on (`AcceptanceMemory`), aged with the counts
+    spread: jax.Array           # how far rows' acceptance rates differ, a standard deviation (`drain_tokens_per_step`)
 
     @classmethod
     def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS, seed=None, live_b=None) -> PolicyState:
         """Counts before the first step: none, or with `seed` = (alpha, weight) (from
         `seed_acceptance`; traced) every row (every `live_b` row, if given) starts as if it had
         seen `weight` trials at acceptance alpha. A third entry (`AcceptanceMemory.seed`) is the
-        trials the memory pooled, `memory_trials` (see `planning_alpha_b`).
+        trials the memory pooled, `memory_trials` (see `planning_alpha_b`); a fourth, the spread of
+        acceptance between requests (`spread`, for the drain rule: `drain_tokens_per_step`).
 
         The seed is kept apart from the row's own counts: what a drafter usually achieves, the
         level a row's acceptance comes back to after a hard stretch of text. It does not decay
@@ -92,17 +97,18 @@ class PolicyState:
         re-probes speculation grows back as before, whatever the seed said.
         """
         zeros_b = jnp.zeros((b,), jnp.float32)
-        seed_accepted_b, seed_trials_b, memory = zeros_b, zeros_b, jnp.float32(0.0)
+        seed_accepted_b, seed_trials_b, memory, spread = zeros_b, zeros_b, jnp.float32(0.0), jnp.float32(0.0)
         if seed is not None:
             seed = jnp.asarray(seed, jnp.float32)
             alpha, weight = seed[0], seed[1]
             memory = seed[2] if seed.shape[0] > 2 else memory
+            spread = seed[3] if seed.shape[0] > 3 else spread
             weight_b = zeros_b + weight if live_b is None else jnp.where(live_b, weight, 0.0)
             seed_accepted_b, seed_trials_b = alpha * weight_b, weight_b
         return cls(accepted_b=zeros_b, trials_b=zeros_b, seed_accepted_b=seed_accepted_b, seed_trials_b=seed_trials_b,
                    total_accepted=jnp.float32(0.0), total_trials=jnp.float32(0.0),
                    calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
-                   choice=jnp.int32(first_choice), hold=jnp.int32(0), memory_trials=memory)
+                   choice=jnp.int32(first_choice), hold=jnp.int32(0), memory_trials=memory, spread=spread)
 
     def alpha_b(self) -> jax.Array:
         """Per-row acceptance estimate: the row's counts and its seed, shrunk toward the prior
@@ -201,6 +207,7 @@ class AcceptanceMemory:
     accepted: float = 0.0
     trials: float = 0.0
     weight: float = 0.0
+    requests: list = dataclasses.field(default_factory=list)   # (accepted, trials) of finished requests
 
     def remember(self, accepted_b, trials_b) -> None:
         accepted_b, trials_b = np.asarray(accepted_b, np.float64), np.asarray(trials_b, np.float64)
@@ -210,13 +217,40 @@ class AcceptanceMemory:
         self.trials += float(trials_b.sum())
         self.weight = max(self.weight, float(seed_acceptance(accepted_b, trials_b, xp=np)[1]))
 
+    def remember_requests(self, accepted_r, trials_r) -> None:
+        """Each finished request's own count, undecayed (`Counters.accepted` / `Counters.tried`),
+        for `spread`; the most recent SPREAD_REQUESTS are kept."""
+        for a, t in zip(np.asarray(accepted_r, np.float64), np.asarray(trials_r, np.float64)):
+            if t >= SPREAD_MIN_TRIALS:
+                self.requests.append((float(a), float(t)))
+        del self.requests[:-SPREAD_REQUESTS]
+
+    def spread(self) -> float:
+        """How far requests' acceptance rates differ: the standard deviation of their measured
+        rates less what counting alone explains (each rate is a / t over t trials; binomial
+        variance a/t (1 - a/t) / t, averaged), 0 with fewer than two requests of
+        SPREAD_MIN_TRIALS trials. Acceptance that comes in runs (hard and easy stretches of text)
+        spreads the rates further than counting does; that is counted too, as it should be: it
+        spreads the requests' step counts alike (`drain_tokens_per_step`). A variance from n
+        requests is itself noisy (the tiny-8L pair's 16 batch-4 prompt sets, 4 requests each, gave
+        0 to 0.10 where all 64 requests gave 0.05), so the excess is shrunk by n / (n + SPREAD_PRIOR_REQUESTS): a spread
+        measured too high keeps a draining batch from drafting where it pays."""
+        n = len(self.requests)
+        if n < 2:
+            return 0.0
+        a_r, t_r = np.asarray(self.requests).T
+        rate_r = a_r / t_r
+        excess = np.var(rate_r, ddof=1) - np.mean(rate_r * (1.0 - rate_r) / t_r)
+        return float(np.sqrt(max(excess, 0.0) * n / (n + SPREAD_PRIOR_REQUESTS)))
+
     def seed(self) -> np.ndarray:
-        """(alpha, weight, evidence) for `PolicyState.init`: the pooled rate, a fresh row's weight,
-        and the trials pooled (at most MEMORY_EVIDENCE; `PolicyState.memory_trials`). The bare
-        prior with no weight before anything."""
+        """(alpha, weight, evidence, spread) for `PolicyState.init`: the pooled rate, a fresh row's
+        weight, the trials pooled (at most MEMORY_EVIDENCE; `PolicyState.memory_trials`) and the
+        spread between requests (`spread`). The bare prior with no weight before anything."""
         if self.trials <= 0:
-            return np.asarray([PRIOR_ALPHA, 0.0, 0.0], np.float32)
-        return np.asarray([self.accepted / self.trials, self.weight, min(self.trials, MEMORY_EVIDENCE)], np.float32)
+            return np.asarray([PRIOR_ALPHA, 0.0, 0.0, self.spread()], np.float32)
+        return np.asarray([self.accepted / self.trials, self.weight, min(self.trials, MEMORY_EVIDENCE),
+                           self.spread()], np.float32)
 
 
 def _bin_of(logprob_bk, bins: int):
@@ -287,15 +321,22 @@ def _emitted_probs(alpha, ks, xp):
     return xp.where(i_i <= k_j, alpha ** (i_i - 1.0) * (1.0 - alpha), xp.where(i_i == k_j + 1.0, alpha ** k_j, 0.0))
 
 
-def _normal_drain_steps(alpha, ks, r_b, live_b, xp):
-    """E[max_i S_i] over the live rows by the renewal normal approximation
-    (`drain_tokens_per_step`)."""
+def _normal_drain_steps(alpha, ks, r_b, live_b, xp, spread=0.0):
+    """E[max_i S_i] over the live rows by the renewal normal approximation, each row's rate
+    spread by `spread` about alpha (`drain_tokens_per_step`)."""
     ndtr = jax.scipy.special.ndtr if xp is jnp else scipy.special.ndtr
     mean_j, var_j = token_moments(alpha, ks, xp)
     mean_j1, var_j1 = mean_j[:, None], var_j[:, None]
     overshoot_j1 = ((var_j1 + mean_j1 * mean_j1) / mean_j1 - 1.0) / 2.0
     m_jb = xp.where(live_b[None, :], (r_b[None, :] + overshoot_j1) / mean_j1, 0.0)
-    s_jb = xp.sqrt(r_b[None, :] * var_j1 / mean_j1 ** 3)
+    # A row's own rate is alpha + e, e of standard deviation `spread`: its steps r / mu(alpha + e)
+    # vary by about r mu'(alpha) / mu^2 * e more (mu = sum of alpha^i, i <= k; mu' = sum of
+    # i alpha^(i - 1)).
+    i_i = xp.arange(1, max(ks) + 1, dtype=xp.float32)[None, :]
+    slope_j = xp.sum(xp.where(i_i <= xp.asarray(ks, xp.float32)[:, None],
+                              i_i * xp.clip(xp.asarray(alpha, xp.float32), 0.0, 1.0) ** (i_i - 1.0), 0.0), axis=1)
+    rate_jb = r_b[None, :] * (slope_j / mean_j ** 2)[:, None] * spread
+    s_jb = xp.sqrt(r_b[None, :] * var_j1 / mean_j1 ** 3 + rate_jb * rate_jb)
     lo_j = xp.max(xp.where(live_b[None, :], m_jb - 6.0 * s_jb, 0.0), axis=1)
     hi_j = xp.max(m_jb + 6.0 * s_jb, axis=1)
     t_g = xp.linspace(0.0, 1.0, DRAIN_GRID, dtype=xp.float32)
@@ -336,7 +377,7 @@ def _exact_drain_steps(alpha, ks, r_b, live_b, xp):
     return xp.sum(1.0 - xp.prod(done_jnb, axis=2), axis=1)
 
 
-def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool = True):
+def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool = True, spread=0.0):
     """For a batch that runs until its slowest row is done (no request waits to take a finished
     row's slot): for each draft length, the live rows' remaining tokens divided by the expected
     steps until the last of them is done, i.e. the tokens per step that draft length is worth
@@ -358,6 +399,13 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool 
     (`_exact_drain_steps`) unless `exact` is False. Plain decoding is exact: max_i r_i steps.
     Checked against simulation in tests/test_policy.py.
 
+    `spread`: how far rows' own rates differ (a standard deviation, `AcceptanceMemory.spread`).
+    The rows share alpha, but the slowest row is mostly one with a lower rate: on the tiny-8L
+    pair at batch 4 (16 sets of prompts, 96 tokens), the largest row's steps were 2% above this
+    model's estimate at k = 1 and 10% above it at k = 4-6, and that favoured long drafts. A row's
+    steps then vary by r mu'(alpha) / mu^2 * spread more (a first-order expansion of r / mu);
+    the exact count near the end ignores it (its rows have at most DRAIN_EXACT tokens left).
+
     `xp`: jax.numpy on device, numpy for the host's twin (the same arithmetic).
     """
     live_b = xp.asarray(live_b, bool)
@@ -368,10 +416,11 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool 
     args = (alpha, ks, r_b, live_b, xp)
     if xp is jnp:
         # A branch, not both computed: the exact count costs about 0.1 ms on XLA:CPU, and the
-        # policy evaluates this every drafting step.
-        steps_j = jax.lax.cond(exact, lambda: _exact_drain_steps(*args), lambda: _normal_drain_steps(*args))
+        # policy evaluates this every few drafting steps.
+        steps_j = jax.lax.cond(exact, lambda: _exact_drain_steps(*args),
+                               lambda: _normal_drain_steps(*args, spread=spread))
     else:
-        steps_j = _exact_drain_steps(*args) if exact else _normal_drain_steps(*args)
+        steps_j = _exact_drain_steps(*args) if exact else _normal_drain_steps(*args, spread=spread)
     return xp.sum(r_b) / xp.maximum(steps_j, 1e-6)
 
 
@@ -387,7 +436,7 @@ class TetrisPlan(NamedTuple):
 
 
 def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool = True,
-                  tetris: TetrisPlan | None = None):
+                  tetris: TetrisPlan | None = None, spread=0.0):
     """Predicted goodput (tokens per second) of each candidate draft length.
 
     Args:
@@ -401,6 +450,7 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool 
         draft length is worth until the slowest row is done (`drain_tokens_per_step`) instead of
         the expected tokens of one step summed over rows.
       exact_drain: static; False keeps `drain_tokens_per_step` to its normal approximation.
+      spread: the rows' spread of acceptance, for the drain rule (`PolicyState.spread`).
       tetris: the TETRIS plan among the candidates, if any. Its goodput is that of its best budget
         (`tetris_goodput`), not that of the standard draft length it stands for in `ks`: at batch 1
         the TETRIS plan of a k = 4, extra = 2 decoder verifies up to 6 drafts, and judged as k = 4
@@ -414,8 +464,8 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool 
     tokens_j = step_tokens_j
     if drain is not None:
         remaining_b, draining = drain
-        tokens_j = jnp.where(draining, drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, exact=exact_drain),
-                             tokens_j)
+        tokens_j = jnp.where(draining, drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, exact=exact_drain,
+                                                             spread=spread), tokens_j)
     goodput_j = tokens_j / seconds_j
     if tetris is not None:
         # While the batch drains, the best budget's goodput is discounted as the drain rule
@@ -468,7 +518,7 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
       tetris: as in `goodput_of_ks`.
     """
     alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
-    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain, tetris=tetris)
+    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain, tetris=tetris, spread=state.spread)
     if not optimistic and drain is not None:
         goodput_j = _stopping_judged_ahead(state, live_b, ks, seconds_j, goodput_j, drain[0], tetris)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
@@ -565,7 +615,8 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     `exact_drain` and `tetris` as in `goodput_of_ks`.
     """
     ks_j = jnp.asarray(ks)
-    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j, drain, exact_drain, tetris)
+    goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j, drain, exact_drain, tetris,
+                              spread=state.spread)
     plain = ks.index(0)
     cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
     hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
@@ -586,7 +637,7 @@ def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None, entry_
     decoding by the switch margin and pays for its entry, its own steps and, while the batch
     drains, `switch_seconds`: the round trip back to plain decoding if it fails). `tetris` as in
     `goodput_of_ks`."""
-    goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain, tetris=tetris)
+    goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain, tetris=tetris, spread=state.spread)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     plain = ks.index(0)
     drafts = ((jnp.asarray(ks)[best] > 0)

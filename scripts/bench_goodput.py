@@ -111,6 +111,7 @@ def main() -> None:
     sets = prompt_sets(config.vocab_size, max(args.batches), max(args.prompt_sets, 1))
     kmax = max(args.ks)
     rows, round_seconds, skipped, batch_seconds = [], {}, [], [0.0]
+    round_plans = {}   # the goodput runs' (draft length, steps) segments, per batch and round
     for batch in args.batches:
         batch_start = time.perf_counter()
         if args.deadline is not None and batch_start - started + 1.1 * max(batch_seconds) > args.deadline:
@@ -213,14 +214,16 @@ def main() -> None:
             print(table([row], COLUMNS), flush=True)
         rows += batch_rows
         round_seconds[batch] = {label: v.tolist() for label, v in secs.items()}
+        round_plans[batch] = {label: [[(k, n) for k, n, *_ in run] for run in runs]
+                              for label, runs in segments.items() if label.startswith("goodput")}
         jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
-        report(args, out, pair_text, cost, points, rows, round_seconds, skipped)
+        report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans)
         batch_seconds.append(time.perf_counter() - batch_start)
         print(f"batch {batch}: {batch_seconds[-1]:.0f} s", flush=True)
-    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped))
+    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans))
 
 
-def report(args, out, pair_text, cost, points, rows, round_seconds, skipped) -> str:
+def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans=None) -> str:
     """Writes <out>.{json,md,png} for the batches run so far; returns the markdown."""
     m = machine()
     fit = cost.fit.get("step", {})
@@ -268,7 +271,8 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped) -> 
         "", table(rows, COLUMNS), "", f"![goodput]({out.name}.png)"])
     plot(rows, batches_run, out.with_name(f"{out.name}.png"))
     write_results(str(out), {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
-                             "round_seconds": round_seconds, "skipped_batches": skipped}, md)
+                             "round_seconds": round_seconds, "round_plans": round_plans or {},
+                             "skipped_batches": skipped}, md)
     return md
 
 

@@ -311,11 +311,44 @@ def test_a_decoder_remembers_each_calls_whole_acceptance(pair, monkeypatch):
     assert decoder._acceptance.accepted - before[0] == pytest.approx(verified)
 
 
+def test_each_request_counts_its_acceptance_trials_as_the_policy_does(pair, monkeypatch):
+    """`Counters.tried` (a request's accepted drafts plus its first rejection each step, handed to
+    `on_finish` and remembered for the spread between requests) sums, over a call's requests, to
+    the trials the policy counted on device (`PolicyState.total_trials`, which the decoder's
+    memory pools); and a request's tried count lies between its accepted drafts and those plus
+    one per step."""
+    segments_take(monkeypatch)   # drafting is free by the cost model, and segments take what it says
+    target, _ = pair
+    prompts = prompts16(4)
+    free = CostModel.from_coefficients(draft_fixed=1e-6, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    # Prompt lookup on a 16-token vocabulary: the target's greedy text soon repeats, and drafts
+    # are accepted often, not always.
+    decoder = jaxspec.SpeculativeDecoder(target, jaxspec.NgramDrafter(max_ngram=2),
+                                         spec=jaxspec.SpecConfig(k=3, policy="goodput", cost_model=free,
+                                                                 measure_plans=False))
+    decoder.generate(prompts, max_new_tokens=40)        # the warm-up's own counts are remembered too
+    before = list(decoder._acceptance.requests)
+    calls = []
+    for _ in range(2):
+        counts = {}
+        trials_before = decoder._acceptance.trials
+        decoder.generate(prompts, max_new_tokens=40, on_finish=lambda i, tokens, c: counts.__setitem__(i, c))
+        tried = sum(c["tried"] for c in counts.values())
+        assert tried == pytest.approx(decoder._acceptance.trials - trials_before)
+        calls.append(counts)
+    assert 0 < sum(c["accepted"] for c in counts.values()) < tried     # some drafts rejected
+    for c in calls[1].values():
+        assert c["accepted"] <= c["tried"] <= c["accepted"] + c["row_steps"]
+    kept = [(c["accepted"], c["tried"]) for counts in calls for c in counts.values()
+            if c["tried"] >= policy.SPREAD_MIN_TRIALS]
+    assert sorted(decoder._acceptance.requests) == sorted(before + kept)
+
+
 def test_acceptance_memory_pools_every_measurement_and_seeds_with_the_largest_weight():
     memory = policy.AcceptanceMemory()
-    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0, 0.0])
+    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0, 0.0, 0.0])
     memory.remember([0.0, 0.0], [0.0, 0.0])                        # nothing seen: nothing kept
-    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0, 0.0])
+    np.testing.assert_allclose(memory.seed(), [policy.PRIOR_ALPHA, 0.0, 0.0, 0.0])
     rng = np.random.default_rng(5)
     accepted, trials = [], []
     for scale in (3, 8, 30, 0.5, 20):     # a call ending on plain decoding: aged, small counts
@@ -324,7 +357,8 @@ def test_acceptance_memory_pools_every_measurement_and_seeds_with_the_largest_we
         memory.remember(a, t)
         accepted.append(a)
         trials.append(t)
-        alpha, weight, evidence = memory.seed()
+        alpha, weight, evidence, spread = memory.seed()
+        assert spread == 0.0       # no finished request remembered
         assert alpha == pytest.approx(np.sum(accepted) / np.sum(trials), rel=1e-5)
         assert weight == pytest.approx(min(max(np.mean(x) for x in trials), policy.SEED_WEIGHT), rel=1e-5)
         assert evidence == pytest.approx(min(np.sum(trials), policy.MEMORY_EVIDENCE), rel=1e-5)
@@ -347,6 +381,65 @@ def test_opening_follows_the_seeded_acceptance_not_the_bare_prior():
         alpha = float(seeded_state.alpha_b()[0])
         rates = [float(policy.expected_tokens_per_step(alpha, k)) / float(seconds[i]) for i, k in enumerate(ks)]
         assert seeded == (int(np.argmax(rates)) if seeded else 0)
+
+
+def test_the_spread_of_requests_acceptance_is_measured_beyond_what_counting_explains():
+    """Requests whose own rates are drawn with standard deviation 0.06 about 0.75, each counted
+    over 40-200 trials: the memory's spread recovers 0.06; requests of one rate give about 0
+    (their rates differ by counting alone). Requests with fewer than SPREAD_MIN_TRIALS trials
+    are not counted, only the last SPREAD_REQUESTS are kept, and one request says nothing."""
+    rng = np.random.default_rng(11)
+
+    def requests(sd, n):
+        trials = rng.integers(40, 200, n)
+        rates = np.clip(rng.normal(0.75, sd, n), 0.0, 1.0)
+        return rng.binomial(trials, rates), trials
+
+    for sd, lo, hi in ((0.06, 0.045, 0.075), (0.0, 0.0, 0.02)):
+        memory = policy.AcceptanceMemory()
+        memory.remember_requests(*requests(sd, policy.SPREAD_REQUESTS))
+        assert lo <= memory.spread() <= hi, (sd, memory.spread())
+        assert memory.seed()[3] == pytest.approx(memory.spread())
+    memory = policy.AcceptanceMemory()
+    memory.remember_requests([10], [20])
+    assert memory.spread() == 0.0                                       # one request
+    memory.remember_requests([0, 3], [policy.SPREAD_MIN_TRIALS - 1, 3])   # too few trials: ignored
+    assert len(memory.requests) == 1
+    memory.remember_requests(*requests(0.06, 2 * policy.SPREAD_REQUESTS))
+    assert len(memory.requests) == policy.SPREAD_REQUESTS
+
+
+def test_drain_with_spread_rates_matches_rows_simulated_at_their_own_rates():
+    """Rows whose own acceptance is drawn about the batch's mean with standard deviation 0.05 (the
+    tiny-8L pair's requests differ by about that): the slowest row is mostly a slow one, so the
+    batch takes more steps than rows sharing the mean rate would. With `spread`, the drain rule
+    matches Monte Carlo of such rows within 4%, and it is closer than without it for long drafts,
+    whose steps depend most on the rate."""
+    rng = np.random.default_rng(21)
+    ks, sd, runs = (0, 1, 2, 4, 6), 0.05, 2000
+    for mean, remaining in ((0.84, [96] * 4), (0.75, [96] * 16), (0.84, rng.integers(40, 100, 8).tolist())):
+        n = len(remaining)
+        live, mean_b = np.ones(n, bool), np.full(n, mean)
+        with_spread = np.asarray(policy.drain_tokens_per_step(mean_b, live, np.asarray(remaining), ks, spread=sd))
+        without = np.asarray(policy.drain_tokens_per_step(mean_b, live, np.asarray(remaining), ks))
+        np.testing.assert_allclose(policy.drain_tokens_per_step(mean_b, live, np.asarray(remaining), ks, xp=np,
+                                                                spread=sd), with_spread, rtol=1e-5)
+        for j, k in enumerate(ks):
+            if k == 0:
+                assert with_spread[j] == pytest.approx(sum(remaining) / max(remaining), rel=1e-6)
+                continue
+            steps = np.zeros(runs)
+            for r in range(runs):
+                rates = np.clip(rng.normal(mean, sd, n), 0.0, 0.999)
+                left = np.asarray(remaining, np.int64)
+                while (left > 0).any():
+                    emitted = 1 + np.cumprod(rng.random((n, k)) < rates[:, None], axis=1).sum(axis=1)
+                    steps[r] += 1
+                    left = np.maximum(left - emitted, 0)
+            want = sum(remaining) / steps.mean()
+            assert with_spread[j] == pytest.approx(want, rel=0.04), (mean, remaining, k)
+            if k >= 4:
+                assert abs(with_spread[j] / want - 1) < abs(without[j] / want - 1), (mean, remaining, k)
 
 
 def simulated_drain_steps(alpha, k, remaining, runs, rng):
