@@ -46,6 +46,8 @@ bench-tetris: $(STAMP)
 
 bench-goodput: $(STAMP)
 	$(BIN)/python scripts/bench_goodput.py --rounds 30
+	$(BIN)/python scripts/bench_goodput.py --rounds 16 --prompt-sets 16 --cost-model docs/results/bench_goodput_cost_model.json \
+		--name bench_goodput_sets
 	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 --rounds 30 --name bench_goodput_smollm2
 	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 16 --rounds 10 --name bench_goodput_smollm2_b16
 	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 64 --rounds 5 --profile-per-batch \

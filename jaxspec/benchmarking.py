@@ -235,3 +235,13 @@ def divergence(target, ids, reference, tokens):
     a, b = reference[i][j], tokens[i][j]
     return (f"no: {len(bad)} of {len(reference)} rows; row {i} from token {j}: target logits {logits[a]:.4f} "
             f"(reference's) vs {logits[b]:.4f}, top {np.max(logits):.4f}")
+
+
+def prompt_sets(vocab_size: int, batch: int, count: int, seed: int = 0) -> list[list[list[int]]]:
+    """`count` sets of `batch` random prompts. Every set has the first set's prompt lengths (8 to
+    47 tokens), so all of them run at one compiled shape; only the tokens differ, and with them
+    the text a pair generates and its acceptance. (The first set is the one prompt set the goodput
+    benchmark used before it took several.)"""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(8, 48, batch)
+    return [[rng.integers(0, vocab_size, int(n)).tolist() for n in lengths] for _ in range(count)]

@@ -31,6 +31,7 @@ from jaxspec.benchmarking import (
     divergence,
     machine,
     median_interval,
+    prompt_sets,
     table,
     write_results,
 )
@@ -48,15 +49,6 @@ def generate_fn(decoder, target, new_tokens):
     if decoder is None:
         return lambda ids: jaxspec.generate(target, ids, max_new_tokens=new_tokens)
     return lambda ids: decoder.generate(ids, max_new_tokens=new_tokens)
-
-
-def prompt_sets(vocab_size: int, batch: int, count: int, seed: int = 0) -> list[list[list[int]]]:
-    """`count` sets of `batch` random prompts. Every set has the first set's prompt lengths (8 to
-    47 tokens), so all of them run at one compiled shape; only the tokens differ, and with them
-    the texts each pair generates and its acceptance."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(8, 48, batch)
-    return [[rng.integers(0, vocab_size, int(n)).tolist() for n in lengths] for _ in range(count)]
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 # The goodput benchmark on a GPU at the qwen2.5-1.5b / qwen2.5-0.5b shapes (bfloat16), sized for
 # a short lease: each program of the 28- and 24-layer models compiles in about 18 s on an H200, so
 # the run profiles each batch's own shapes just before benchmarking it, leaves TETRIS out, times
-# fixed k = 1, 2, 4 against the goodput policy (k <= 4), and starts a batch only if it should end
+# fixed k = 1, 2, 4 against the goodput policy (k <= 4), each round on its own prompt set (same
+# shapes, no extra compiling), and starts a batch only if it should end
 # by --deadline seconds; results are written after every batch. Extra arguments go to
 # scripts/bench_goodput.py (later ones win). Runs with the machine's own python3 (PYTHON=...); if
 # jaxspec does not import there, wheels in .whl/ (e.g. flax at this repo's version) are installed
@@ -29,5 +30,5 @@ if ! "$py" -c "$smoke"; then
     "$py" -c "$smoke" || exit 1
 fi
 "$py" scripts/bench_goodput.py --pair qwen2.5-shape --dtype bfloat16 --no-tetris --ks 1 2 4 --profile-per-batch \
-    --profile-ks 0 1 2 4 --batches 1 64 16 4 --rounds 8 --deadline 540 --name "$(realpath "$out")/bench_goodput_qwen" \
+    --profile-ks 0 1 2 4 --batches 1 64 16 4 --rounds 8 --prompt-sets 8 --deadline 540 --name "$(realpath "$out")/bench_goodput_qwen" \
     "$@" 2>&1 | grep -v "^WARNING: All log messages" | tee "$out/bench_goodput_qwen.log"

@@ -1,10 +1,12 @@
 """Benchmark helpers: the bootstrap interval of a median covers the true median as often as it claims;
-the skeleton pair agrees with its target exactly without its layers and less as they grow louder."""
+the skeleton pair agrees with its target exactly without its layers and less as they grow louder;
+prompt sets share one shape."""
 
 import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec import benchmarking
 from jaxspec.benchmarking import median_interval, skeleton_pair
 
 
@@ -57,3 +59,15 @@ def test_skeleton_pair_has_its_own_shapes_and_an_acceptance_set_by_its_damping()
         skeleton_pair(target_cfg, draft_cfg.replace(vocab_size=256), damping=0.1)
     with pytest.raises(ValueError, match="width"):
         skeleton_pair(draft_cfg, target_cfg, damping=0.1)
+
+
+def test_prompt_sets_share_their_lengths_and_differ_in_their_tokens():
+    """Every set has the first set's prompt lengths (one compiled shape for all of them), within
+    8-47 tokens and the vocabulary; the sets' tokens differ; a seed reproduces them."""
+    sets = benchmarking.prompt_sets(vocab_size=50, batch=6, count=4, seed=3)
+    assert len(sets) == 4 and all(len(s) == 6 for s in sets)
+    lengths = [len(p) for p in sets[0]]
+    assert all([len(p) for p in s] == lengths for s in sets) and all(8 <= n < 48 for n in lengths)
+    assert all(0 <= t < 50 for s in sets for p in s for t in p)
+    assert len({str(s) for s in sets}) == 4
+    assert benchmarking.prompt_sets(vocab_size=50, batch=6, count=4, seed=3) == sets
