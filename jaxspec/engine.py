@@ -443,6 +443,12 @@ MIN_SEGMENT = policy_lib.PROBE_STEPS
 # short so its correction comes early; plans timed at warm-up need none that soon (the device
 # still switches plans within the segment when the acceptance it sees asks for it).
 FIRST_SEGMENT_CAP = MIN_SEGMENT
+# A timing trial (`StepTimeTracker.explore`) runs at most this many steps: enough to time its plan
+# (at batch 1 of the tiny-8L pair, 16 plain steps take 10 ms against a 1 ms round trip), then the
+# policy takes over again. A trial of MAX_SEGMENT_CAP steps (the rule before) is two thirds of a
+# 96-token call at batch 1 or more: in a batch-1 diagnostic the trials of k = 4 and 5 each ran a
+# whole call.
+TRIAL_STEPS = 16
 # A drafting segment re-chooses its plan every CHOOSE_EVERY steps (from MIN_SEGMENT on), not every
 # step: the choice is a few hundred small operations (the drain rule's expected maximum over rows,
 # the judgement of a stop over the rows' remaining tokens), which XLA:CPU runs one by one. Every
@@ -875,7 +881,8 @@ class SpeculativeDecoder:
             drains = not len(queue)
             segment_start = time.perf_counter()
             if goodput:
-                flags = put((np.int32(stop), np.int32(hold if plain else segment_cap), np.bool_(drains),
+                steps_cap = hold if plain else (TRIAL_STEPS if trial is not None else segment_cap)
+                flags = put((np.int32(stop), np.int32(steps_cap), np.bool_(drains),
                              np.bool_(opening)))
             else:
                 flags = (put(np.int32(stop)), no_cap, None, None)
@@ -950,7 +957,7 @@ class SpeculativeDecoder:
         if not tracker.segments:
             return None
         tokens_j = _expected_tokens(np.full(rows, self._acceptance.seed()[0]), schedule.predict_ks)
-        return tracker.explore(guess, tokens_j, baseline=schedule.predict_ks.index(0), steps=MAX_SEGMENT_CAP)
+        return tracker.explore(guess, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
 
     def _plan_segment(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, policy, done_b, remaining_b,
                       drains: bool, trial, plan_index: int) -> tuple[int, int, int | None]:
@@ -970,7 +977,7 @@ class SpeculativeDecoder:
             # The baseline was just measured: decide on the measurement now (the device chose
             # with the step times from before it).
             choice = int(np.argmax(tokens_j / tracker.corrected()))
-        trial = tracker.explore(choice, tokens_j, baseline=schedule.predict_ks.index(0), steps=MAX_SEGMENT_CAP)
+        trial = tracker.explore(choice, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
         return (choice if trial is None else trial), hold, trial
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
