@@ -964,7 +964,7 @@ class SpeculativeDecoder:
         """The next segment's plan, its hold (`policy.hold`) and whether it is a timing trial
         (`StepTimeTracker.explore`), from the policy state the device left (read on the host)."""
         choice, hold = int(policy.choice), int(policy.hold)
-        decide_here = trial is not None and schedule.plans[plan_index].k == 0
+        decide_here = trial is not None
         if not decide_here and not tracker.in_doubt(choice):
             return choice, hold, None
         alpha_b = policy.alpha_b()
@@ -974,8 +974,9 @@ class SpeculativeDecoder:
         else:
             tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
         if decide_here and tokens_j.size:
-            # The baseline was just measured: decide on the measurement now (the device chose
-            # with the step times from before it).
+            # A trial was just measured: decide on the measurement now. The device chose with the
+            # step times from before it: after a trial of k = 1 at batch 16 (where plain decoding
+            # was best), running its choice went k = 3, 2, 4, 5, 4 steps each, then k = 1 again.
             choice = int(np.argmax(tokens_j / tracker.corrected()))
         trial = tracker.explore(choice, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
         return (choice if trial is None else trial), hold, trial
