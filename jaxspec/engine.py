@@ -452,7 +452,7 @@ TRIAL_STEPS = 16
 # A drafting segment re-chooses its plan every CHOOSE_EVERY steps (from MIN_SEGMENT on), not every
 # step: the choice is a few hundred small operations (the drain rule's expected maximum over rows,
 # the judgement of a stop over the rows' remaining tokens), which XLA:CPU runs one by one. Every
-# step it cost 1.5-3% of a batch-1 call of the tiny-8L pair at k = 4 (a 2 ms step); a switch the
+# step it cost 1.8-3.5% of a batch-1 call of the tiny-8L pair at k = 4 (a 2 ms step); a switch the
 # acceptance asks for comes at most CHOOSE_EVERY - 1 steps later.
 CHOOSE_EVERY = 4
 MAX_SEGMENT_CAP = 64
@@ -977,6 +977,8 @@ class SpeculativeDecoder:
             # A trial was just measured: decide on the measurement now. The device chose with the
             # step times from before it: after a trial of k = 1 at batch 16 (where plain decoding
             # was best), running its choice went k = 3, 2, 4, 5, 4 steps each, then k = 1 again.
+            # (Deciding here did not stop that: in the next run the host chose k = 2 after such
+            # a trial and the device went on to k = 3 and 4.)
             choice = int(np.argmax(tokens_j / tracker.corrected()))
         trial = tracker.explore(choice, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
         return (choice if trial is None else trial), hold, trial
