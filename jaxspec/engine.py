@@ -369,7 +369,7 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
                           request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
     if schedule.predict_ks is not None:
-        drain = _drain(state, max_new_b, draining)
+        drain = _drain(state.n_out_b, max_new_b, draining)
         policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0, seed=acceptance, live_b=~state.done_b)
         # Drafting from the start costs the drafter's prefill of the prompts (plain decoding defers it).
         backlog_b = prompt_len_b
@@ -401,9 +401,9 @@ def _tetris_plan(schedule: Schedule, seconds) -> policy_lib.TetrisPlan | None:
     return policy_lib.TetrisPlan(j, plan.k, plan.capacities, seconds["capacities"])
 
 
-def _drain(state: DecodeState, max_new_b, draining):
+def _drain(n_out_b, max_new_b, draining):
     """The goodput policy's view of a draining batch (`policy.goodput_of_ks`), None if unset."""
-    return None if draining is None else (max_new_b - state.n_out_b, draining)
+    return None if draining is None else (max_new_b - n_out_b, draining)
 
 
 def _with_hold(policy: policy_lib.PolicyState, live_b, schedule: Schedule, seconds, backlog_b,
@@ -541,9 +541,9 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         max_steps = jnp.where(missed, 0, max_steps)
 
     def choose(policy, done_b, n_out_b):
-        drain = None if draining is None else (max_new_b - n_out_b, draining)
         return policy.replace(choice=policy_lib.choose_k(
-            policy, ~done_b, schedule.predict_ks, seconds["plans"], False, plan_index, drain=drain,
+            policy, ~done_b, schedule.predict_ks, seconds["plans"], False, plan_index,
+            drain=_drain(n_out_b, max_new_b, draining),
             switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds)))
 
     def body(state):
@@ -574,7 +574,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     def plan_next(policy):
         # Drafting after plain steps first catches the drafter up on them (`Drafter.backlog`).
         backlog_b = drafter.backlog(state.draft_state, state.target_cache.lengths)
-        drain = _drain(state, max_new_b, draining)
+        drain = _drain(state.n_out_b, max_new_b, draining)
         if choose_each_step:
             # The segment may have ended between two choices (its step cap, a finished row).
             policy = choose(policy, state.done_b, state.n_out_b)

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
 import jaxspec
-from jaxspec.benchmarking import PAIRS, build_pair, divergence, machine, table, write_results
+from jaxspec.benchmarking import PAIRS, build_pair, divergence, machine, prompt_sets, table, write_results
 
 
 def main() -> None:
@@ -34,9 +32,7 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes:
         target, draft, _ = build_pair(args.pair, dtype)
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, target.config.vocab_size, int(n)).tolist()
-                   for n in rng.integers(8, 48, args.batch)]
+        prompts = prompt_sets(target.config.vocab_size, args.batch, 1)[0]
         start = time.perf_counter()
         reference = jaxspec.generate(target, prompts, max_new_tokens=args.new_tokens).tokens
         result = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=args.k)).generate(

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import build_pair, table, write_results
+from jaxspec.benchmarking import build_pair, prompt_sets, table, write_results
 
 
 def main() -> None:
@@ -28,8 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     target, draft, _ = build_pair("tiny-8L")
     config = target.config
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, config.vocab_size, int(n)).tolist() for n in rng.integers(8, 48, args.batch)]
+    prompts = prompt_sets(config.vocab_size, args.batch, 1)[0]
     never = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-3,
                                                 target_per_token=1e-5)
     specs = {"autoregressive (jaxspec.generate)": None, "engine, fixed k=0": jaxspec.SpecConfig(k=0),

@@ -396,7 +396,6 @@ def test_no_recompilation_after_warmup(small, compile_counter, spec):
     assert counter.count == 0
 
 
-
 def test_fixed_decoders_of_every_draft_length_share_one_prefill_program(small, compile_counter):
     """Only a decoder's loop depends on its draft length: after k = 2 has run, a new decoder with
     k = 3 (and a TETRIS one drafting as many, so its cache is as large) compiles its loop and
@@ -413,6 +412,7 @@ def test_fixed_decoders_of_every_draft_length_share_one_prefill_program(small, c
             result = decoder.generate(prompts, max_new_tokens=12)
         assert result.tokens == reference, spec
         assert counter.count == 1, (spec, counter.count)
+
 
 # --- bad input ---
 
