@@ -276,6 +276,15 @@ class StepTimeTracker:
     are held to `explore_budget` of the time observed so far, their own included, so a short run
     is not spent exploring a flat goodput curve.
 
+    Wall-clock noise is one-sided and comes in lumps: on a loaded 2-core machine a segment of the
+    tiny pair's 0.02 ms plain steps now and then took 6 ms more than its steps (the process
+    descheduled). Folded in, one such segment judged plain decoding 15x dear for the rest of the
+    call. So a segment more than `surprise` times slower per step than the plan was expected to
+    take (its corrected time, or its own warm-up time where `explore` would judge it by that) is
+    held back: the plan's next segment confirms it (both count) or, not surprising itself, drops
+    it. A held-back plan is in doubt, so a trial that surprised is run again; a real change costs
+    one segment's delay. What no segment of the same call confirmed counts at the next call.
+
     Args:
       predicted_j: the cost model's seconds per step of each plan, at the run's compiled shape.
       prior_steps: how many steps of the overall ratio a plan's own ratio is shrunk toward.
@@ -288,11 +297,13 @@ class StepTimeTracker:
         warm-up) rather than taken from a profile: `explore` counts those as measured.
       retime_segments: segments after which a plan's last measurement is old enough to re-time.
       call_decay: the factor `new_call` applies to the sums of the calls before.
+      surprise: how many times its expected step time a segment must take to be held back until
+        the plan's next segment confirms it.
     """
 
     def __init__(self, predicted_j, *, prior_steps: float = 4.0, decay: float = 0.9, explore_margin: float = 0.15,
                  explore_budget: float = 0.1, kinds=None, round_trip: float = 0.0,
-                 measured=None, retime_segments: int = 16, call_decay: float = 0.5):
+                 measured=None, retime_segments: int = 16, call_decay: float = 0.5, surprise: float = 3.0):
         self.predicted_j = np.asarray(predicted_j, np.float64)
         if self.predicted_j.ndim != 1 or not np.all(self.predicted_j > 0):
             raise ValueError(f"predicted_j must be a 1-d array of positive seconds, got {predicted_j!r}")
@@ -317,7 +328,11 @@ class StepTimeTracker:
             raise ValueError(f"retime_segments must be >= 1, got {retime_segments!r}")
         if not 0.0 < call_decay <= 1.0:
             raise ValueError(f"call_decay must be in (0, 1], got {call_decay!r}")
-        self.retime_segments, self.call_decay = retime_segments, call_decay
+        if not surprise > 1.0:
+            raise ValueError(f"surprise must be > 1, got {surprise!r}")
+        self.retime_segments, self.call_decay, self.surprise = retime_segments, call_decay, surprise
+        # A surprising segment held back per plan (`surprise`): its weighted measured and predicted seconds.
+        self.held_j = np.zeros((self.predicted_j.size, 2))
         self.segments = 0
         self.last_j = np.zeros(self.predicted_j.shape, np.int64)   # the segment count at each plan's last measurement
         # (plan, steps, predicted and measured wall seconds per step, round trip included)
@@ -331,15 +346,29 @@ class StepTimeTracker:
         self.total_seconds += seconds
         self.trial_seconds += seconds if trial else 0.0
         self.history.append((plan, steps, float(self.corrected()[plan]) + self.round_trip / steps, seconds / steps))
+        surprising = steps_seconds(seconds, self.round_trip) > self.surprise * steps * self._basis()[plan]
         self.measured_j *= self.decay
         self.expected_j *= self.decay
-        expected = steps * self.predicted_j[plan]
-        weight = self.evidence(expected)
-        self.measured_j[plan] += weight * steps_seconds(seconds, self.round_trip)
-        self.expected_j[plan] += weight * expected
+        self.held_j *= self.decay
         self._ratios = None
         self.segments += 1
-        if weight >= 0.5:   # a glimpse (steps shorter than the round trip) neither times a plan nor renews it
+        expected = steps * self.predicted_j[plan]
+        weight = self.evidence(expected)
+        sample = weight * np.array([steps_seconds(seconds, self.round_trip), expected])
+        held = self.held_j[plan].copy()
+        self.held_j[plan] = 0.0
+        if surprising and not held.any():
+            self.held_j[plan] = sample          # wait for the plan's next segment to confirm it
+            return
+        self._fold(plan, sample + (held if surprising else 0.0), timed=weight >= 0.5)
+
+    def _fold(self, plan: int, sample, timed: bool) -> None:
+        """Adds weighted (measured, predicted) seconds to a plan's sums; `timed`: they time the plan
+        and renew its measurement (a glimpse, steps shorter than the round trip, does neither)."""
+        self.measured_j[plan] += sample[0]
+        self.expected_j[plan] += sample[1]
+        self._ratios = None
+        if timed:
             self.tried_j[plan] = True
             self.last_j[plan] = self.segments
 
@@ -360,6 +389,9 @@ class StepTimeTracker:
         """Starts a call's segment log (`history`); what the calls before measured counts
         `call_decay` as much."""
         self.history = []
+        for plan in np.flatnonzero(self.held_j[:, 1] > 0):   # unconfirmed, but not lost
+            self._fold(plan, self.held_j[plan], timed=False)
+        self.held_j[:] = 0.0
         self.measured_j *= self.call_decay
         self.expected_j *= self.call_decay
         self._ratios = None
@@ -387,8 +419,15 @@ class StepTimeTracker:
         for members, weight in self._kinds:
             expected = self.expected_j[members].sum()
             if expected > 0:
-                prior_j[members] = (self.measured_j[members].sum() + overall * weight) / (expected + weight)
+                measured = self.measured_j[members].sum()
                 ran_j[members] = expected >= 0.5 * weight
+                # A kind that has run is pulled toward the overall ratio by at most the margin: the
+                # overall ratio is mostly the other kind's where the two disagree by far (drafting
+                # measured 20x its warm-up made a 7-step plain trial that ran as its warm-up said
+                # 2.7x dear, and plain decoding was not trialled again).
+                own = measured / expected
+                pull = np.clip(overall, own / (1.0 + self.explore_margin), own * (1.0 + self.explore_margin))
+                prior_j[members] = (measured + (pull if ran_j[members][0] else overall) * weight) / (expected + weight)
         weight_j = self.prior_steps * self.predicted_j
         self._ratios = ((self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j), ran_j)
         return self._ratios
@@ -403,7 +442,16 @@ class StepTimeTracker:
         `retime_segments` segments old): what makes a plan a candidate for a trial."""
         ratio_j, kind_ran_j = self._ratio()
         contradicted_j = self.tried_j & ~kind_ran_j & (ratio_j > 1.0 + self.explore_margin)
-        return contradicted_j, ~self.tried_j | contradicted_j, self.segments - self.last_j >= self.retime_segments
+        doubtful_j = ~self.tried_j | contradicted_j | (self.held_j[:, 1] > 0)
+        return contradicted_j, doubtful_j, self.segments - self.last_j >= self.retime_segments
+
+    def _basis(self) -> np.ndarray:
+        """Seconds per step each plan may be expected to take: its corrected time, or its own
+        warm-up (or profile) time where that is less and the plan is contradicted or due for
+        re-timing (`explore`)."""
+        contradicted_j, _, stale_j = self._doubts()
+        corrected_j = self.corrected()
+        return np.where(contradicted_j | stale_j, np.minimum(self.predicted_j, corrected_j), corrected_j)
 
     def in_doubt(self, chosen: int) -> bool:
         """Whether any plan besides `chosen` could be proposed for a trial (`explore`) on its
@@ -436,8 +484,7 @@ class StepTimeTracker:
         # warm-up, where plain decoding, by the autoregressive loop beside it, ran 15% ahead of its
         # own; plain, scaled up by drafting's error, never came within the margin again, and the
         # decoder drafted on, 9% behind the autoregressive loop).
-        hopeful_j = tokens_j / np.where(contradicted_j | stale_j, np.minimum(self.predicted_j, corrected_j),
-                                        corrected_j)
+        hopeful_j = tokens_j / self._basis()
         close_j = hopeful_j >= (1.0 - self.explore_margin) * tokens_j[chosen] / corrected_j[chosen]
         if baseline is not None and baseline != chosen and doubtful_j[baseline] and close_j[baseline]:
             return int(baseline)

@@ -285,6 +285,59 @@ def test_tracker_trials_a_plan_whose_warm_up_time_the_other_kinds_error_contradi
     assert fast.explore(0, np.array([1.0, 1.6, 2.0]), baseline=0) is None
 
 
+def test_a_short_trial_of_the_contradicted_plan_is_not_drowned_by_the_other_kinds_error():
+    """As above, but the plain trial is cut to 7 steps (a row finished) and drafting runs on after
+    it: the overall ratio, mostly drafting's 20x, pulls plain decoding's own ratio by at most the
+    margin, so it stays first for the segments its measurement lasts (shrunk toward the overall
+    ratio by its prior, the trial alone had left it 2.7x dear), and is in doubt again, not
+    condemned, once drafting's newer segments have decayed it below a run."""
+    measured_time, true = np.array([1.0, 0.15, 0.25]), np.array([1.0, 3.0, 5.0])
+    tokens = np.array([1.0, 1.1, 1.11])
+    tracker = StepTimeTracker(measured_time, kinds=[False, True, True], measured=[True] * 3, round_trip=0.5)
+    for steps in (64, 24):
+        tracker.observe(1, steps, steps * true[1] + 0.5)
+    assert tracker.explore(1, tokens, baseline=0) == 0
+    tracker.observe(0, 7, 7 * true[0] + 0.5, trial=True)
+    for n in range(12):
+        corrected = tracker.corrected()
+        assert np.argmax(tokens / corrected) == 0 and corrected[0] < 1.15 * true[0], (n, corrected)
+        tracker.observe(1, 24, 24 * true[1] + 0.5)       # the device's choice ran on (as it may)
+    for _ in range(30):
+        tracker.observe(1, 24, 24 * true[1] + 0.5)
+    assert tracker.explore(1, tokens, baseline=0) == 0
+
+
+def test_a_lone_surprising_segment_waits_for_the_next_to_confirm_it():
+    """One-sided timing noise: a segment descheduled for 6 ms, 15x its steps, is held back; the
+    plan's next segment, as timed, drops it. Two in a row count (a real slowdown costs one
+    segment's delay). A trial that surprised is proposed again, and what no segment confirmed
+    counts at the next call."""
+    tracker = StepTimeTracker(np.array([0.02, 0.06]), kinds=[False, True], measured=[True] * 2)
+    tracker.observe(0, 40, 40 * 0.02)
+    before = tracker.corrected()
+    tracker.observe(0, 16, 16 * 0.02 + 6.0)
+    np.testing.assert_allclose(tracker.corrected(), before)
+    tracker.observe(0, 40, 40 * 0.02)
+    assert tracker.corrected()[0] == pytest.approx(0.02)
+    # Sustained: counted from the second segment on.
+    tracker.observe(0, 16, 16 * 0.5)
+    assert tracker.corrected()[0] == pytest.approx(0.02)
+    tracker.observe(0, 16, 16 * 0.5)
+    assert tracker.corrected()[0] > 0.15
+    # A surprising trial of plain decoding is in doubt until a second one: it is trialled again.
+    tokens = np.array([1.0, 1.2])
+    trial = StepTimeTracker(np.array([0.02, 0.06]), kinds=[False, True], measured=[True] * 2)
+    trial.observe(1, 40, 40 * 0.06)
+    trial.observe(0, 16, 16 * 0.02 + 6.0, trial=True)
+    assert np.argmax(tokens / trial.corrected()) == 0 and trial.in_doubt(1)
+    trial.observe(1, 40, 40 * 0.06)
+    assert trial.explore(1, tokens, baseline=0) == 0
+    trial.new_call()
+    assert trial.corrected()[0] > 0.1 and not trial.in_doubt(1)
+    with pytest.raises(ValueError, match="surprise"):
+        StepTimeTracker(np.ones(2), surprise=1.0)
+
+
 def test_tracker_re_times_a_close_runner_up_once_its_measurement_is_old():
     """A decoder keeps its tracker across calls: a plan measured at warm-up and not run since is
     re-timed after `retime_segments` segments if it is within the margin (and the budget allows),

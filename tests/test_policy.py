@@ -1077,34 +1077,43 @@ def test_goodput_corrects_a_wrong_cost_model_from_measured_segments(pair):
 
 
 def test_a_warm_up_that_timed_drafting_far_too_cheap_is_overruled(pair, monkeypatch):
-    """The warm-up's drafting times are cut 20x (a warm-up gone wrong), so the run opens drafting
+    """The warm-up timed drafting 20x too cheap (a warm-up gone wrong), so the run opens drafting
     with a poor draft. Its segments measure drafting 20x dearer, which the tracker, plain decoding
     not having run, applies to plain decoding too; plain decoding, judged by its own warm-up time,
-    is trialled, and the run decodes plainly from then on. Lossless throughout."""
+    is trialled, and the run decodes plainly from then on. Lossless throughout.
+
+    The clock is a model (a plain step 1 ms, drafting 3 and 5 ms, a 0.5 ms round trip a
+    segment): what is tested is how the loop acts on what it measures. On the wall clock of a
+    2-core machine running the suite's other worker, a 16-step plain trial of the tiny pair
+    (0.02 ms a step) took 0.06 to 0.38 ms a step, and k = 1 ran within that range: the ranking
+    the test asserts was not there to find (`test_cost` covers the tracker under such noise)."""
+    from jaxspec.cost import StepTimeTracker
     from jaxspec.engine import SpeculativeDecoder
 
-    real = SpeculativeDecoder._warm_up
+    true_j, round_trip = np.array([1e-3, 3e-3, 5e-3]), 5e-4
+    real_warm_up, real_observe = SpeculativeDecoder._warm_up, StepTimeTracker.observe
 
     def cheap_drafting(self, schedule, *args):
-        warm = real(self, schedule, *args)
+        warm = real_warm_up(self, schedule, *args)      # compiles and counts acceptance as usual
         scale = np.array([1.0 if plan.k == 0 else 0.05 for plan in schedule.plans])
-        return warm._replace(plan_seconds=warm.plan_seconds * scale)
+        return warm._replace(plan_seconds=true_j * scale, round_trip=round_trip)
+
+    def modelled_clock(self, plan, steps, seconds, trial=False):
+        real_observe(self, plan, steps, steps * true_j[plan] + round_trip, trial)
 
     monkeypatch.setattr(SpeculativeDecoder, "_warm_up", cheap_drafting)
+    monkeypatch.setattr(StepTimeTracker, "observe", modelled_clock)
     target, poor = pair
     prompts = prompts16(10)
     want = jaxspec.generate(target, prompts, max_new_tokens=96).tokens
-
-    def check():
-        decoder = SpeculativeDecoder(target, poor, spec=jaxspec.SpecConfig(k=2, policy="goodput",
-                                                                          cost_model=BALANCED))
-        got = decoder.generate(prompts, max_new_tokens=96, batch_size=2)
-        assert got.tokens == want
-        trace = np.asarray(got.stats.extra["k_trace"])
-        assert trace[0] > 0, trace                                # the warm-up's times opened drafting
-        assert np.mean(trace[len(trace) // 3:] == 0) > 0.8, trace  # then plain decoding, once trialled
-
-    on_a_quiet_moment(check)
+    decoder = SpeculativeDecoder(target, poor, spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=BALANCED))
+    got = decoder.generate(prompts, max_new_tokens=96, batch_size=2)
+    assert got.tokens == want
+    rate = got.stats.acceptance_rate
+    assert rate < 0.3 and np.all(true_j[1:] / policy.expected_tokens_per_step(rate, np.arange(1, 3)) > 2 * true_j[0])
+    trace = np.asarray(got.stats.extra["k_trace"])
+    assert trace[0] > 0, trace                                # the warm-up's times opened drafting
+    assert np.mean(trace[len(trace) // 3:] == 0) > 0.9, trace  # then plain decoding, once trialled
 
 
 def test_a_warm_up_whose_round_trip_outlasts_its_passes_still_plans(pair, monkeypatch):
