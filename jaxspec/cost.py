@@ -420,14 +420,15 @@ class StepTimeTracker:
             expected = self.expected_j[members].sum()
             if expected > 0:
                 measured = self.measured_j[members].sum()
-                ran_j[members] = expected >= 0.5 * weight
+                ran = expected >= 0.5 * weight
+                ran_j[members] = ran
                 # A kind that has run is pulled toward the overall ratio by at most the margin: the
                 # overall ratio is mostly the other kind's where the two disagree by far (drafting
                 # measured 20x its warm-up made a 7-step plain trial that ran as its warm-up said
                 # 2.7x dear, and plain decoding was not trialled again).
                 own = measured / expected
                 pull = np.clip(overall, own / (1.0 + self.explore_margin), own * (1.0 + self.explore_margin))
-                prior_j[members] = (measured + (pull if ran_j[members][0] else overall) * weight) / (expected + weight)
+                prior_j[members] = (measured + (pull if ran else overall) * weight) / (expected + weight)
         weight_j = self.prior_steps * self.predicted_j
         self._ratios = ((self.measured_j + prior_j * weight_j) / (self.expected_j + weight_j), ran_j)
         return self._ratios
@@ -476,7 +477,7 @@ class StepTimeTracker:
             batch 64 costs 2.5 plain steps per step, too dear early in a short run).
         """
         corrected_j = self.corrected()
-        contradicted_j, doubtful_j, stale_j = self._doubts()
+        _, doubtful_j, stale_j = self._doubts()
         tokens_j = np.asarray(tokens_j, np.float64)
         # A plan in doubt or due for re-timing may be as fast as its warm-up (or profile) said: its
         # corrected time scales it by the other plans' error, which is the machine's drift only if
