@@ -56,7 +56,7 @@ def profile(args) -> int:
     print(f"profiling {target.config.name} (target) and {draft.config.name if draft else 'no draft model'} "
           f"on {jax.devices()[0].device_kind} ...", flush=True)
     cost = CostModel.profile(target, draft, batches=args.batches, ks=args.ks,
-                             cache_lens=args.cache_lens, repeats=args.repeats)
+                             cache_lens=args.cache_lens, repeats=args.repeats, passes=args.passes)
     cost.save(args.output)
     rows = [{"part": part, **{k: v for k, v in fit.items() if k != "points_seconds"}}
             for part, fit in cost.fit.items() if fit]
@@ -468,7 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ks", type=_draft_lengths, default=(0, 1, 2, 4),
                    help="draft lengths timed (0 and at least two values >= 1)")
     p.add_argument("--cache-lens", type=_ints, default=(128, 512), help="cache sizes")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1, help="timings of each shape per pass")
+    p.add_argument("--passes", type=int, default=3,
+                   help="passes over all the shapes, each in a shuffled order; a shape's time is the median over "
+                        "passes (a drift of the machine's speed then does not bend the fit)")
     p.add_argument("--output", default="cost_model.json")
     p.set_defaults(run=profile)
     _add_bench(sub)

@@ -24,9 +24,10 @@ throughout.
 `CostModel.profile` times the real decode step (draft k positions, verify, accept, commit) over a
 grid of batch sizes, draft lengths and cache sizes, inside one compiled loop as the decode loop runs
 it (no per-call dispatch, caches updated in place), after warm-up, with `block_until_ready`,
-medians over repeats, and fits all coefficients at once by non-negative least squares on relative
-errors (step times span two orders of magnitude over the grid, and the policy compares ratios:
-an absolute fit lets the large-batch points decide and leaves small batches 50-80% off), reporting
+medians over passes over the grid in shuffled orders (`time_points`), and fits all coefficients at
+once by non-negative least squares on relative errors (step times span two orders of magnitude
+over the grid, and the policy compares ratios: an absolute fit lets the large-batch points decide
+and leaves small batches 50-80% off), reporting
 R^2 and the worst relative error on held-out points. (Timing the draft and target forwards one jit
 call at a time, as a first version did, measured host dispatch and a copy of the whole cache that
 the loop never pays, and missed the step's sampling and bookkeeping: predictions were off by up to
@@ -152,7 +153,7 @@ class CostModel:
 
     @classmethod
     def profile(cls, target, draft=None, *, batches=(1, 2, 4, 8, 16), ks=(0, 1, 2, 4), cache_lens=(128, 512),
-                repeats: int = 3, mesh_shape: tuple = ()) -> CostModel:
+                repeats: int = 1, passes: int = 3, seed: int = 0, mesh_shape: tuple = ()) -> CostModel:
         """Times speculative steps on this device and fits the model to them.
 
         Each point is the real decode step (draft k positions, verify, accept, commit) at a
@@ -166,10 +167,11 @@ class CostModel:
           draft: the draft jaxspec.Model, or None: drafts then come from n-gram lookup (its cost,
             small but not zero, is what the draft terms measure).
           batches, ks, cache_lens: the grid of shapes timed (ks must include 0 and a k > 0).
-          repeats: timed runs per shape (median taken) after one warm-up.
+          repeats, passes, seed: every shape is timed `repeats` times in each of `passes` passes
+            over the grid, each pass in its own shuffled order (`seed`); a shape's time is the
+            median over its passes (`time_points`).
         """
         from jaxspec.drafters import ModelDrafter, NgramDrafter
-        from jaxspec.engine import time_steps
         from jaxspec.models.model import Model
 
         if not isinstance(target, Model):
@@ -181,11 +183,13 @@ class CostModel:
                              f"and verification costs, got {ks}")
         drafter = (ModelDrafter(draft) if draft is not None
                    else NgramDrafter().bind_vocab(target.config.vocab_size))
-        points = [(b, k, s, time_steps(target, drafter, k, b, s, repeats=repeats))
-                  for b in batches for k in ks for s in cache_lens]
-        return cls.fit_points(points, target_name=target.config.name,
+        points = time_points(target, drafter, [(b, k, s) for b in batches for k in ks for s in cache_lens],
+                             repeats=repeats, passes=passes, seed=seed)
+        cost = cls.fit_points(points, target_name=target.config.name,
                               draft_name=draft.config.name if draft is not None else "ngram", dtype=str(target.dtype),
                               mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind)
+        cost.fit["step"].update(passes=passes, repeats=repeats)
+        return cost
 
     @classmethod
     def fit_points(cls, points, **provenance) -> CostModel:
@@ -202,6 +206,34 @@ class CostModel:
         fit["points_seconds"] = [[int(b), int(k), int(s), float(sec)] for b, k, s, sec in points]
         return cls(**{name: float(c) for name, c in zip(COEFFICIENTS, coef, strict=True)}, **provenance,
                    fit={"step": fit})
+
+
+def time_points(target, drafter, shapes, *, repeats: int = 1, passes: int = 3, seed: int = 0) -> list[tuple]:
+    """Times the decode step at each `(batch, k, cache_len)` shape (`engine.time_steps`, after its
+    warm-up) in `passes` passes over all the shapes, each pass in a fresh shuffled order, and
+    returns `(batch, k, cache_len, seconds)` with the median over passes.
+
+    A shared machine's speed drifts over minutes and now and then stalls the process for a few
+    milliseconds. Timed one shape after another, a drift lands on whole stretches of the grid
+    (on the tiny-8L pair, the two cache sizes of one batch and k came out 33% apart where they
+    differ by 5%) and the fit bends to it. Shuffled passes spread it over the grid as noise, and
+    the median drops a stalled pass. Two profiles of 30 shapes timed back to back disagreed by
+    up to 24% on one shape in ten (3 repeats, one pass); with 3 passes of 1 repeat, 8%.
+    """
+    from jaxspec.engine import time_steps
+
+    if not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be an int >= 1, got {passes!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    shapes = [tuple(int(v) for v in shape) for shape in shapes]
+    rng = np.random.default_rng(seed)
+    seconds = [[] for _ in shapes]
+    for _ in range(passes):
+        for i in rng.permutation(len(shapes)):
+            batch, k, cache_len = shapes[i]
+            seconds[i].append(time_steps(target, drafter, k, batch, cache_len, repeats=repeats))
+    return [(*shape, float(np.median(times))) for shape, times in zip(shapes, seconds, strict=True)]
 
 
 def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: bool = True) -> tuple[np.ndarray, dict]:

@@ -35,9 +35,9 @@ from jaxspec.benchmarking import (
     table,
     write_results,
 )
-from jaxspec.cost import CostModel
+from jaxspec.cost import CostModel, time_points
 from jaxspec.drafters import ModelDrafter
-from jaxspec.engine import cache_length, time_steps
+from jaxspec.engine import cache_length
 
 
 def profile_batches(batches):
@@ -93,7 +93,7 @@ def main() -> None:
     elif not args.profile_per_batch:
         start = time.perf_counter()
         cost = CostModel.profile(target, draft, batches=profile_batches(args.batches),
-                                 ks=tuple(args.profile_ks), cache_lens=(128, 256), repeats=3)
+                                 ks=tuple(args.profile_ks), cache_lens=(128, 256))
         print(f"profiled in {time.perf_counter() - start:.0f} s: R^2 {cost.fit['step']['r2']:.3f}, worst held-out "
               f"error {cost.fit['step']['worst_heldout_rel_error']:.1%}", flush=True)
         cost.save(f"{out}_cost_model.json")
@@ -118,14 +118,20 @@ def main() -> None:
         if args.profile_per_batch:
             start = time.perf_counter()
             step_len = cache_length(prompt_width, out_len, args.new_tokens, kmax)
-            drafter = ModelDrafter(draft)
-            points += [(rows_b, k, s, time_steps(target, drafter, k, rows_b, s))
-                       for s in sorted({m * step_len for m in args.profile_cache_sizes}) for k in args.profile_ks]
+            points += time_points(target, ModelDrafter(draft), [
+                (rows_b, k, s) for s in sorted({m * step_len for m in args.profile_cache_sizes})
+                for k in args.profile_ks])
             cost = CostModel.fit_points(points, **provenance)
             cost.save(f"{out}_cost_model.json")
             print(f"batch {batch}: profiled in {time.perf_counter() - start:.0f} s; fit over {len(points)} points: "
                   f"R^2 {cost.fit['step']['r2']:.3f}", flush=True)
         profiled = {(b, k, s): sec for b, k, s, sec in points}
+        # The fixed configurations' steps at their compiled shapes, where the profile has not timed
+        # them: in shuffled passes, as the profile is (one at a time, a drift of the machine's speed
+        # between two of them made a step look 20% dearer than the next k's).
+        fixed_shapes = [(rows_b, k, cache_length(prompt_width, out_len, args.new_tokens, k)) for k in args.ks]
+        profiled.update({(b, k, s): sec for b, k, s, sec in time_points(
+            target, ModelDrafter(draft), [shape for shape in fixed_shapes if shape not in profiled], passes=5)})
         configs = [("autoregressive", None)]
         configs += [(f"fixed k={k}", jaxspec.SpecConfig(k=k)) for k in args.ks]
         if args.tetris:
@@ -180,9 +186,7 @@ def main() -> None:
             if label.startswith("fixed"):
                 # The step the prediction is about, at this run's compiled shape, in a loop.
                 step_len = cache_length(prompt_width, out_len, args.new_tokens, spec.k)
-                measured = profiled.get((rows_b, spec.k, step_len))
-                if measured is None:
-                    measured = time_steps(target, ModelDrafter(draft), spec.k, rows_b, step_len)
+                measured = profiled[(rows_b, spec.k, step_len)]
                 predicted = cost.step_seconds(rows_b, spec.k, step_len)
                 row.update(step_ms=1e3 * measured, predicted_step_ms=1e3 * predicted,
                            prediction_error=predicted / measured - 1)
@@ -245,7 +249,8 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
         "ratios within a round (this shared VM's speed drifts by tens of percent over minutes, so times from "
         "different moments are not comparable); the best fixed configuration is the fixed one with the best median "
         "time (`best_fixed`); `vs_best_fixed_90`: a 90% bootstrap interval of that median over the rounds. "
-        "`step_ms`: one decode step at the run's compiled shape timed in a compiled loop, "
+        "`step_ms`: one decode step at the run's compiled shape timed in a compiled loop (the median over passes "
+        "over the shapes in shuffled orders: `cost.time_points`), "
         "against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall time per step of "
         "the segments after each run's first, pooled over the rounds (the loop returns to the host between segments, "
         "round trip included), against the step times the policy predicted for them (each plan's steps timed at warm-"

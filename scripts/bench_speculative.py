@@ -75,7 +75,7 @@ def cost_model(part, target, draft, prompts, args):
     start = time.perf_counter()
     cost = jaxspec.CostModel.profile(target, draft if isinstance(draft, jaxspec.Model) else None, batches=batches,
                                      ks=(0, 1, 2, 4), cache_lens=args.profile_cache_lens or (cache_len // 2, cache_len),
-                                     repeats=2)
+                                     passes=2)
     print(f"{part}: cost model profiled in {time.perf_counter() - start:.0f} s (batches {batches}), "
           f"R^2 {cost.fit['step']['r2']:.3f}", flush=True)
     cost.save(RESULTS_DIR / f"{args.name}_{part}_cost_model.json")

@@ -473,3 +473,39 @@ def test_a_plan_due_for_re_timing_is_judged_by_its_warm_up_time_too():
     for _ in range(8):
         tracker.observe(0, 95, 95 * 0.6)
         assert tracker.explore(0, tokens, steps=4) != 2
+
+
+def test_profile_passes_spread_a_drifting_machine_over_the_grid(tiny_model, monkeypatch):
+    """On a machine that slows by half over the profile and stalls now and then, shuffled passes
+    with a median keep the fitted step times in proportion across the grid (the common slow-down
+    is the tracker's to correct); timing each shape's repeats one after another, in grid order,
+    bends the fit by the drift."""
+    truth = CostModel.from_coefficients(draft_fixed=2e-4, draft_per_token=2e-5, target_fixed=8e-4,
+                                        target_per_token=3e-5, target_per_context_token=2e-7,
+                                        speculation_fixed=3e-4, speculation_per_row=2e-5)
+    batches, ks, cache_lens, passes = (1, 4, 16, 64), (0, 1, 2, 4), (128, 256), 3
+    shapes = [(b, k, s) for b in batches for k in ks for s in cache_lens]
+    calls = []
+
+    def machine(target, drafter, k, batch, cache_len, *, repeats, **_):
+        assert repeats == 1
+        calls.append((batch, k, cache_len))
+        drift = 1.0 + 0.5 * len(calls) / (passes * len(shapes))
+        stall = 5e-3 if len(calls) % 13 == 3 else 0.0   # 7x a batch-1 step
+        return truth.step_seconds(batch, k, cache_len) * drift + stall
+
+    def spread(cost):   # largest over smallest ratio of predicted to true step time over the grid
+        ratio = np.array([cost.step_seconds(*shape) / truth.step_seconds(*shape) for shape in shapes])
+        return ratio.max() / ratio.min()
+
+    monkeypatch.setattr(jaxspec.engine, "time_steps", machine)
+    cost = CostModel.profile(tiny_model, None, batches=batches, ks=ks, cache_lens=cache_lens, passes=passes)
+    assert sorted(calls) == sorted(shapes * passes)   # every shape once per pass
+    assert cost.fit["step"]["passes"] == passes
+    calls.clear()
+    one_by_one = [(*shape, float(np.median([machine(None, None, shape[1], shape[0], shape[2], repeats=1)
+                                            for _ in range(passes)]))) for shape in shapes]
+    assert spread(cost) < 1.2 < 1.35 < spread(CostModel.fit_points(one_by_one))
+    for name in ("passes", "repeats"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            CostModel.profile(tiny_model, None, batches=batches, ks=ks, cache_lens=cache_lens, **{name: 0})
