@@ -276,9 +276,12 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
     tried_bk = (j < verified_b[:, None]) & (j <= accepted_b[:, None]) & live_b[:, None]
     hit_bk = tried_bk & (j < accepted_b[:, None])
     bins = state.calib_tried_c.shape[0]
-    bin_bk = _bin_of(logprob_bk, bins)
-    tried_c = jnp.zeros((bins,), jnp.float32).at[bin_bk].add(tried_bk.astype(jnp.float32))
-    hit_c = jnp.zeros((bins,), jnp.float32).at[bin_bk].add(hit_bk.astype(jnp.float32))
+    # Per-bin counts as sums over a one-hot [b, k, c] mask, not as scatter-adds: in the decode
+    # loop on XLA:CPU the two scatters cost a goodput step about 30 us more at batch 1 (k = 5, a
+    # 2.2 ms step; 52 against 28 us over fixed k = 5, the means of six paired diagnostics each).
+    in_bin_bkc = _bin_of(logprob_bk, bins)[:, :, None] == jnp.arange(bins)[None, None, :]
+    tried_c = jnp.sum(in_bin_bkc & tried_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
+    hit_c = jnp.sum(in_bin_bkc & hit_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
     live = live_b.astype(jnp.float32)
     hits_b, tries_b = live * jnp.sum(hit_bk, axis=1), live * jnp.sum(tried_bk, axis=1)
     return state.replace(

@@ -279,6 +279,31 @@ def test_run_totals_count_every_trial_undecayed():
     assert float(state.total_trials) == pytest.approx(want_trials)
 
 
+def test_calibration_counts_every_tried_slot_in_its_confidence_bin():
+    """Without decay, each bin's counts are a histogram of the live rows' tried and accepted
+    slots by draft confidence, counted slot by slot here."""
+    rng = np.random.default_rng(11)
+    b, k, bins = 6, 5, policy.CALIBRATION_BINS
+    state = policy.PolicyState.init(b, 0)
+    want_tried, want_hit = np.zeros(bins), np.zeros(bins)
+    for _ in range(20):
+        conf = rng.uniform(0.0, 1.0, (b, k))
+        conf[0, 0] = 1.0   # the top bin's edge
+        verified_b = rng.integers(0, k + 1, b)
+        accepted_b = np.minimum(rng.integers(0, k + 1, b), verified_b)
+        live_b = rng.random(b) < 0.8
+        state = policy.observe(state, jnp.log(jnp.asarray(conf, jnp.float32)), jnp.asarray(verified_b),
+                               jnp.asarray(accepted_b), jnp.asarray(live_b), decay=1.0)
+        for i in range(b):
+            for j in range(k):
+                if live_b[i] and j < verified_b[i] and j <= accepted_b[i]:
+                    c = min(int(np.float32(conf[i, j]) * bins), bins - 1)
+                    want_tried[c] += 1
+                    want_hit[c] += j < accepted_b[i]
+    np.testing.assert_allclose(state.calib_tried_c, want_tried, atol=1e-3)
+    np.testing.assert_allclose(state.calib_accepted_c, want_hit, atol=1e-3)
+
+
 def segments_take(monkeypatch, true_j=None):
     """Feeds every goodput segment's time to the step-time tracker as if it took `true_j[plan]` a
     step (default: what the tracker's cost model predicts), plus the round trip: decisions that a
