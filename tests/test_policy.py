@@ -304,6 +304,48 @@ def test_calibration_counts_every_tried_slot_in_its_confidence_bin():
     np.testing.assert_allclose(state.calib_accepted_c, want_hit, atol=1e-3)
 
 
+def test_after_a_trial_the_plan_it_stood_in_for_keeps_its_place_unless_beaten_by_the_switch_margin():
+    """The host's decision after a timing trial: the best plan by predicted goodput only if it
+    beats the incumbent (the plan the trial stood in for) by the device's switch margin, and a stop
+    judged on the rows' acceptance over their remaining tokens, not on a recent dip alone."""
+    from jaxspec.engine import Schedule, StepPlan, _after_trial
+
+    ks = (0, 1, 2, 3, 4)
+    schedule = Schedule(plans=tuple(StepPlan(k=k, cache_len=64) for k in ks), predict_ks=ks)
+    seconds_j = np.array([0.7, 1.4, 1.6, 1.8, 2.0]) * 1e-3
+    live_b = np.ones(1, bool)
+
+    def state(recent, seed=0.84, trials=12.0):
+        s = policy.PolicyState.init(1, 4, seed=(seed, 10.0, 100.0, 0.0))
+        return jax.device_get(s.replace(accepted_b=jnp.asarray([recent * trials]), trials_b=jnp.asarray([trials])))
+
+    def decide(s, remaining, plain_seconds):
+        seconds = seconds_j.copy()
+        seconds[0] = plain_seconds
+        tokens_j = np.array([float(policy.expected_tokens_per_step(s.alpha_b()[0], k)) for k in ks])
+        choice = _after_trial(schedule, s, tokens_j, seconds, live_b, np.asarray([remaining]), incumbent=4)
+        goodput_j = tokens_j / seconds
+        margin = policy.SWITCH_MARGIN + policy.THIN_EVIDENCE / np.sqrt(1.0 + np.sum(s.evidence_b()))
+        return choice, goodput_j, margin
+
+    steady = state(0.84)
+    # Plain decoding measured a little ahead of k = 4 (within the margin): k = 4 stays.
+    tie = float(seconds_j[4] / policy.expected_tokens_per_step(steady.alpha_b()[0], 4)) / 1.02
+    choice, goodput_j, margin = decide(steady, 40, tie)
+    assert goodput_j[0] > goodput_j[4] and goodput_j[0] < (1 + margin) * goodput_j[4] and choice == 4
+    # Far ahead: plain decoding takes over.
+    choice, goodput_j, margin = decide(steady, 40, tie / 1.5)
+    assert goodput_j[0] > (1 + margin) * goodput_j[4] and choice == 0
+    # A dip in the last 20 trials (0.35 against the usual 0.84): on one step's estimate plain
+    # decoding wins by more than the margin, but over 60 tokens still to come drafting pays.
+    dip = state(0.35, trials=20.0)
+    choice, goodput_j, margin = decide(dip, 60, 0.7e-3)
+    assert np.argmax(goodput_j) == 0 and goodput_j[0] > (1 + margin) * goodput_j[4]
+    assert choice != 0
+    # With two tokens left, the recent estimate is what counts: plain decoding.
+    assert decide(dip, 2, 0.7e-3)[0] == 0
+
+
 def segments_take(monkeypatch, true_j=None):
     """Feeds every goodput segment's time to the step-time tracker as if it took `true_j[plan]` a
     step (default: what the tracker's cost model predicts), plus the round trip: decisions that a
