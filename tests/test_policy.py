@@ -346,6 +346,40 @@ def test_after_a_trial_the_plan_it_stood_in_for_keeps_its_place_unless_beaten_by
     assert decide(dip, 2, 0.7e-3)[0] == 0
 
 
+def test_warm_up_times_of_drafting_plans_are_read_through_a_line_in_k():
+    """The warm-up's step times of standard drafting plans are affine in k at one shape (the cost
+    model's form); read through a least-squares line they rank near-tied plans by goodput as the
+    true times do more often than the raw timings, and are closer to them. Plain decoding and
+    TETRIS keep their own times; fewer than three drafting plans, or a line that does not rise,
+    leave the timings as they are."""
+    from jaxspec.engine import Schedule, StepPlan, _drafting_line
+
+    ks = (0, 1, 2, 3, 4, 5, 6)
+    plans = tuple(StepPlan(k=k, cache_len=64) for k in ks)
+    tetris_plan = StepPlan(k=6, capacity=6, capacities=(0, 3, 6), cache_len=64)
+    schedule = Schedule(plans=plans + (tetris_plan,), predict_ks=ks + (4,))
+    true_j = np.array([0.7, 1.35, 1.55, 1.75, 1.95, 2.15, 2.35, 2.6]) * 1e-3
+    tokens_j = np.array([float(policy.expected_tokens_per_step(0.8, k)) for k in ks + (6,)])
+    best = np.argmax(tokens_j / true_j)
+    rng = np.random.default_rng(0)
+    raw_right = line_right = 0
+    raw_error, line_error = [], []
+    for _ in range(200):
+        measured_j = true_j * (1.0 + rng.normal(0.0, 0.06, true_j.shape))
+        line_j = _drafting_line(measured_j, schedule)
+        assert line_j[0] == measured_j[0] and line_j[-1] == measured_j[-1]
+        raw_right += np.argmax(tokens_j / measured_j) == best
+        line_right += np.argmax(tokens_j / line_j) == best
+        raw_error.append(np.max(np.abs(measured_j[1:7] / true_j[1:7] - 1)))
+        line_error.append(np.max(np.abs(line_j[1:7] / true_j[1:7] - 1)))
+    assert line_right > 1.3 * raw_right
+    assert np.mean(line_error) < 0.6 * np.mean(raw_error)
+    few = Schedule(plans=plans[:3], predict_ks=ks[:3])
+    np.testing.assert_array_equal(_drafting_line(true_j[:3], few), true_j[:3])
+    falling = np.array([0.7, 2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 2.6]) * 1e-3
+    np.testing.assert_array_equal(_drafting_line(falling, schedule), falling)
+
+
 def segments_take(monkeypatch, true_j=None):
     """Feeds every goodput segment's time to the step-time tracker as if it took `true_j[plan]` a
     step (default: what the tracker's cost model predicts), plus the round trip: decisions that a
