@@ -1293,8 +1293,8 @@ def _after_trial(schedule: Schedule, policy, tokens_j, seconds_j, live_b, remain
 
     A trial is one noisy sample against plans measured over many steps, and the argmax it replaced
     took near-ties on it: at batch 1 of the tiny-8L pair, where plain decoding ran 0.82-0.88 of
-    fixed k = 5, a 16-step trial of k = 4 on a row whose last dozen drafts had been accepted at
-    0.78 (0.84 over whole calls) turned plain decoding on for the call's last 49 tokens."""
+    fixed k = 5, a 16-step trial of k = 4 on a row whose acceptance estimate had dipped
+    to 0.78 (0.84 over whole calls) turned plain decoding on for the call's last 49 tokens."""
     goodput_j = np.asarray(tokens_j, np.float64) / np.asarray(seconds_j, np.float64)
     drafting_j = np.asarray(schedule.predict_ks) > 0
     if drafting_j.any() and not drafting_j.all():

@@ -127,8 +127,8 @@ def main() -> None:
                   f"R^2 {cost.fit['step']['r2']:.3f}", flush=True)
         profiled = {(b, k, s): sec for b, k, s, sec in points}
         # The fixed configurations' steps at their compiled shapes, where the profile has not timed
-        # them: in shuffled passes, as the profile is (one at a time, a drift of the machine's speed
-        # between two of them made a step look 20% dearer than the next k's).
+        # them: in shuffled passes, as the profile is (timed one after another at batch 1, k = 5's
+        # step came out 9% dearer than k = 6's).
         fixed_shapes = [(rows_b, k, cache_length(prompt_width, out_len, args.new_tokens, k)) for k in args.ks]
         profiled.update({(b, k, s): sec for b, k, s, sec in time_points(
             target, ModelDrafter(draft), [shape for shape in fixed_shapes if shape not in profiled], passes=5)})
