@@ -859,7 +859,7 @@ class SpeculativeDecoder:
                 self._acceptance.seed(), np.bool_(not len(queue))))
         else:
             seconds, next_choice, acceptance, draining = put(_as_arrays(predicted)), None, None, None
-            plan_index, trial, incumbent = 0, None, 0
+            plan_index, trial = 0, None
         start = time.perf_counter()
         state = start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                 *rows_in, eos_t, seconds, next_choice, acceptance, draining, **static)
@@ -1304,7 +1304,7 @@ def _after_trial(schedule: Schedule, policy, tokens_j, seconds_j, live_b, remain
                                                                            1e-30))
         goodput_j = np.where(drafting_j, goodput_j, goodput_j * factor)
     best = int(np.argmax(goodput_j))
-    margin = policy_lib.SWITCH_MARGIN + policy_lib.THIN_EVIDENCE / np.sqrt(1.0 + np.sum(policy.evidence_b()))
+    margin = float(policy_lib.switch_margin(policy))
     return best if goodput_j[best] > (1.0 + margin) * goodput_j[incumbent] else incumbent
 
 

@@ -527,10 +527,16 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
-    margin = margin + THIN_EVIDENCE / jnp.sqrt(1.0 + jnp.sum(state.evidence_b()))
+    margin = switch_margin(state, margin)
     switch = ((goodput_j[best] > (1.0 + margin) * goodput_j[current])
               & _saves_a_switch(goodput_j[current], goodput_j[best], live_b, drain, switch_seconds))
     return jnp.where(switch, best, jnp.int32(current))
+
+
+def switch_margin(state: PolicyState, margin: float = SWITCH_MARGIN):
+    """The predicted gain a switch of plans must beat (`choose_k`, and the host after a timing
+    trial): `margin` plus THIN_EVIDENCE / sqrt(1 + the batch's trials, seeds included)."""
+    return margin + THIN_EVIDENCE / jnp.sqrt(1.0 + jnp.sum(state.evidence_b()))
 
 
 def _stopping_judged_ahead(state: PolicyState, live_b, ks, seconds_j, goodput_j, remaining_b, tetris=None):
