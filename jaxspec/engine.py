@@ -1298,13 +1298,13 @@ def _after_trial(schedule: Schedule, policy, tokens_j, seconds_j, live_b, remain
     goodput_j = np.asarray(tokens_j, np.float64) / np.asarray(seconds_j, np.float64)
     drafting_j = np.asarray(schedule.predict_ks) > 0
     if drafting_j.any() and not drafting_j.all():
-        ahead_j = _expected_tokens(np.asarray(policy.forecast_alpha_b(remaining_b))[live_b], schedule.predict_ks)
+        ahead_j = _expected_tokens(np.asarray(policy.forecast_alpha_b(remaining_b, xp=np))[live_b], schedule.predict_ks)
         recent_j = _expected_tokens(np.asarray(policy.alpha_b())[live_b], schedule.predict_ks)
         factor = min(1.0, np.max((recent_j / seconds_j)[drafting_j]) / max(np.max((ahead_j / seconds_j)[drafting_j]),
                                                                            1e-30))
         goodput_j = np.where(drafting_j, goodput_j, goodput_j * factor)
     best = int(np.argmax(goodput_j))
-    margin = float(policy_lib.switch_margin(policy))
+    margin = float(policy_lib.switch_margin(policy, xp=np))
     return best if goodput_j[best] > (1.0 + margin) * goodput_j[incumbent] else incumbent
 
 

@@ -120,7 +120,7 @@ class PolicyState:
         """Trials per row the estimate rests on: the row's own and its seed's."""
         return self.trials_b + self.seed_trials_b
 
-    def forecast_alpha_b(self, remaining_b) -> jax.Array:
+    def forecast_alpha_b(self, remaining_b, xp=jnp) -> jax.Array:
         """Per-row acceptance expected over the row's `remaining_b` tokens: the recent estimate
         `alpha_b` for the next few tokens, the seed's rate (what the drafter achieves over whole
         calls, `AcceptanceMemory`) beyond them.
@@ -134,12 +134,12 @@ class PolicyState:
         start the seed does. Before this, a hard start (on the tiny-8L pair at batch 1, one
         benchmark prompt rejects 4 of its first 12 drafts and accepts 85% after) turned
         speculation off for the rest of 3 calls in 15, each then 5-10% slower than drafting
-        throughout. Rows without a seed keep `alpha_b`.
+        throughout. Rows without a seed keep `alpha_b`. `xp`: numpy for a state read to the host.
         """
-        r_b = jnp.maximum(jnp.asarray(remaining_b, jnp.float32), 1.0)
-        recent_b = jnp.where(self.seed_trials_b > 0,
-                             FORECAST_TOKENS / r_b * (1.0 - jnp.exp(-r_b / FORECAST_TOKENS)), 1.0)
-        seed_b = self.seed_accepted_b / jnp.maximum(self.seed_trials_b, 1e-6)
+        r_b = xp.maximum(xp.asarray(remaining_b, xp.float32), 1.0)
+        recent_b = xp.where(self.seed_trials_b > 0,
+                            FORECAST_TOKENS / r_b * (1.0 - xp.exp(-r_b / FORECAST_TOKENS)), 1.0)
+        seed_b = self.seed_accepted_b / xp.maximum(self.seed_trials_b, 1e-6)
         return recent_b * self.alpha_b() + (1.0 - recent_b) * seed_b
 
     def planning_alpha_b(self) -> jax.Array:
@@ -533,10 +533,11 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
     return jnp.where(switch, best, jnp.int32(current))
 
 
-def switch_margin(state: PolicyState, margin: float = SWITCH_MARGIN):
+def switch_margin(state: PolicyState, margin: float = SWITCH_MARGIN, xp=jnp):
     """The predicted gain a switch of plans must beat (`choose_k`, and the host after a timing
-    trial): `margin` plus THIN_EVIDENCE / sqrt(1 + the batch's trials, seeds included)."""
-    return margin + THIN_EVIDENCE / jnp.sqrt(1.0 + jnp.sum(state.evidence_b()))
+    trial, with `xp` = numpy): `margin` plus THIN_EVIDENCE / sqrt(1 + the batch's trials, seeds
+    included)."""
+    return margin + THIN_EVIDENCE / xp.sqrt(1.0 + xp.sum(state.evidence_b()))
 
 
 def _stopping_judged_ahead(state: PolicyState, live_b, ks, seconds_j, goodput_j, remaining_b, tetris=None):

@@ -307,7 +307,8 @@ def test_calibration_counts_every_tried_slot_in_its_confidence_bin():
 def test_after_a_trial_the_plan_it_stood_in_for_keeps_its_place_unless_beaten_by_the_switch_margin():
     """The host's decision after a timing trial: the best plan by predicted goodput only if it
     beats the incumbent (the plan the trial stood in for) by the device's switch margin, and a stop
-    judged on the rows' acceptance over their remaining tokens, not on a recent dip alone."""
+    judged on the rows' acceptance over their remaining tokens, not on a recent dip alone; made in
+    numpy, with nothing sent to the device."""
     from jaxspec.engine import Schedule, StepPlan, _after_trial
 
     ks = (0, 1, 2, 3, 4)
@@ -323,7 +324,10 @@ def test_after_a_trial_the_plan_it_stood_in_for_keeps_its_place_unless_beaten_by
         seconds = seconds_j.copy()
         seconds[0] = plain_seconds
         tokens_j = np.array([float(policy.expected_tokens_per_step(s.alpha_b()[0], k)) for k in ks])
-        choice = _after_trial(schedule, s, tokens_j, seconds, live_b, np.asarray([remaining]), incumbent=4)
+        # Host work between segments: numpy only. An eager jax op here is a dispatch (and the first
+        # time, a compilation: 0.2 s in a benchmark's first trial) while the device waits.
+        with jax.transfer_guard("disallow"):
+            choice = _after_trial(schedule, s, tokens_j, seconds, live_b, np.asarray([remaining]), incumbent=4)
         goodput_j = tokens_j / seconds
         margin = policy.SWITCH_MARGIN + policy.THIN_EVIDENCE / np.sqrt(1.0 + np.sum(s.evidence_b()))
         return choice, goodput_j, margin
