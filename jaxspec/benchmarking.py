@@ -99,6 +99,31 @@ def median_interval(samples, level: float = 0.9, resamples: int = 2000, seed: in
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100.0 - tail))
 
 
+def heldout_best_ratios(seconds: dict[str, Sequence[float]], candidates: Sequence[str], label: str) -> np.ndarray:
+    """Per round r: the time, in round r, of the candidate with the best median time over the
+    other rounds, over `label`'s time in round r (leave-one-out).
+
+    Picking the best of several configurations by their medians over the very rounds it is then
+    compared on favours whichever drew fast noise: where several are within the noise, the pick's
+    median is the maximum of noisy estimates, biased toward it by about one noise width, and every
+    other method looks that much slower. Chosen without round r, the pick is what a user would
+    have fixed in advance, and its ratio in round r is an unbiased sample of how `label` compares
+    with it. `seconds`: each configuration's time per round (same rounds for all)."""
+    if not candidates:
+        raise ValueError("heldout_best_ratios needs at least one candidate")
+    times = {name: np.asarray(seconds[name], np.float64) for name in (*candidates, label)}
+    rounds = times[label].size
+    if rounds < 2 or any(t.size != rounds for t in times.values()):
+        raise ValueError(f"heldout_best_ratios needs at least 2 rounds, the same for every configuration; got "
+                         f"{ {name: t.size for name, t in times.items()} }")
+    ratios = np.empty(rounds)
+    for r in range(rounds):
+        others = np.arange(rounds) != r
+        pick = min(candidates, key=lambda name: float(np.median(times[name][others])))
+        ratios[r] = times[pick][r] / times[label][r]
+    return ratios
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     """A GitHub-markdown table of dict rows (floats to 3 significant digits)."""
     columns = list(columns or rows[0].keys())
