@@ -449,6 +449,9 @@ FIRST_SEGMENT_CAP = MIN_SEGMENT
 # 96-token call at batch 1 or more: in a batch-1 diagnostic the trials of k = 4 and 5 each ran a
 # whole call.
 TRIAL_STEPS = 16
+# A call may instead open on a plan tied with the one it would run (within the switch margin) whose
+# last timing is TIE_RETIME segments old, for a whole segment (`StepTimeTracker.retime_tie`).
+TIE_RETIME = 4
 # A drafting segment re-chooses its plan every CHOOSE_EVERY steps (from MIN_SEGMENT on), not every
 # step: the choice is a few hundred small operations (the drain rule's expected maximum over rows,
 # the judgement of a stop over the rows' remaining tokens), which XLA:CPU runs one by one. Every
@@ -854,7 +857,7 @@ class SpeculativeDecoder:
             # no step and costs what that wait did. A call that opens on a timing trial runs the
             # trial's plan instead (the drafter prefilled if it drafts), timed once the prefill is done.
             plan_index = self._openings.get(shape_key, schedule.predict_ks.index(0))
-            trial = self._opening_trial(schedule, tracker, plan_index, first.num_prompts)
+            trial, whole = self._opening_trial(schedule, tracker, plan_index, first.num_prompts)
             incumbent = plan_index   # what a trial stands in for (`_after_trial`)
             plan_index = plan_index if trial is None else trial
             # The acceptance last measured seeds the rows; whether requests wait for slots.
@@ -863,7 +866,7 @@ class SpeculativeDecoder:
                 self._acceptance.seed(), np.bool_(not len(queue))))
         else:
             seconds, next_choice, acceptance, draining = put(_as_arrays(predicted)), None, None, None
-            plan_index, trial = 0, None
+            plan_index, trial, whole = 0, None, False
         start = time.perf_counter()
         state = start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                 *rows_in, eos_t, seconds, next_choice, acceptance, draining, **static)
@@ -886,7 +889,7 @@ class SpeculativeDecoder:
             drains = not len(queue)
             segment_start = time.perf_counter()
             if goodput:
-                steps_cap = hold if plain else (TRIAL_STEPS if trial is not None else segment_cap)
+                steps_cap = hold if plain else (TRIAL_STEPS if trial is not None and not whole else segment_cap)
                 flags = put((np.int32(stop), np.int32(steps_cap), np.bool_(drains),
                              np.bool_(opening)))
             else:
@@ -908,8 +911,9 @@ class SpeculativeDecoder:
                 segment_seconds = time.perf_counter() - start - (warm.opening_seconds - warm.round_trip)
             step_ks += [schedule.plans[plan_index].k] * segment_steps
             if goodput:
-                tracker.observe(plan_index, segment_steps, max(segment_seconds, 0.0), trial=trial is not None)
-                segment_cap = MAX_SEGMENT_CAP
+                tracker.observe(plan_index, segment_steps, max(segment_seconds, 0.0),
+                                trial=trial is not None and not whole)
+                segment_cap, whole = MAX_SEGMENT_CAP, False
             if goodput and not idle:   # another segment follows: plan it
                 seconds = put(_as_arrays(_corrected(predicted, tracker, schedule)))
                 plan_index, hold, trial, incumbent = self._plan_segment(
@@ -952,8 +956,10 @@ class SpeculativeDecoder:
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _opening_trial(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, guess: int,
-                       rows: int) -> int | None:
-        """A timing trial to open the call with (`StepTimeTracker.explore`), or None.
+                       rows: int) -> tuple[int | None, bool]:
+        """A timing trial to open the call with (`StepTimeTracker.explore`), or None; and whether
+        it runs a whole segment: a plan tied with the guess (`StepTimeTracker.retime_tie`), not
+        a trial of TRIAL_STEPS steps charged to the trial budget.
 
         Trials are otherwise proposed between segments, and a call that runs one segment (plain
         decoding, or one draft length, all the way) has none: a ranking of near-tied plans that
@@ -961,9 +967,13 @@ class SpeculativeDecoder:
         diagnostic, 15 calls in a row decoded plainly where fixed k = 1 ran 7% faster). Judged on the
         acceptance the decoder remembers, against the plan the call is expected to open on."""
         if not tracker.segments:
-            return None
+            return None, False
         tokens_j = _expected_tokens(np.full(rows, self._acceptance.seed()[0]), schedule.predict_ks)
-        return tracker.explore(guess, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
+        trial = tracker.explore(guess, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
+        if trial is not None:
+            return trial, False
+        tie = tracker.retime_tie(guess, tokens_j, margin=policy_lib.SWITCH_MARGIN, segments=TIE_RETIME)
+        return tie, tie is not None
 
     def _plan_segment(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, policy, done_b, remaining_b,
                       drains: bool, trial, plan_index: int, incumbent: int) -> tuple[int, int, int | None, int]:
