@@ -506,8 +506,9 @@ class StepTimeTracker:
 
     def retime_tie(self, chosen: int, tokens_j, margin: float, segments: int) -> int | None:
         """A plan to run for a whole segment instead of `chosen` because the two are tied, or None:
-        the best other plan whose predicted goodput (by the times `explore` judges it by) is within
-        `margin` of `chosen`'s and whose last measurement is at least `segments` segments old.
+        the best plan of another kind (`kinds`: drafting or not) whose predicted goodput (by the
+        times `explore` judges it by) is within `margin` of `chosen`'s and whose last measurement
+        is at least `segments` segments old.
 
         Plans within the policy's switch margin are ones the policy cannot tell apart, and a run
         that rests on one timing of each keeps whichever that timing favoured. Where a call is one
@@ -515,13 +516,15 @@ class StepTimeTracker:
         that timed drafting a few percent behind plain decoding kept a run decoding plainly for 15
         of 16 calls, at 0.78 of fixed k = 5. Running the tie for a whole segment adds no round
         trip, and costs at most the margin over that segment; it is not charged to the trial
-        budget."""
+        budget. Plans of one kind share their kind's correction (a segment of one corrects the
+        others), so a tie within a kind is left to `explore`: offered across draft lengths at
+        batch 4, ties that the device then left after 4 steps cost a round trip in most calls."""
         tokens_j = np.asarray(tokens_j, np.float64)
         hopeful_j = tokens_j / self._basis()
         tie_j = hopeful_j >= (1.0 - margin) * tokens_j[chosen] / self.corrected()[chosen]
         due_j = self.segments - self.last_j >= segments
         for j in np.argsort(-hopeful_j):
-            if j != chosen and tie_j[j] and due_j[j]:
+            if self.kind_j[j] != self.kind_j[chosen] and tie_j[j] and due_j[j]:
                 return int(j)
         return None
 

@@ -857,7 +857,8 @@ class SpeculativeDecoder:
             # no step and costs what that wait did. A call that opens on a timing trial runs the
             # trial's plan instead (the drafter prefilled if it drafts), timed once the prefill is done.
             plan_index = self._openings.get(shape_key, schedule.predict_ks.index(0))
-            trial, whole = self._opening_trial(schedule, tracker, plan_index, first.num_prompts)
+            trial, whole = self._opening_trial(schedule, tracker, plan_index,
+                                               np.asarray(first.max_new_b)[:first.num_prompts], not len(queue))
             incumbent = plan_index   # what a trial stands in for (`_after_trial`)
             plan_index = plan_index if trial is None else trial
             # The acceptance last measured seeds the rows; whether requests wait for slots.
@@ -956,7 +957,7 @@ class SpeculativeDecoder:
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _opening_trial(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, guess: int,
-                       rows: int) -> tuple[int | None, bool]:
+                       remaining_r: np.ndarray, drains: bool) -> tuple[int | None, bool]:
         """A timing trial to open the call with (`StepTimeTracker.explore`), or None; and whether
         it runs a whole segment: a plan tied with the guess (`StepTimeTracker.retime_tie`), not
         a trial of TRIAL_STEPS steps charged to the trial budget.
@@ -968,10 +969,17 @@ class SpeculativeDecoder:
         acceptance the decoder remembers, against the plan the call is expected to open on."""
         if not tracker.segments:
             return None, False
-        tokens_j = _expected_tokens(np.full(rows, self._acceptance.seed()[0]), schedule.predict_ks)
+        alpha_r = np.full(remaining_r.shape, self._acceptance.seed()[0])
+        tokens_j = _expected_tokens(alpha_r, schedule.predict_ks)
         trial = tracker.explore(guess, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
         if trial is not None:
             return trial, False
+        if drains:
+            # A tie is judged as the device will judge it (by when the slowest row is done): judged
+            # by one step's tokens, at batch 16 drafting plans came within the margin of plain
+            # decoding, and the device left them after 4 steps in most calls (a round trip each).
+            tokens_j = policy_lib.drain_tokens_per_step(alpha_r, np.ones(alpha_r.shape, bool), remaining_r,
+                                                        schedule.predict_ks, xp=np, spread=self._acceptance.spread())
         tie = tracker.retime_tie(guess, tokens_j, margin=policy_lib.SWITCH_MARGIN, segments=TIE_RETIME)
         return tie, tie is not None
 

@@ -344,7 +344,7 @@ def test_a_tied_plan_is_re_timed_every_few_segments_and_a_plan_behind_the_margin
     timing is 4 segments old (not 16, `retime_segments`), after which the corrected times rank it
     first; then plain decoding, 23% behind, is not offered as a tie (not while its own timing
     holds its corrected time; as that fades toward drafting's ratio, it may be). A plan 6% behind
-    by its corrected time is not a tie at a 4% margin."""
+    by its corrected time is not a tie at a 4% margin, nor is a plan of the chosen one's kind."""
     true = np.array([0.72, 2.2])
     warm = np.array([0.72, 2.9])
     tokens = np.array([1.0, 3.99])
@@ -364,11 +364,13 @@ def test_a_tied_plan_is_re_timed_every_few_segments_and_a_plan_behind_the_margin
         tracker.new_call()
         assert tracker.retime_tie(1, tokens, margin=0.04, segments=4) is None
         tracker.observe(1, 24, 24 * true[1] + 1.4)
-    behind = StepTimeTracker(np.array([1.0, 1.06]), measured=[True, True])
+    behind = StepTimeTracker(np.array([1.0, 1.06, 1.0]), kinds=[False, True, True], measured=[True] * 3)
     for _ in range(8):
         behind.observe(0, 40, 40.0)
-    assert behind.retime_tie(0, np.ones(2), margin=0.04, segments=4) is None
-    assert behind.retime_tie(0, np.ones(2), margin=0.08, segments=4) == 1
+    assert behind.retime_tie(0, np.array([1.0, 1.0, 0.9]), margin=0.04, segments=4) is None
+    assert behind.retime_tie(0, np.array([1.0, 1.0, 0.9]), margin=0.08, segments=4) == 1
+    # Within a kind, a tie is not offered (its kind's correction covers it).
+    assert behind.retime_tie(1, np.array([0.5, 1.0, 1.06]), margin=0.04, segments=4) is None
 
 
 def test_a_lone_surprising_segment_waits_for_the_next_to_confirm_it():
