@@ -236,6 +236,9 @@ def time_points(target, drafter, shapes, *, repeats: int = 1, passes: int = 3, s
     return [(*shape, float(np.median(times))) for shape, times in zip(shapes, seconds, strict=True)]
 
 
+OUTLIER_RATIO = 4.0   # a profile's timings that its absolute fit misses by more than this are noise
+
+
 def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: bool = True) -> tuple[np.ndarray, dict]:
     """Non-negative least squares of y on the columns of x, with a held-out check.
 
@@ -243,8 +246,27 @@ def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: b
     of predictions on shapes the fit has not seen; the returned coefficients then use all points.
     Coefficients are constrained to be >= 0 (a negative cost is noise; `_nonnegative_lstsq`). `relative`:
     minimise squared relative errors (each point weighted by 1 / y), not absolute ones.
+
+    A relative fit is at the mercy of a timing that noise made near zero: weighted 1 / y, that one
+    point outweighs all others. (A profile on a loaded CI machine once had a plain step come out at
+    the 1e-7 s floor; the fit set every verification coefficient to 0 and timed plain steps free.)
+    So points that an absolute fit, which such a point cannot sway, predicts more than
+    OUTLIER_RATIO times off are left out of a relative fit (`fit["outliers"]` counts them), unless
+    that would leave fewer points than coefficients.
     """
     x, y = np.asarray(x, float), np.asarray(y, float)
+    kept = np.ones(len(y), bool)
+    if relative:
+        ratio = (x @ _nonnegative_lstsq(x, y)) / np.maximum(np.abs(y), 1e-300)
+        outlier = (ratio > OUTLIER_RATIO) | (ratio * OUTLIER_RATIO < 1)
+        if (~outlier).sum() >= x.shape[1]:
+            kept = ~outlier
+    coef, fit = _fit_kept(x[kept], y[kept], holdout_every, relative)
+    fit.update(points=int(len(y)), outliers=int((~kept).sum()))
+    return coef, fit
+
+
+def _fit_kept(x, y, holdout_every, relative):
     w = 1.0 / np.abs(y) if relative else np.ones_like(y)
     held = np.zeros(len(y), bool)
     if len(y) >= 2 * x.shape[1] and holdout_every > 1:

@@ -43,6 +43,55 @@ def test_fit_points_recovers_every_step_coefficient_including_the_cost_of_specul
     assert linear_in_k["worst_heldout_rel_error"] > 2 * fitted.fit["step"]["worst_heldout_rel_error"]
 
 
+def test_fit_points_leaves_out_timings_that_noise_made_near_zero_or_stalled():
+    """A loaded machine once timed a plain step at the 1e-7 s floor, and the relative fit, weighing
+    that point by 1 / y, set every verification coefficient to 0. The same synthetic profile as
+    above with two such points and a stalled one: the fit still recovers the true step times and
+    reports the three points it left out."""
+    true = CostModel.from_coefficients(draft_fixed=4e-4, draft_per_token=2e-6, target_fixed=1.2e-3,
+                                       target_per_token=1e-4, target_per_context_token=2e-7,
+                                       target_per_attention=5e-8, speculation_fixed=1.5e-3,
+                                       speculation_per_row=8e-5)
+    rng = np.random.default_rng(5)
+    shapes = [(b, k, s) for b in (1, 2, 4, 8, 16, 32, 64) for k in (0, 1, 2, 4, 6) for s in (128, 256)]
+    points = [(b, k, s, true.step_seconds(b, k, s) * rng.normal(1.0, 0.02)) for b, k, s in shapes]
+    for i, seconds in ((shapes.index((1, 0, 128)), 1e-7), (shapes.index((4, 0, 256)), 1e-7),
+                       (shapes.index((2, 1, 128)), 8 * true.step_seconds(2, 1, 128))):
+        points[i] = (*shapes[i], seconds)
+    fitted = CostModel.fit_points(points)
+    assert fitted.fit["step"]["outliers"] == 3
+    for b, k, s in shapes:
+        assert fitted.step_seconds(b, k, s) == pytest.approx(true.step_seconds(b, k, s), rel=0.05), (b, k, s)
+    # Clean timings lose nothing.
+    clean = [(b, k, s, true.step_seconds(b, k, s)) for b, k, s in shapes]
+    assert CostModel.fit_points(clean).fit["step"]["outliers"] == 0
+
+
+def test_a_step_timing_is_never_far_below_the_loops_average_step(tiny_model, monkeypatch):
+    """`time_steps` takes a step as (loop of 7 steps - loop of 1) / 6. On a clock where every
+    one-step loop stalls for longer than six steps take, that difference is negative; the timing
+    falls back to a tenth of the long loop's average step instead of a floor of zero."""
+    import types
+
+    import jaxspec.engine as engine
+    from jaxspec.drafters import NgramDrafter
+
+    step, stall, now = 1e-3, 1e-2, [0.0]
+
+    def loop(*args, **kwargs):
+        steps = int(args[-1])
+        now[0] += steps * step + (stall if steps == 1 else 0.0)
+        return args[6]
+
+    monkeypatch.setattr(engine, "_steps_loop", loop)
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    drafter = NgramDrafter().bind_vocab(tiny_model.config.vocab_size)
+    seconds = engine.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2)
+    assert seconds == pytest.approx(0.1 * 7 * step / 7)
+    stall = 0.0   # and a quiet clock gives the step itself
+    assert engine.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2) == pytest.approx(step)
+
+
 def test_speculation_terms_apply_only_to_drafting_steps():
     cost = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1.0, target_per_token=0.0,
                                        speculation_fixed=2.0, speculation_per_row=0.5)
