@@ -550,6 +550,12 @@ class StepTimeTracker:
                 return int(j)
         return None
 
+    def tie_due(self, chosen: int, segments: int) -> bool:
+        """Whether a plan of the other kind than `chosen` has a timing `segments` old: the only
+        plans `retime_tie` can offer (a cheap check before the tokens it needs are counted)."""
+        other_j = self.kind_j != self.kind_j[chosen]
+        return bool(np.any(other_j & (self.segments - self.last_j >= segments)))
+
     def explore(self, chosen: int, tokens_j, baseline: int | None = None, steps: int = 4) -> int | None:
         """A plan worth one short trial instead of `chosen`, or None.
 

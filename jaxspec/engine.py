@@ -973,17 +973,20 @@ class SpeculativeDecoder:
         acceptance the decoder remembers, against the plan the call is expected to open on."""
         if not tracker.segments:
             return None, False
-        alpha_r = np.full(remaining_r.shape, self._acceptance.seed()[0])
+        seed = self._acceptance.seed()   # (alpha, weight, evidence, spread)
+        alpha_r = np.full(remaining_r.shape, seed[0])
         tokens_j = _expected_tokens(alpha_r, schedule.predict_ks)
         trial = tracker.explore(guess, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
         if trial is not None:
             return trial, False
+        if not tracker.tie_due(guess, TIE_RETIME):   # spares most calls the drain count below
+            return None, False
         if drains:
             # A tie is judged as the device will judge it (by when the slowest row is done): judged
             # by one step's tokens, at batch 16 drafting plans came within the margin of plain
             # decoding, and the device left them after 4 steps in most calls (a round trip each).
             tokens_j = policy_lib.drain_tokens_per_step(alpha_r, np.ones(alpha_r.shape, bool), remaining_r,
-                                                        schedule.predict_ks, xp=np, spread=self._acceptance.spread())
+                                                        schedule.predict_ks, xp=np, spread=float(seed[3]))
         tie = tracker.retime_tie(guess, tokens_j, margin=policy_lib.SWITCH_MARGIN, segments=TIE_RETIME)
         return tie, tie is not None
 
@@ -1165,6 +1168,7 @@ class SpeculativeDecoder:
         cap_j = np.array([np.clip(static["out_len"] // (plan.k + 1) - 2, 1, MEASURE_STEPS) for plan in schedule.plans])
         pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 2, cap_j)
         passes_j: list[list[float]] = [[] for _ in states]
+        retired: list[tuple] = []   # (plan, counters) of states replaced by fresh rows
         entries: list[float] = []   # a segment's seconds besides its steps, as the 1-step calls saw it
         start = time.perf_counter()
         for n in range(MEASURE_MAX_PASSES):
@@ -1172,6 +1176,7 @@ class SpeculativeDecoder:
                 break
             for i, plan in enumerate(schedule.plans):
                 if rooms_j[i] < (1 + pass_steps_j[i]) * (plan.k + 1):
+                    retired.append((i, states[i].counters))
                     states[i], steps_j[i], _, rooms_j[i] = fresh(i)
             # Every plan's 1-step call first, then every plan's longer call: each call follows
             # another plan's program, as a run's segment mostly does. (A plan's longer call right
@@ -1199,7 +1204,7 @@ class SpeculativeDecoder:
         if entries:
             round_trip = max(round_trip, float(np.median(entries)))
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
-                     _acceptance_seen(schedule, states), position, float(np.median(starts)))
+                     _acceptance_seen(schedule, states, retired), position, float(np.median(starts)))
 
     def _position_seconds(self, tokens_bp, prompt_len_b, cache_len: int) -> float:
         """Goodput warm-up: the drafter's seconds per position fed, from its prefill of this call's
@@ -1250,12 +1255,21 @@ class _Warm(NamedTuple):
     predicted: dict | None = None     # step times the policy starts each call from (the warm-up's in them)
 
 
-def _acceptance_seen(schedule: Schedule, states) -> tuple | None:
+def _acceptance_seen(schedule: Schedule, states, retired=()) -> tuple | None:
     """The acceptance counts of the warm-up's drafting plans on the call's own rows, the plans'
-    rows side by side (each counted as the decode loop counts it: decayed trials per row)."""
-    drafting = [jax.device_get((s.policy.accepted_b, s.policy.trials_b))
-                for plan, s in zip(schedule.plans, states) if plan.k > 0]
-    return tuple(np.concatenate(parts) for parts in zip(*drafting)) if drafting else None
+    rows side by side: every trial they made (`Counters.accepted` / `tried`), in `states` and in
+    the states retired before them (`retired`: pairs of plan index and `Counters`).
+
+    The decayed counts of the policy (about the last ten trials a row) were the rule before: they
+    hold whatever stretch of text each plan's rows had reached when the warm-up stopped, and how
+    far they got depends on how many passes the machine's speed allowed. At batch 1 of the
+    tiny-8L pair the same prompt gave 0.755 after 3 passes and 0.866 after 8; the low one had
+    the next calls decode plainly until a tie was re-timed."""
+    pairs = [*retired, *((i, state.counters) for i, state in enumerate(states))]
+    drafting = [jax.device_get((c.accepted, c.tried)) for i, c in pairs if schedule.plans[i].k > 0]
+    if not drafting:
+        return None
+    return tuple(np.concatenate(parts).astype(np.float32) for parts in zip(*drafting))
 
 
 def _segment_outputs(state: DecodeState, max_new_b=None):

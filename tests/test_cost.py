@@ -400,12 +400,15 @@ def test_a_tied_plan_is_re_timed_every_few_segments_and_a_plan_behind_the_margin
     assert 0.99 < (tokens[1] / warm[1]) / (tokens[0] / warm[0]) < 1.0
     tracker = StepTimeTracker(warm, kinds=[False, True], measured=[True, True], round_trip=1.4)
     ties = []
+    due = []   # the cheap check the engine asks first: is any plan of the other kind due?
     for _ in range(4):
         tracker.new_call()
         ties.append(tracker.retime_tie(0, tokens, margin=0.04, segments=4))
+        due.append(tracker.tie_due(0, segments=4))
         tracker.observe(0, 95, 95 * true[0] + 1.4)
     ties.append(tracker.retime_tie(0, tokens, margin=0.04, segments=4))
-    assert ties == [None] * 4 + [1]
+    due.append(tracker.tie_due(0, segments=4))
+    assert ties == [None] * 4 + [1] and due == [False] * 4 + [True]
     tracker.new_call()
     tracker.observe(1, 24, 24 * true[1] + 1.4)
     assert np.argmax(tokens / tracker.corrected()) == 1
@@ -420,6 +423,8 @@ def test_a_tied_plan_is_re_timed_every_few_segments_and_a_plan_behind_the_margin
     assert behind.retime_tie(0, np.array([1.0, 1.0, 0.9]), margin=0.08, segments=4) == 1
     # Within a kind, a tie is not offered (its kind's correction covers it).
     assert behind.retime_tie(1, np.array([0.5, 1.0, 1.06]), margin=0.04, segments=4) is None
+    # Plain decoding ran the last 8 segments: no plan of its kind is due for drafting plan 1.
+    assert behind.tie_due(0, segments=4) and not behind.tie_due(1, segments=4)
 
 
 def test_a_lone_surprising_segment_waits_for_the_next_to_confirm_it():

@@ -973,6 +973,31 @@ def test_a_decoder_opens_with_the_acceptance_its_warm_up_measured(pair):
     assert opening(seen["perfect"]) > 0 and opening(seen["poor"]) == 0
 
 
+def test_the_warm_ups_acceptance_counts_every_trial_whatever_the_passes(pair, monkeypatch):
+    """The acceptance the warm-up hands the decoder's memory counts every trial its drafting plans
+    made, so more passes (a faster machine) mean more evidence, not another stretch of text: 8
+    passes count more than twice the trials of 3, at a rate within counting noise of theirs. (The
+    decayed window of the last ~10 trials per row, the rule before, counted the same few trials
+    whatever the passes, from wherever the rows had got to: 0.755 after 3 passes and 0.866 after 8
+    on one batch-1 prompt of the tiny-8L pair, and the low one had the next calls decode plainly.)"""
+    import jaxspec.engine as engine
+
+    target, poor = pair
+    prompts = prompts16(14)
+    counted = {}
+    for name, seconds in (("few", 0.0), ("many", 1e9)):   # MEASURE_PASSES passes, MEASURE_MAX_PASSES
+        monkeypatch.setattr(engine, "MEASURE_SECONDS", seconds)
+        decoder = jaxspec.SpeculativeDecoder(target, poor, spec=jaxspec.SpecConfig(k=3, policy="goodput",
+                                                                                   cost_model=BALANCED))
+        decoder.generate(prompts, max_new_tokens=48)
+        (warm,) = decoder._warm.values()
+        counted[name] = tuple(float(np.sum(x)) for x in warm.acceptance)   # (accepted, trials)
+    (few_hits, few), (many_hits, many) = counted["few"], counted["many"]
+    assert many > 2 * few > 0, counted
+    rate = many_hits / many
+    assert abs(few_hits / few - rate) < 3 * np.sqrt(rate * (1 - rate) / few), counted
+
+
 def test_drafting_after_plain_steps_is_lossless(pair, monkeypatch):
     """A call that opens with plain decoding (the acceptance measured before it is set to 0, as
     if the last call's draft had failed every time) probes speculation once the evidence has
