@@ -544,17 +544,17 @@ class StepTimeTracker:
         tokens_j = np.asarray(tokens_j, np.float64)
         hopeful_j = tokens_j / self._basis()
         tie_j = hopeful_j >= (1.0 - margin) * tokens_j[chosen] / self.corrected()[chosen]
-        due_j = self.segments - self.last_j >= segments
-        for j in np.argsort(-hopeful_j):
-            if self.kind_j[j] != self.kind_j[chosen] and tie_j[j] and due_j[j]:
-                return int(j)
-        return None
+        offered_j = tie_j & self._due_across(chosen, segments)
+        return int(np.argmax(np.where(offered_j, hopeful_j, -np.inf))) if offered_j.any() else None
 
     def tie_due(self, chosen: int, segments: int) -> bool:
         """Whether a plan of the other kind than `chosen` has a timing `segments` old: the only
         plans `retime_tie` can offer (a cheap check before the tokens it needs are counted)."""
-        other_j = self.kind_j != self.kind_j[chosen]
-        return bool(np.any(other_j & (self.segments - self.last_j >= segments)))
+        return bool(self._due_across(chosen, segments).any())
+
+    def _due_across(self, chosen: int, segments: int) -> np.ndarray:
+        """Per plan: of another kind than `chosen`, and last timed at least `segments` segments ago."""
+        return (self.kind_j != self.kind_j[chosen]) & (self.segments - self.last_j >= segments)
 
     def explore(self, chosen: int, tokens_j, baseline: int | None = None, steps: int = 4) -> int | None:
         """A plan worth one short trial instead of `chosen`, or None.
