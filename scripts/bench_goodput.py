@@ -67,7 +67,7 @@ def main() -> None:
                              "configuration is then the best over N samples of text, not on one (default: one set)")
     parser.add_argument("--cost-model", help="use this cost model JSON instead of profiling first")
     parser.add_argument("--profile-ks", type=int, nargs="+", default=[0, 1, 2, 4, 6])
-    parser.add_argument("--profile-per-batch", action="store_true",
+    parser.add_argument("--profile-per-batch", action=argparse.BooleanOptionalAction, default=False,
                         help="profile each batch's own shapes (--profile-ks at --profile-cache-sizes) just before "
                              "benchmarking it, refitting over every point so far (with --cost-model, starting from "
                              "that model's points), instead of a grid first")
