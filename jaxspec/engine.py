@@ -318,6 +318,7 @@ class Schedule:
 
     plans: tuple[StepPlan, ...]
     predict_ks: tuple[int, ...] | None = None
+    choose_every: int = 4   # goodput: a drafting segment's steps between choices (`SpecConfig.choose_every`)
 
     @property
     def drafts(self) -> bool:
@@ -452,12 +453,11 @@ TRIAL_STEPS = 16
 # A call may instead open on a plan tied with the one it would run (within the switch margin) whose
 # last timing is TIE_RETIME segments old, for a whole segment (`StepTimeTracker.retime_tie`).
 TIE_RETIME = 4
-# A drafting segment re-chooses its plan every CHOOSE_EVERY steps (from MIN_SEGMENT on), not every
-# step: the choice is a few hundred small operations (the drain rule's expected maximum over rows,
-# the judgement of a stop over the rows' remaining tokens), which XLA:CPU runs one by one. Every
-# step it cost 1.8-3.5% of a batch-1 call of the tiny-8L pair at k = 4 (a 2 ms step); a switch the
-# acceptance asks for comes at most CHOOSE_EVERY - 1 steps later.
-CHOOSE_EVERY = 4
+# A drafting segment re-chooses its plan every `SpecConfig.choose_every` steps (from MIN_SEGMENT
+# on; 4 by default), not every step: the choice is a few hundred small operations (the drain rule's
+# expected maximum over rows, the judgement of a stop over the rows' remaining tokens), which
+# XLA:CPU runs one by one. Every step it cost 1.8-3.5% of a batch-1 call of the tiny-8L pair at
+# k = 4 (a 2 ms step); a switch the acceptance asks for comes at most choose_every - 1 steps later.
 MAX_SEGMENT_CAP = 64
 # Goodput warm-up with `SpecConfig.measure_plans` (`SpeculativeDecoder._warm_up`): after one
 # untimed step, each plan is timed in passes of up to MEASURE_STEPS steps, as many as make about
@@ -507,13 +507,15 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     now and then so the host can correct the cost model with measured times). A negative
     `stop_on_finish` returns at once (compile only).
 
-    Under the goodput policy, after a drafting plan's MIN_SEGMENT-th step and every CHOOSE_EVERY
-    steps after it, the policy chooses the next step's plan on device from the statistics that
-    step has just updated; while it keeps choosing this plan
+    Under the goodput policy, after a drafting plan's MIN_SEGMENT-th step and every
+    `schedule.choose_every` steps after it, the policy chooses the next step's plan on device from
+    the statistics that step has just updated; while it keeps choosing this plan
     the loop goes on, and once it has chosen another (and this plan ran MIN_SEGMENT steps) the
     loop returns so the host can run the chosen plan's program. A plain decoding plan (k = 0)
-    observes nothing, so its steps skip the policy entirely (they cost what an autoregressive step
-    does) and it chooses once, on return, after ageing the evidence for the steps run
+    observes nothing, so its steps skip the policy entirely (the loop body is the autoregressive
+    loop's but for a few bookkeeping operations: 288 against 283 XLA:CPU operations at batch 1 of
+    the tiny-8L pair; on an H200 those plain steps took 14 us more than the autoregressive loop's
+    223 us, `scripts/policy_overhead.py`) and it chooses once, on return, after ageing the evidence for the steps run
     (`policy.age`): plain decoding again, or a probe of speculation (`policy.probe_choice`).
     Each plan is its own program: choosing among branches inside one loop (`lax.switch`) made
     XLA copy the loop state, caches included, every step (1.3-1.4x the step time at batch 64,
@@ -554,9 +556,10 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
                                  request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
         if choose_each_step:
             # The choice can end the segment only from MIN_SEGMENT steps on, and it is made every
-            # CHOOSE_EVERY steps from there (a branch: see CHOOSE_EVERY), and once more on return.
+            # `choose_every` steps from there (a branch: see `SpecConfig.choose_every`), and once
+            # more on return.
             ran = state.steps - entry_steps
-            due = (ran >= MIN_SEGMENT) & ((ran - MIN_SEGMENT) % CHOOSE_EVERY == 0)
+            due = (ran >= MIN_SEGMENT) & ((ran - MIN_SEGMENT) % schedule.choose_every == 0)
             state = state.replace(policy=jax.lax.cond(due, choose, lambda policy, *_: policy, state.policy,
                                                       state.done_b, state.n_out_b))
         return state
@@ -1077,7 +1080,7 @@ class SpeculativeDecoder:
         if not tetris_on:
             ks = tuple(range(spec.k + 1))
             plans = tuple(StepPlan(k=k, cache_len=cache_len, threshold=threshold) for k in ks)
-            return Schedule(plans=plans, predict_ks=ks), 0
+            return Schedule(plans=plans, predict_ks=ks, choose_every=spec.choose_every), 0
         capacities = tuple(sorted({0} | {tetris.capacity_bucket(round(f * budget), rows, big_k)
                                          for f in (0.25, 0.5, 1.0, 1.5, 2.0)}))
         tetris_plan = StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len,
@@ -1094,7 +1097,8 @@ class SpeculativeDecoder:
         # the best fixed k (5).
         standard = tuple(StepPlan(k=j, cache_len=cache_len, threshold=threshold if j else None)
                          for j in range(big_k))
-        return Schedule(plans=standard + (tetris_plan,), predict_ks=tuple(range(big_k)) + (spec.k,)), 0
+        return Schedule(plans=standard + (tetris_plan,), predict_ks=tuple(range(big_k)) + (spec.k,),
+                        choose_every=spec.choose_every), 0
 
     def _warm_up(self, schedule: Schedule, rows_in, eos_t, budget_t, predicted, static, put) -> _Warm:
         """Goodput: compiles every plan's program and runs it on a scratch state prefilled with

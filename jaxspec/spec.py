@@ -33,6 +33,11 @@ class SpecConfig:
       threshold: confidence-threshold drafting: a row's window ends at the first draft whose
         cumulative confidence (product of the drafter's per-token estimates) falls below this;
         k is then the most a row drafts. None: fixed-length windows.
+      choose_every: policy="goodput": a drafting segment re-chooses its plan on device every this
+        many steps (after its first few). Each choice is a few hundred small operations: cheap
+        where the device runs small operations quickly (XLA:CPU), dearer where each is a kernel
+        launch (a GPU); a larger value makes them rarer, and a switch the acceptance asks for
+        comes up to choose_every - 1 steps later. `scripts/policy_overhead.py` measures it.
     """
 
     k: int = 4
@@ -45,6 +50,7 @@ class SpecConfig:
     pipeline: bool = False
     greedy_draft: bool = False
     threshold: float | None = None
+    choose_every: int = 4
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -66,6 +72,8 @@ class SpecConfig:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not 0.0 < threshold <= 1.0):
             raise ValueError(f"threshold must be None or a number in (0, 1], got {self.threshold!r}")
+        if isinstance(self.choose_every, bool) or not isinstance(self.choose_every, int) or self.choose_every < 1:
+            raise ValueError(f"choose_every must be an int >= 1, got {self.choose_every!r}")
         if not isinstance(self.measure_plans, bool):
             raise ValueError(f"measure_plans must be a bool, got {self.measure_plans!r}")
         if self.policy == "goodput" and not isinstance(self.cost_model, CostModel):

@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--deadline", type=float,
                         help="seconds to finish in: a batch starts only if, at the pace of the slowest batch so far, "
                              "it ends by then (results are written after every batch)")
+    parser.add_argument("--choose-every", type=int, nargs="+", default=[4],
+                        help="SpecConfig.choose_every of the goodput rows; with several, one row per value")
     parser.add_argument("--name", default="bench_goodput", help="output name under docs/results (or a path)")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -138,10 +140,16 @@ def main() -> None:
         if args.tetris:
             configs += [("tetris k=2 extra=2", jaxspec.SpecConfig(k=2, extra=2, selection="tetris")),
                         ("tetris k=4 extra=2", jaxspec.SpecConfig(k=4, extra=2, selection="tetris"))]
-        configs += [("goodput", jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost))]
+        every = args.choose_every
+
+        def named(label, e):   # with several --choose-every, each goodput row says which
+            return label if len(every) == 1 else f"{label} (choose every {e})"
+
+        configs += [(named("goodput", e), jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost, choose_every=e))
+                    for e in every]
         if args.tetris:
-            configs += [("goodput + tetris", jaxspec.SpecConfig(k=4, extra=2, selection="tetris", policy="goodput",
-                                                                cost_model=cost))]
+            configs += [(named("goodput + tetris", e), jaxspec.SpecConfig(
+                k=4, extra=2, selection="tetris", policy="goodput", cost_model=cost, choose_every=e)) for e in every]
         start = time.perf_counter()
         fns = {label: generate_fn(None if spec is None else jaxspec.SpeculativeDecoder(target, draft, spec=spec),
                                   target, args.new_tokens) for label, spec in configs}

@@ -1095,6 +1095,48 @@ def test_a_wrong_guess_of_the_opening_plan_defers_to_the_devices_choice(pair):
         assert got.stats.steps == len(got.stats.extra["k_trace"]) == sum(n for _, n, *_ in got.stats.extra["segments"])
 
 
+def switched_segment_lengths(segments, caps):
+    """Lengths of the drafting segments that ended on the device's own choice: not a call's last
+    segment (its rows were done) and not cut at one of the host's step caps."""
+    return [n for (k, n, *_), nxt in zip(segments, segments[1:]) if k > 0 and n not in caps]
+
+
+def test_a_drafting_segment_re_chooses_only_every_choose_every_steps(monkeypatch):
+    """A drafting segment may end on the device's choice after its first MIN_SEGMENT steps and
+    then only every `SpecConfig.choose_every` steps. With a draft that accepts about 0.6 and a
+    cost model under which k = 1..3 are close, the device leaves drafting plans mid-segment; each
+    such segment's length is MIN_SEGMENT plus a multiple of choose_every (16: 4, 20, 36, 52; 4:
+    any multiple of 4), and the output is the target's."""
+    from jaxspec import engine
+    from jaxspec.benchmarking import layer_skip_pair
+    segments_take(monkeypatch)   # step times at the cost model's word: the same choices on any machine
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=16, name="tiny-v16")
+    target, draft = layer_skip_pair(cfg, draft_layers=1, damping=0.3, sharpness=2.0)
+    sets = [prompts16(seed) for seed in (3, 5, 8)]
+    wants = [jaxspec.generate(target, prompts, max_new_tokens=96).tokens for prompts in sets]
+    cost = CostModel.from_coefficients(draft_fixed=1.2e-3, draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    caps = {engine.MIN_SEGMENT, engine.TRIAL_STEPS, engine.MAX_SEGMENT_CAP}
+    seen = {}
+    for every in (4, 16):
+        spec = jaxspec.SpecConfig(k=3, policy="goodput", cost_model=cost, measure_plans=False, choose_every=every)
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
+        lengths = []
+        for prompts, want in zip(sets, wants):
+            got = decoder.generate(prompts, max_new_tokens=96)
+            assert got.tokens == want
+            lengths += switched_segment_lengths(got.stats.extra["segments"], caps)
+        assert all((n - engine.MIN_SEGMENT) % every == 0 for n in lengths), (every, lengths)
+        seen[every] = lengths
+    # Not vacuous: both left drafting mid-segment, and every 4 steps at a length 16 does not allow.
+    assert seen[16] and any((n - engine.MIN_SEGMENT) % 16 for n in seen[4]), seen
+
+
+def test_choose_every_must_be_a_positive_int():
+    for bad in (0, -4, 2.0, True):
+        with pytest.raises(ValueError, match="choose_every must be an int >= 1"):
+            jaxspec.SpecConfig(k=2, policy="goodput", cost_model=BALANCED, choose_every=bad)
+
+
 def test_drafter_catches_up_after_steps_without_drafting(pair):
     """The draft cache after catch_up equals a fresh prefill of the same tokens."""
     from jaxspec.drafters import catch_up, prefill_cache
