@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu mesh-sweep multilevel distill-smollm2 clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu policy-overhead mesh-sweep multilevel distill-smollm2 clean
 
 .venv: $(STAMP)
 
@@ -56,6 +56,9 @@ bench-goodput: $(STAMP)
 # On a GPU machine: qwen2.5-1.5b / 0.5b shapes in bfloat16, with the machine's own python3 and JAX.
 bench-goodput-gpu:
 	scripts/bench_goodput_gpu.sh docs/results/gpu
+
+policy-overhead: $(STAMP)
+	$(BIN)/python scripts/policy_overhead.py --name policy_overhead_cpu
 
 mesh-sweep: $(STAMP)
 	$(BIN)/python scripts/mesh_sweep.py
