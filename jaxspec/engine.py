@@ -551,27 +551,33 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
             drain=_drain(n_out_b, max_new_b, draining),
             switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds)))
 
-    def body(state):
-        state = speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
-                                 request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
-        if choose_each_step:
-            # The choice can end the segment only from MIN_SEGMENT steps on, and it is made every
-            # `choose_every` steps from there (a branch: see `SpecConfig.choose_every`), and once
-            # more on return.
-            ran = state.steps - entry_steps
-            due = (ran >= MIN_SEGMENT) & ((ran - MIN_SEGMENT) % schedule.choose_every == 0)
-            state = state.replace(policy=jax.lax.cond(due, choose, lambda policy, *_: policy, state.policy,
-                                                      state.done_b, state.n_out_b))
-        return state
+    def step(state):
+        return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
+                                request_keys_b, max_new_b, eos_id, out_len, budget, seconds["capacities"])
 
     def running(state):
         done = jnp.sum(state.done_b.astype(jnp.int32))
-        go = (done < b) & (done < stop_at_done) & (state.steps - entry_steps < max_steps)
-        if choose_each_step:
-            go &= (state.policy.choice == plan_index) | (state.steps - entry_steps < MIN_SEGMENT)
-        return go
+        return (done < b) & (done < stop_at_done) & (state.steps - entry_steps < max_steps)
 
-    state = jax.lax.while_loop(running, body, state)
+    if not choose_each_step:
+        state = jax.lax.while_loop(running, step, state)
+    else:
+        # The choice can end the segment only from MIN_SEGMENT steps on, and it is made every
+        # `choose_every` steps from there (see `SpecConfig.choose_every`). The steps between two
+        # choices are an inner loop and the choice follows it unconditionally: chosen by a
+        # `lax.cond` in every step, the branch's predicate is read on the host each step on a GPU
+        # (XLA's conditional), which drains the device's queue. The last run of steps (ended by
+        # the step cap or finished rows) is also followed by a choice: the one the host reads.
+        def steps_then_choose(state):
+            ran = state.steps - entry_steps
+            due = jnp.where(ran < MIN_SEGMENT, MIN_SEGMENT, ran + schedule.choose_every)
+            state = jax.lax.while_loop(lambda s: running(s) & (s.steps - entry_steps < due), step, state)
+            return state.replace(policy=choose(state.policy, state.done_b, state.n_out_b))
+
+        def keeps_plan(state):
+            return running(state) & ((state.policy.choice == plan_index) | (state.steps - entry_steps < MIN_SEGMENT))
+
+        state = jax.lax.while_loop(keeps_plan, steps_then_choose, state)
     if not goodput:
         return state
     if not choose_each_step:
@@ -581,10 +587,7 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         # Drafting after plain steps first catches the drafter up on them (`Drafter.backlog`).
         backlog_b = drafter.backlog(state.draft_state, state.target_cache.lengths)
         drain = _drain(state.n_out_b, max_new_b, draining)
-        if choose_each_step:
-            # The segment may have ended between two choices (its step cap, a finished row).
-            policy = choose(policy, state.done_b, state.n_out_b)
-        else:
+        if not choose_each_step:   # a drafting plan's loop ends on a choice (above)
             policy = policy.replace(choice=policy_lib.probe_choice(
                 policy, ~state.done_b, schedule.predict_ks, seconds["plans"], drain=drain,
                 switch_seconds=seconds["round_trip"], tetris=_tetris_plan(schedule, seconds),
