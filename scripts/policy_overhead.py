@@ -12,6 +12,10 @@ Greedy decoding with the same draft length emits the same tokens in the same ste
 time difference is the policy's overhead alone. Timing calls of two lengths (`--tokens`) splits it
 into a part per call (host work, the opening's choice, transfers) and a part per step (the loop's
 bookkeeping, the on-device choices), by a line through the two lengths' paired differences.
+Then each call is timed again by phase (`--phase-reps` calls, longer length): the host's own work,
+its dispatches of compiled programs (asynchronous: host time), and its reads of results (waiting
+for the device, and the transfers), each the median over calls; `extra_*` columns are the
+differences of those medians against the row's reference.
 
     python scripts/policy_overhead.py [--pair tiny-8L] [--batches 4 16] [--tokens 32 96] [--reps 15]
         [--choose-every 4 16] [--name policy_overhead]
@@ -22,11 +26,15 @@ Writes docs/results/<name>.json and .md (or under a path given as --name).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import time
 
+import jax
 import numpy as np
 
 import jaxspec
+from jaxspec import engine
 from jaxspec.benchmarking import PAIRS, build_pair, machine, prompt_sets, table, write_results
 from jaxspec.cost import CostModel
 
@@ -49,6 +57,39 @@ def paired_line(diffs_ms: dict[int, np.ndarray], steps: dict[int, int]) -> tuple
     return float(intercept), float(1e3 * slope)
 
 
+@contextlib.contextmanager
+def phase_clock():
+    """Wraps the decoders' compiled-program dispatches and result reads with a clock; yields the
+    dict of seconds per phase ("dispatch", "read") that each call adds to (reset it per call)."""
+    generate_module = importlib.import_module("jaxspec.generate")
+    spent = {"dispatch": 0.0, "read": 0.0}
+    depth = [0]
+
+    def timed(fn, phase):
+        def wrapper(*args, **kwargs):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:   # a read inside a read counts once
+                    spent[phase] += time.perf_counter() - start
+        return wrapper
+
+    patches = [(engine, name, "dispatch") for name in ("start_on_device", "run_on_device", "refill_on_device")]
+    patches += [(engine, "_segment_outputs", "read"), (generate_module, "_generate_on_device", "dispatch"),
+                (jax, "device_get", "read")]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    try:
+        for module, name, phase in patches:
+            setattr(module, name, timed(getattr(module, name), phase))
+        yield spent
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="tiny-8L", choices=sorted(PAIRS))
@@ -57,6 +98,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 96])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--choose-every", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--phase-reps", type=int, default=10, help="calls timed by phase, per method (0: none)")
     parser.add_argument("--name", default="policy_overhead")
     args = parser.parse_args()
     if len(set(args.tokens)) < 2:
@@ -76,7 +118,8 @@ def main() -> None:
                  decoder(k=1, policy="goodput", cost_model=free, measure_plans=False, choose_every=e), 1)
                 for e in args.choose_every]
     columns = (["batch", "method"] + [f"ms_{n}" for n in args.tokens] + [f"steps_{n}" for n in args.tokens]
-               + ["vs", "extra_ms_per_call", "extra_us_per_step", "on_plan", "same_output"])
+               + ["vs", "extra_ms_per_call", "extra_us_per_step", "on_plan", "same_output"]
+               + ["host_ms", "dispatch_ms", "read_ms", "extra_host_ms", "extra_dispatch_ms", "extra_read_ms"])
     rows, raw = [], {}
     for batch in args.batches:
         ids = prompt_sets(target.config.vocab_size, batch, 1)[0]
@@ -104,8 +147,30 @@ def main() -> None:
                 steps[(label, n)] = results[label].stats.steps
                 same.setdefault(label, True)
                 same[label] &= results[label].tokens == reference
+        phases = {}
+        if args.phase_reps:
+            n = max(args.tokens)
+            with phase_clock() as spent:
+                for _ in range(args.phase_reps):
+                    for label, _, dec, _ in methods:
+                        spent.update(dispatch=0.0, read=0.0)
+                        start = time.perf_counter()
+                        if dec is None:
+                            jaxspec.generate(target, ids, max_new_tokens=n)
+                        else:
+                            dec.generate(ids, max_new_tokens=n)
+                        total = time.perf_counter() - start
+                        phases.setdefault(label, []).append(
+                            (total - spent["dispatch"] - spent["read"], spent["dispatch"], spent["read"]))
         for label, ref, _, _ in methods:
             row = {"batch": batch, "method": label}
+            if label in phases:
+                host, dispatch, read = (1e3 * np.median(np.asarray(phases[label]), axis=0)).tolist()
+                row.update(host_ms=host, dispatch_ms=dispatch, read_ms=read)
+                if ref is not None:
+                    ref_host, ref_dispatch, ref_read = (1e3 * np.median(np.asarray(phases[ref]), axis=0)).tolist()
+                    row.update(extra_host_ms=host - ref_host, extra_dispatch_ms=dispatch - ref_dispatch,
+                               extra_read_ms=read - ref_read)
             for n in args.tokens:
                 row[f"ms_{n}"] = 1e3 * float(np.median(seconds[label][n]))
                 row[f"steps_{n}"] = steps[(label, n)]
@@ -124,7 +189,10 @@ def main() -> None:
             f"others in shuffled order after warm-up; `ms_N`: median call time for N new tokens; `extra_ms_per_call`"
             f" / `extra_us_per_step`: the line through the median paired differences against `vs` at the two "
             f"lengths, over the steps `vs` ran; `on_plan`: the share of steps at the draft length the row is held "
-            f"to. Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}.")
+            f"to. `host_ms` / `dispatch_ms` / `read_ms`: a {max(args.tokens)}-token call by phase (medians over "
+            f"{args.phase_reps} calls): the host's own work, its dispatches of compiled programs, and its reads of "
+            f"results (the wait for the device included); `extra_*`: less the reference's. "
+            f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}.")
     write_results(args.name, {"args": vars(args), "rows": rows, "seconds": raw},
                   markdown=f"# Policy overhead\n\n{text}\n\n{table(rows, columns)}")
     print(text)
