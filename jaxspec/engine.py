@@ -515,8 +515,9 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     observes nothing, so its steps skip the policy entirely (the loop body is the autoregressive
     loop's but for a few bookkeeping operations: 288 against 283 XLA:CPU operations at batch 1 of
     the tiny-8L pair; on an H200 those plain steps took 14 us more than the autoregressive loop's
-    223 us, `scripts/policy_overhead.py`) and it chooses once, on return, after ageing the evidence for the steps run
-    (`policy.age`): plain decoding again, or a probe of speculation (`policy.probe_choice`).
+    223 us, by the method of `scripts/policy_overhead.py`) and it chooses once, on return, after
+    ageing the evidence for the steps run (`policy.age`): plain decoding again, or a probe of
+    speculation (`policy.probe_choice`).
     Each plan is its own program: choosing among branches inside one loop (`lax.switch`) made
     XLA copy the loop state, caches included, every step (1.3-1.4x the step time at batch 64,
     scripts/switch_overhead.py). A call runs one plan, so the host counts its steps from
