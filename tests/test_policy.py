@@ -622,6 +622,65 @@ def test_a_draining_batch_weighs_its_slowest_row():
         assert int(policy.choose_k(state, live, ks, seconds, optimistic=False, drain=(drain[0], False))) == 1
 
 
+def test_the_drain_bound_is_never_below_the_drain_count():
+    """`engine._drain_bound`, which lets a plain call's opening skip the drain count when no
+    drafting plan could tie: plain decoding's rate exactly, every drafting plan's at or above the
+    count, over random batches, acceptance, remaining tokens (the exact count's range included)
+    and spreads."""
+    from jaxspec import engine
+    rng = np.random.default_rng(0)
+    ks = (0, 1, 2, 3, 4, 6)
+    for _ in range(300):
+        rows = int(rng.choice([1, 2, 4, 16, 64]))
+        alpha_r = np.full(rows, rng.uniform(0.05, 0.99))
+        remaining_r = rng.integers(1, rng.choice([8, 200]) + 1, rows).astype(np.float64)
+        spread = float(rng.choice([0.0, 0.05, 0.15]))
+        count_j = policy.drain_tokens_per_step(alpha_r, np.ones(rows, bool), remaining_r, ks, xp=np, spread=spread)
+        bound_j = engine._drain_bound(engine._expected_tokens(alpha_r, ks), remaining_r, ks)
+        assert bound_j[0] == pytest.approx(count_j[0], rel=1e-6)
+        assert np.all(bound_j[1:] >= count_j[1:]), (alpha_r[0], remaining_r, spread, bound_j, count_j)
+
+
+def test_a_plain_opening_decides_ties_as_with_the_full_drain_count(monkeypatch):
+    """The opening's tie check with the bound first gives the same answer as the full drain count
+    alone, over random step-time trackers (timings due for re-timing, drafting near and far from
+    plain decoding), and skips the count where no drafting plan could tie."""
+    from jaxspec import engine
+    rng = np.random.default_rng(1)
+    ks = (0, 1, 2, 3)
+    schedule = engine.Schedule(plans=tuple(engine.StepPlan(k=k) for k in ks), predict_ks=ks)
+    counts = []
+    real_count = policy.drain_tokens_per_step
+
+    def counted(*args, **kwargs):
+        counts.append(1)
+        return real_count(*args, **kwargs)
+    monkeypatch.setattr(policy, "drain_tokens_per_step", counted)
+
+    class Decoder:   # what `_opening_trial` reads of a decoder
+        def __init__(self, alpha):
+            self._acceptance = policy.AcceptanceMemory(accepted=alpha * 1e3, trials=1e3, weight=policy.SEED_WEIGHT)
+
+    skipped = counted_calls = 0
+    for _ in range(200):
+        plain = rng.uniform(2e-3, 6e-3)
+        predicted = [plain] + [plain * (1.0 + k * rng.uniform(0.1, 2.0)) for k in ks[1:]]
+        tracker = cost_lib.StepTimeTracker(predicted, kinds=[k > 0 for k in ks], measured=[True] * len(ks))
+        for _ in range(int(rng.integers(4, 9))):    # plain segments: the drafting timings age
+            tracker.observe(0, 50, 50 * plain * rng.uniform(0.9, 1.1))
+        decoder, remaining = Decoder(rng.uniform(0.3, 0.95)), rng.integers(20, 100, int(rng.choice([1, 4, 16])))
+        counts.clear()
+        got = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, 0, remaining, True)
+        skipped += not counts
+        counted_calls += bool(counts)
+        monkeypatch.setattr(engine, "_drain_bound", lambda tokens_j, *_: np.where(np.asarray(ks) == 0, 0.0, np.inf))
+        want = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, 0, remaining, True)
+        monkeypatch.undo()
+        monkeypatch.setattr(policy, "drain_tokens_per_step", counted)
+        assert got == want
+    assert skipped > 20 and counted_calls > 20, (skipped, counted_calls)   # both branches were exercised
+
+
 def test_a_draining_batch_switches_plans_only_when_that_saves_more_than_the_round_trip():
     """Near the end of a static batch (a few tokens left per row) a switch saves little: the
     running plan is kept unless the simulated time to finish drops by more than what a switch
