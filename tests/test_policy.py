@@ -673,10 +673,9 @@ def test_a_plain_opening_decides_ties_as_with_the_full_drain_count(monkeypatch):
         got = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, 0, remaining, True)
         skipped += not counts
         counted_calls += bool(counts)
-        monkeypatch.setattr(engine, "_drain_bound", lambda tokens_j, *_: np.where(np.asarray(ks) == 0, 0.0, np.inf))
-        want = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, 0, remaining, True)
-        monkeypatch.undo()
-        monkeypatch.setattr(policy, "drain_tokens_per_step", counted)
+        with monkeypatch.context() as m:   # the reference: a bound that never spares the count
+            m.setattr(engine, "_drain_bound", lambda tokens_j, *_: np.where(np.asarray(ks) == 0, 0.0, np.inf))
+            want = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, 0, remaining, True)
         assert got == want
     assert skipped > 20 and counted_calls > 20, (skipped, counted_calls)   # both branches were exercised
 
