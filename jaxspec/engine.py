@@ -319,6 +319,8 @@ class Schedule:
     plans: tuple[StepPlan, ...]
     predict_ks: tuple[int, ...] | None = None
     choose_every: int = 4   # goodput: a drafting segment's steps between choices (`SpecConfig.choose_every`)
+    # Goodput: draft positions whose acceptance the policy tracks (`PolicyState.profile_p`); 0: none.
+    positions: int = 0
 
     @property
     def drafts(self) -> bool:
@@ -371,7 +373,8 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
                           request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
     if schedule.predict_ks is not None:
         drain = _drain(state.n_out_b, max_new_b, draining)
-        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0, seed=acceptance, live_b=~state.done_b)
+        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], 0, seed=acceptance, live_b=~state.done_b,
+                                             positions=schedule.positions)
         # Drafting from the start costs the drafter's prefill of the prompts (plain decoding defers it).
         backlog_b = prompt_len_b
         policy = policy.replace(choice=policy_lib.opening_choice(
@@ -875,7 +878,7 @@ class SpeculativeDecoder:
             # The acceptance last measured seeds the rows; whether requests wait for slots.
             seconds, next_choice, acceptance, draining = put((
                 _as_arrays(_corrected(predicted, tracker, schedule)), np.int32(-1 if trial is None else trial),
-                self._acceptance.seed(), np.bool_(not len(queue))))
+                self._acceptance.seed(schedule.positions), np.bool_(not len(queue))))
         else:
             seconds, next_choice, acceptance, draining = put(_as_arrays(predicted)), None, None, None
             plan_index, trial, whole = 0, None, False
@@ -965,6 +968,10 @@ class SpeculativeDecoder:
             # far rows differ (`AcceptanceMemory.spread`).
             self._acceptance.remember(np.atleast_1d(policy.total_accepted), np.atleast_1d(policy.total_trials))
             self._acceptance.remember_requests(queue.counters["accepted"], queue.counters["tried"])
+            self._acceptance.remember_positions(policy.pos_total_accepted_p, policy.pos_total_tried_p)
+            # Per draft position p: how often the p-th draft was accepted when it was tried (None: never tried).
+            stats.extra["acceptance_by_position"] = [float(a / t) if t > 0 else None for a, t in
+                                                     zip(policy.pos_total_accepted_p, policy.pos_total_tried_p)]
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _opening_trial(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, guess: int,
@@ -980,9 +987,10 @@ class SpeculativeDecoder:
         acceptance the decoder remembers, against the plan the call is expected to open on."""
         if not tracker.segments:
             return None, False
-        seed = self._acceptance.seed()   # (alpha, weight, evidence, spread)
+        seed = self._acceptance.seed(schedule.positions)   # (alpha, weight, evidence, spread, profile...)
+        profile = seed[4:] if schedule.positions else None
         alpha_r = np.full(remaining_r.shape, seed[0])
-        tokens_j = _expected_tokens(alpha_r, schedule.predict_ks)
+        tokens_j = _expected_tokens(alpha_r, schedule.predict_ks, profile)
         trial = tracker.explore(guess, tokens_j, baseline=schedule.predict_ks.index(0), steps=TRIAL_STEPS)
         if trial is not None:
             return trial, False
@@ -997,7 +1005,8 @@ class SpeculativeDecoder:
             # by one step's tokens, at batch 16 drafting plans came within the margin of plain
             # decoding, and the device left them after 4 steps in most calls (a round trip each).
             tokens_j = policy_lib.drain_tokens_per_step(alpha_r, np.ones(alpha_r.shape, bool), remaining_r,
-                                                        schedule.predict_ks, xp=np, spread=float(seed[3]))
+                                                        schedule.predict_ks, xp=np, spread=float(seed[3]),
+                                                        profile=profile)
         tie = tracker.retime_tie(guess, tokens_j, margin=policy_lib.SWITCH_MARGIN, segments=TIE_RETIME)
         return tie, tie is not None
 
@@ -1010,12 +1019,12 @@ class SpeculativeDecoder:
         decide_here = trial is not None
         if not decide_here and not tracker.in_doubt(choice):
             return choice, hold, None, choice
-        alpha_b = np.asarray(policy.alpha_b())
+        alpha_b, profile = np.asarray(policy.alpha_b()), policy.profile_p(xp=np)
         if drains:
             tokens_j = policy_lib.drain_tokens_per_step(alpha_b, ~done_b, remaining_b, schedule.predict_ks, xp=np,
-                                                        spread=float(policy.spread))
+                                                        spread=float(policy.spread), profile=profile)
         else:
-            tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks)
+            tokens_j = _expected_tokens(alpha_b[~done_b], schedule.predict_ks, profile)
         if decide_here and tokens_j.size:
             # A trial was just measured: decide on the measurement now. The device chose with the
             # step times from before it: after a trial of k = 1 at batch 16 (where plain decoding
@@ -1088,7 +1097,8 @@ class SpeculativeDecoder:
         if not tetris_on:
             ks = tuple(range(spec.k + 1))
             plans = tuple(StepPlan(k=k, cache_len=cache_len, threshold=threshold) for k in ks)
-            return Schedule(plans=plans, predict_ks=ks, choose_every=spec.choose_every), 0
+            return Schedule(plans=plans, predict_ks=ks, choose_every=spec.choose_every,
+                            positions=spec.k if spec.position_profile else 0), 0
         capacities = tuple(sorted({0} | {tetris.capacity_bucket(round(f * budget), rows, big_k)
                                          for f in (0.25, 0.5, 1.0, 1.5, 2.0)}))
         tetris_plan = StepPlan(k=big_k, capacity=max(capacities), capacities=capacities, cache_len=cache_len,
@@ -1106,7 +1116,7 @@ class SpeculativeDecoder:
         standard = tuple(StepPlan(k=j, cache_len=cache_len, threshold=threshold if j else None)
                          for j in range(big_k))
         return Schedule(plans=standard + (tetris_plan,), predict_ks=tuple(range(big_k)) + (spec.k,),
-                        choose_every=spec.choose_every), 0
+                        choose_every=spec.choose_every, positions=big_k if spec.position_profile else 0), 0
 
     def _warm_up(self, schedule: Schedule, rows_in, eos_t, budget_t, predicted, static, put) -> _Warm:
         """Goodput: compiles every plan's program and runs it on a scratch state prefilled with
@@ -1131,8 +1141,8 @@ class SpeculativeDecoder:
         max_new_b, keys_b = rows_in[2], rows_in[3]
         no_stop, seconds = put(np.int32(0)), put(_as_arrays(predicted))
         # Arguments of the run's own kinds, so the run reuses these compiled programs.
-        acceptance, draining, follow, next_choice = put((self._acceptance.seed(), np.bool_(True), np.bool_(False),
-                                                         np.int32(-1)))
+        acceptance, draining, follow, next_choice = put((self._acceptance.seed(schedule.positions), np.bool_(True),
+                                                         np.bool_(False), np.int32(-1)))
 
         max_new_host = np.asarray(max_new_b)
 
@@ -1352,8 +1362,10 @@ def _after_trial(schedule: Schedule, policy, tokens_j, seconds_j, live_b, remain
     goodput_j = np.asarray(tokens_j, np.float64) / np.asarray(seconds_j, np.float64)
     drafting_j = np.asarray(schedule.predict_ks) > 0
     if drafting_j.any() and not drafting_j.all():
-        ahead_j = _expected_tokens(np.asarray(policy.forecast_alpha_b(remaining_b, xp=np))[live_b], schedule.predict_ks)
-        recent_j = _expected_tokens(np.asarray(policy.alpha_b())[live_b], schedule.predict_ks)
+        profile = policy.profile_p(xp=np)
+        ahead_j = _expected_tokens(np.asarray(policy.forecast_alpha_b(remaining_b, xp=np))[live_b], schedule.predict_ks,
+                                   profile)
+        recent_j = _expected_tokens(np.asarray(policy.alpha_b())[live_b], schedule.predict_ks, profile)
         factor = min(1.0, np.max((recent_j / seconds_j)[drafting_j]) / max(np.max((ahead_j / seconds_j)[drafting_j]),
                                                                            1e-30))
         goodput_j = np.where(drafting_j, goodput_j, goodput_j * factor)
@@ -1362,8 +1374,11 @@ def _after_trial(schedule: Schedule, policy, tokens_j, seconds_j, live_b, remain
     return best if goodput_j[best] > (1.0 + margin) * goodput_j[incumbent] else incumbent
 
 
-def _expected_tokens(alpha_r: np.ndarray, ks) -> np.ndarray:
-    """Host twin of `policy.goodput_of_ks`' numerator (numpy: no device dispatch between segments)."""
+def _expected_tokens(alpha_r: np.ndarray, ks, profile=None) -> np.ndarray:
+    """Host twin of `policy.goodput_of_ks`' numerator (numpy: no device dispatch between segments);
+    `profile` as in `policy.expected_tokens`."""
+    if profile is not None:
+        return np.sum(policy_lib.expected_tokens(alpha_r, ks, profile, xp=np), axis=1)
     alpha_r = np.clip(np.asarray(alpha_r, np.float64), 0.0, 1.0 - 1e-9)[None, :]
     k_j = np.asarray(ks, np.float64)[:, None]
     return np.sum((1.0 - alpha_r ** (k_j + 1.0)) / (1.0 - alpha_r), axis=1)

@@ -13,6 +13,10 @@ no host round trip, and the next step's shapes come from a few precompiled branc
 Acceptance is tracked two ways:
 - per row, decayed counts of accepted drafts and of trials (accepts plus the first rejection),
   giving a per-token acceptance rate alpha for the geometric model of `expected_tokens_per_step`;
+- per draft position, pooled over rows: how often the j-th draft was accepted when it was tried.
+  Acceptance is rarely flat along a window (a draft that got this far is usually on easy text: on
+  the tiny-8L pair 0.85 at the first position, 0.91 at the eighth), so the policy scales each
+  row's alpha by the position's rate over the pooled rate (`PolicyState.profile_p`);
 - a calibration of draft confidence to acceptance: confidences (the drafter's per-token estimate,
   `Proposal.logprob_bk`) are binned, and each bin counts how often a verified slot in it was
   accepted. `calibrated_logprobs` maps confidences through it, so TETRIS and the capacity search
@@ -27,6 +31,7 @@ one step's expected tokens summed over rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -53,6 +58,8 @@ MEMORY_EVIDENCE = 100.0  # most trials the decoder's memory counts as evidence f
 SPREAD_MIN_TRIALS = 16  # trials a finished request needs to count toward the rows' spread (`AcceptanceMemory.spread`)
 SPREAD_REQUESTS = 256   # the most recent finished requests the spread is measured over
 SPREAD_PRIOR_REQUESTS = 8  # requests' worth of "no spread" the measured spread is shrunk toward
+POSITION_DECAY = 0.99   # per-step decay of the per-position counts (a moving average over ~100 steps)
+POSITION_PRIOR = 16.0   # trials' worth of the remembered profile each position's rate is shrunk toward
 
 
 def expected_tokens_per_step(alpha, k):
@@ -78,14 +85,24 @@ class PolicyState:
     hold: jax.Array             # when choice is plain decoding: its steps before a re-probe (see `plain_horizon`)
     memory_trials: jax.Array    # trials the decoder's memory rests on (`AcceptanceMemory`), aged with the counts
     spread: jax.Array           # how far rows' acceptance rates differ, a standard deviation (`drain_tokens_per_step`)
+    # Per draft position p, pooled over rows (`observe`; none when the state has no positions):
+    pos_accepted_p: jax.Array   # decayed accepted drafts (POSITION_DECAY)
+    pos_tried_p: jax.Array      # decayed trials
+    pos_total_accepted_p: jax.Array  # undecayed, over the run (stats; `AcceptanceMemory.remember_positions`)
+    pos_total_tried_p: jax.Array
+    profile_seed_p: jax.Array   # the remembered profile the counts are shrunk toward (`profile_p`)
 
     @classmethod
-    def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS, seed=None, live_b=None) -> PolicyState:
+    def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS, seed=None, live_b=None,
+             positions: int = 0) -> PolicyState:
         """Counts before the first step: none, or with `seed` = (alpha, weight) (from
         `seed_acceptance`; traced) every row (every `live_b` row, if given) starts as if it had
         seen `weight` trials at acceptance alpha. A third entry (`AcceptanceMemory.seed`) is the
         trials the memory pooled, `memory_trials` (see `planning_alpha_b`); a fourth, the spread of
-        acceptance between requests (`spread`, for the drain rule: `drain_tokens_per_step`).
+        acceptance between requests (`spread`, for the drain rule: `drain_tokens_per_step`); the
+        next `positions` entries, if given, the remembered per-position profile (`profile_p`).
+        `positions` (static): how many draft positions are tracked (the longest draft of any
+        plan); with none, every prediction is the plain geometric model's.
 
         The seed is kept apart from the row's own counts: what a drafter usually achieves, the
         level a row's acceptance comes back to after a hard stretch of text. It does not decay
@@ -96,19 +113,42 @@ class PolicyState:
         speculation is off the seed ages with everything else (`age`), so the optimism that
         re-probes speculation grows back as before, whatever the seed said.
         """
-        zeros_b = jnp.zeros((b,), jnp.float32)
+        zeros_b, zeros_p = jnp.zeros((b,), jnp.float32), jnp.zeros((positions,), jnp.float32)
         seed_accepted_b, seed_trials_b, memory, spread = zeros_b, zeros_b, jnp.float32(0.0), jnp.float32(0.0)
+        profile_p = jnp.ones((positions,), jnp.float32)
         if seed is not None:
             seed = jnp.asarray(seed, jnp.float32)
             alpha, weight = seed[0], seed[1]
             memory = seed[2] if seed.shape[0] > 2 else memory
             spread = seed[3] if seed.shape[0] > 3 else spread
+            if positions and seed.shape[0] >= 4 + positions:
+                profile_p = seed[4:4 + positions]
             weight_b = zeros_b + weight if live_b is None else jnp.where(live_b, weight, 0.0)
             seed_accepted_b, seed_trials_b = alpha * weight_b, weight_b
         return cls(accepted_b=zeros_b, trials_b=zeros_b, seed_accepted_b=seed_accepted_b, seed_trials_b=seed_trials_b,
                    total_accepted=jnp.float32(0.0), total_trials=jnp.float32(0.0),
                    calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
-                   choice=jnp.int32(first_choice), hold=jnp.int32(0), memory_trials=memory, spread=spread)
+                   choice=jnp.int32(first_choice), hold=jnp.int32(0), memory_trials=memory, spread=spread,
+                   pos_accepted_p=zeros_p, pos_tried_p=zeros_p, pos_total_accepted_p=zeros_p,
+                   pos_total_tried_p=zeros_p, profile_seed_p=profile_p)
+
+    def profile_p(self, xp=jnp):
+        """Per draft position p, its acceptance rate over the pooled rate (None when no position is
+        tracked): a row's p-th draft is accepted, given the ones before it were, with probability
+        alpha_b * profile_p[p] (at most 1; `expected_tokens`). Each position's rate is shrunk
+        toward the remembered profile by POSITION_PRIOR trials, so a position seldom reached
+        (the sixth draft at a low acceptance) keeps what earlier calls measured there.
+
+        The pooled rate is trial-weighted like a row's alpha (most trials are at the first
+        positions), so the profile averages 1 over the trials: a row's alpha still measures its
+        acceptance, and the profile only says how it is spread along the window. `xp`: numpy for
+        a state read to the host."""
+        if self.pos_tried_p.shape[0] == 0:
+            return None
+        accepted_p, tried_p = xp.asarray(self.pos_accepted_p), xp.asarray(self.pos_tried_p)
+        pooled = xp.maximum(xp.sum(accepted_p), 1e-6) / xp.maximum(xp.sum(tried_p), 1e-6)
+        rate_p = (accepted_p + POSITION_PRIOR * pooled * xp.asarray(self.profile_seed_p)) / (tried_p + POSITION_PRIOR)
+        return rate_p / pooled
 
     def alpha_b(self) -> jax.Array:
         """Per-row acceptance estimate: the row's counts and its seed, shrunk toward the prior
@@ -208,6 +248,8 @@ class AcceptanceMemory:
     trials: float = 0.0
     weight: float = 0.0
     requests: list = dataclasses.field(default_factory=list)   # (accepted, trials) of finished requests
+    position_accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))   # per draft position
+    position_tried: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     def remember(self, accepted_b, trials_b) -> None:
         accepted_b, trials_b = np.asarray(accepted_b, np.float64), np.asarray(trials_b, np.float64)
@@ -216,6 +258,36 @@ class AcceptanceMemory:
         self.accepted += float(accepted_b.sum())
         self.trials += float(trials_b.sum())
         self.weight = max(self.weight, float(seed_acceptance(accepted_b, trials_b, xp=np)[1]))
+
+    def remember_positions(self, accepted_p, tried_p) -> None:
+        """A call's per-position counts (`PolicyState.pos_total_accepted_p` / `pos_total_tried_p`,
+        undecayed), pooled over calls for the profile a run starts from (`seed`)."""
+        accepted_p, tried_p = np.asarray(accepted_p, np.float64), np.asarray(tried_p, np.float64)
+        n = max(accepted_p.shape[0], self.position_tried.shape[0])
+        self.position_accepted = np.pad(self.position_accepted, (0, n - self.position_accepted.shape[0]))
+        self.position_tried = np.pad(self.position_tried, (0, n - self.position_tried.shape[0]))
+        self.position_accepted[:accepted_p.shape[0]] += accepted_p
+        self.position_tried[:tried_p.shape[0]] += tried_p
+
+    def profile(self, positions: int) -> np.ndarray:
+        """The remembered acceptance profile along the draft window (`PolicyState.profile_p`) for
+        `positions` positions: each position's rate over the pooled one. A position's rate is
+        shrunk by POSITION_PRIOR trials toward the rate of the position before it (the first
+        toward the pooled rate), so positions the runs seldom reached take the deepest measured
+        level rather than the pooled one: where acceptance rises along the window, the pooled
+        rate would have priced the drafts a decoder has not yet tried at its shorter drafts'
+        rate, and kept it from trying them. 1 everywhere before anything was remembered."""
+        accepted_p = np.zeros(positions)
+        tried_p = np.zeros(positions)
+        n = min(positions, self.position_tried.shape[0])
+        accepted_p[:n], tried_p[:n] = self.position_accepted[:n], self.position_tried[:n]
+        if tried_p.sum() <= 0 or accepted_p.sum() <= 0:
+            return np.ones(positions, np.float32)
+        pooled = accepted_p.sum() / tried_p.sum()
+        rate_p, before = np.zeros(positions), pooled
+        for p in range(positions):
+            rate_p[p] = before = (accepted_p[p] + POSITION_PRIOR * before) / (tried_p[p] + POSITION_PRIOR)
+        return (rate_p / pooled).astype(np.float32)
 
     def remember_requests(self, accepted_r, trials_r) -> None:
         """Each finished request's own count, undecayed (`Counters.accepted` / `Counters.tried`),
@@ -243,14 +315,16 @@ class AcceptanceMemory:
         excess = np.var(rate_r, ddof=1) - np.mean(rate_r * (1.0 - rate_r) / t_r)
         return float(np.sqrt(max(excess, 0.0) * n / (n + SPREAD_PRIOR_REQUESTS)))
 
-    def seed(self) -> np.ndarray:
-        """(alpha, weight, evidence, spread) for `PolicyState.init`: the pooled rate, a fresh row's
-        weight, the trials pooled (at most MEMORY_EVIDENCE; `PolicyState.memory_trials`) and the
-        spread between requests (`spread`). The bare prior with no weight before anything."""
+    def seed(self, positions: int = 0) -> np.ndarray:
+        """(alpha, weight, evidence, spread, profile...) for `PolicyState.init`: the pooled rate, a
+        fresh row's weight, the trials pooled (at most MEMORY_EVIDENCE; `PolicyState.memory_trials`),
+        the spread between requests (`spread`) and, for `positions` > 0, the profile over that
+        many draft positions (`profile`). The bare prior with no weight before anything."""
         if self.trials <= 0:
-            return np.asarray([PRIOR_ALPHA, 0.0, 0.0, self.spread()], np.float32)
-        return np.asarray([self.accepted / self.trials, self.weight, min(self.trials, MEMORY_EVIDENCE),
-                           self.spread()], np.float32)
+            head = [PRIOR_ALPHA, 0.0, 0.0, self.spread()]
+        else:
+            head = [self.accepted / self.trials, self.weight, min(self.trials, MEMORY_EVIDENCE), self.spread()]
+        return np.concatenate([np.asarray(head, np.float32), self.profile(positions)]).astype(np.float32)
 
 
 def _bin_of(logprob_bk, bins: int):
@@ -284,11 +358,22 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
     hit_c = jnp.sum(in_bin_bkc & hit_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
     live = live_b.astype(jnp.float32)
     hits_b, tries_b = live * jnp.sum(hit_bk, axis=1), live * jnp.sum(tried_bk, axis=1)
-    return state.replace(
+    state = state.replace(
         accepted_b=state.accepted_b * decay + hits_b, trials_b=state.trials_b * decay + tries_b,
         total_accepted=state.total_accepted + jnp.sum(hits_b), total_trials=state.total_trials + jnp.sum(tries_b),
         calib_tried_c=state.calib_tried_c * decay + tried_c,
         calib_accepted_c=state.calib_accepted_c * decay + hit_c)
+    positions = state.pos_tried_p.shape[0]
+    if positions == 0:
+        return state
+    # Slots past the tracked positions (none: the engine tracks the longest draft) are not counted.
+    used = min(k, positions)
+    tried_p = jnp.zeros((positions,), jnp.float32).at[:used].set(jnp.sum(tried_bk[:, :used], axis=0, dtype=jnp.float32))
+    hit_p = jnp.zeros((positions,), jnp.float32).at[:used].set(jnp.sum(hit_bk[:, :used], axis=0, dtype=jnp.float32))
+    return state.replace(pos_accepted_p=state.pos_accepted_p * POSITION_DECAY + hit_p,
+                         pos_tried_p=state.pos_tried_p * POSITION_DECAY + tried_p,
+                         pos_total_accepted_p=state.pos_total_accepted_p + hit_p,
+                         pos_total_tried_p=state.pos_total_tried_p + tried_p)
 
 
 def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
@@ -306,38 +391,75 @@ def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
                          calib_tried_c=state.calib_tried_c * factor, calib_accepted_c=state.calib_accepted_c * factor)
 
 
-def token_moments(alpha, ks, xp=jnp):
+def token_moments(alpha, ks, xp=jnp, profile=None):
     """Mean and variance of the tokens one verification emits with k drafts (for each k in the
     static tuple `ks`), each accepted with probability alpha: X = i with probability
-    alpha^(i-1) (1 - alpha) for i <= k, and X = k + 1 with probability alpha^k."""
-    p_ji = _emitted_probs(alpha, ks, xp)
+    alpha^(i-1) (1 - alpha) for i <= k, and X = k + 1 with probability alpha^k. With a `profile`
+    (`PolicyState.profile_p`) the p-th draft is accepted with probability alpha * profile[p]."""
+    p_ji = _emitted_probs(alpha, ks, xp, profile)
     i_i = xp.arange(1, max(ks) + 2, dtype=xp.float32)[None, :]
     mean_j = xp.sum(p_ji * i_i, axis=1)
     return mean_j, xp.maximum(xp.sum(p_ji * i_i * i_i, axis=1) - mean_j * mean_j, 0.0)
 
 
-def _emitted_probs(alpha, ks, xp):
+def _emitted_probs(alpha, ks, xp, profile=None):
     """P(X = i) for i = 1 .. max(ks) + 1 (columns), for each k in `ks` (rows)."""
     alpha = xp.clip(xp.asarray(alpha, xp.float32), 0.0, 1.0)
     i_i = xp.arange(1, max(ks) + 2, dtype=xp.float32)[None, :]
     k_j = xp.asarray(ks, xp.float32)[:, None]
-    return xp.where(i_i <= k_j, alpha ** (i_i - 1.0) * (1.0 - alpha), xp.where(i_i == k_j + 1.0, alpha ** k_j, 0.0))
+    if profile is None:
+        return xp.where(i_i <= k_j, alpha ** (i_i - 1.0) * (1.0 - alpha),
+                        xp.where(i_i == k_j + 1.0, alpha ** k_j, 0.0))
+    accept_i = _position_rates(alpha, max(ks) + 1, profile, xp)          # P(accept the i-th draft)
+    reached_i = xp.concatenate([xp.ones((1,), xp.float32), xp.cumprod(accept_i)[:-1]])   # P(X >= i)
+    return xp.where(i_i <= k_j, reached_i * (1.0 - accept_i), xp.where(i_i == k_j + 1.0, reached_i, 0.0))
 
 
-def _normal_drain_steps(alpha, ks, r_b, live_b, xp, spread=0.0):
+def _position_rates(alpha, n: int, profile, xp):
+    """alpha * profile[p] for the first `n` draft positions (in a new last axis), at most 1;
+    positions past the profile take its last entry."""
+    profile = xp.asarray(profile, xp.float32)
+    idx = np.minimum(np.arange(n), profile.shape[0] - 1)
+    return xp.clip(xp.asarray(alpha, xp.float32)[..., None] * profile[idx], 0.0, 1.0)
+
+
+def expected_tokens(alpha_b, ks, profile=None, xp=jnp):
+    """Expected tokens one verification emits, per candidate k in `ks` (rows) and per row's
+    acceptance `alpha_b` (columns): `expected_tokens_per_step` when `profile` is None, else with
+    the p-th draft accepted with probability alpha * profile[p] (`PolicyState.profile_p`):
+    1 + the sum over i <= k of the chance the first i drafts are all accepted."""
+    alpha_b = xp.asarray(alpha_b, xp.float32)
+    k_j = xp.asarray(ks, xp.float32)[:, None]
+    if profile is None:
+        alpha = xp.clip(alpha_b, 0.0, 1.0)[None, :]
+        safe = xp.where(alpha < 1.0, alpha, 0.5)
+        return xp.where(alpha < 1.0, (1.0 - safe ** (k_j + 1.0)) / (1.0 - safe), k_j + 1.0)
+    reached_bi = xp.cumprod(_position_rates(alpha_b, max(max(ks), 1), profile, xp), axis=-1)
+    total_bi = xp.concatenate([xp.ones(alpha_b.shape + (1,), xp.float32), 1.0 + xp.cumsum(reached_bi, axis=-1)],
+                              axis=-1)
+    return xp.take(total_bi, xp.asarray(ks, xp.int32), axis=-1).T
+
+
+def _normal_drain_steps(alpha, ks, r_b, live_b, xp, spread=0.0, profile=None):
     """E[max_i S_i] over the live rows by the renewal normal approximation, each row's rate
     spread by `spread` about alpha (`drain_tokens_per_step`)."""
     ndtr = jax.scipy.special.ndtr if xp is jnp else scipy.special.ndtr
-    mean_j, var_j = token_moments(alpha, ks, xp)
+    mean_j, var_j = token_moments(alpha, ks, xp, profile)
     mean_j1, var_j1 = mean_j[:, None], var_j[:, None]
     overshoot_j1 = ((var_j1 + mean_j1 * mean_j1) / mean_j1 - 1.0) / 2.0
     m_jb = xp.where(live_b[None, :], (r_b[None, :] + overshoot_j1) / mean_j1, 0.0)
     # A row's own rate is alpha + e, e of standard deviation `spread`: its steps r / mu(alpha + e)
     # vary by about r mu'(alpha) / mu^2 * e more (mu = sum of alpha^i, i <= k; mu' = sum of
     # i alpha^(i - 1)).
+    # (With a profile, mu = sum of the chances the first i drafts are accepted, each alpha^i times
+    # a product of the profile: mu' = sum of i times that chance over alpha.)
     i_i = xp.arange(1, max(ks) + 1, dtype=xp.float32)[None, :]
-    slope_j = xp.sum(xp.where(i_i <= xp.asarray(ks, xp.float32)[:, None],
-                              i_i * xp.clip(xp.asarray(alpha, xp.float32), 0.0, 1.0) ** (i_i - 1.0), 0.0), axis=1)
+    clipped = xp.clip(xp.asarray(alpha, xp.float32), 0.0, 1.0)
+    if profile is None:
+        term_i = i_i * clipped ** (i_i - 1.0)
+    else:
+        term_i = i_i * xp.cumprod(_position_rates(clipped, max(ks), profile, xp))[None, :] / xp.maximum(clipped, 1e-6)
+    slope_j = xp.sum(xp.where(i_i <= xp.asarray(ks, xp.float32)[:, None], term_i, 0.0), axis=1)
     rate_jb = r_b[None, :] * (slope_j / mean_j ** 2)[:, None] * spread
     s_jb = xp.sqrt(r_b[None, :] * var_j1 / mean_j1 ** 3 + rate_jb * rate_jb)
     lo_j = xp.max(xp.where(live_b[None, :], m_jb - 6.0 * s_jb, 0.0), axis=1)
@@ -353,7 +475,7 @@ def _normal_drain_steps(alpha, ks, r_b, live_b, xp, spread=0.0):
     return lo_j + area_j
 
 
-def _exact_drain_steps(alpha, ks, r_b, live_b, xp):
+def _exact_drain_steps(alpha, ks, r_b, live_b, xp, profile=None):
     """E[max_i S_i] over the live rows, exactly, where every r_i <= DRAIN_EXACT: the normal
     approximation is off by 15-42% with 2-4 tokens left and 8-14% with 8-16 (batch 1 and 16,
     alpha 0.5-0.95, against simulation), where steps are few and discrete. The distribution of
@@ -363,7 +485,7 @@ def _exact_drain_steps(alpha, ks, r_b, live_b, xp):
     P(S_i <= n) = P(emitted after n steps >= r_i); rows are independent and S_i <= r_i, so
     E[max_i S_i] = sum over n < DRAIN_EXACT of 1 - prod_i P(S_i <= n)."""
     top = DRAIN_EXACT
-    p_ji = _emitted_probs(alpha, ks, xp)
+    p_ji = _emitted_probs(alpha, ks, xp, profile)
     rows, sizes = p_ji.shape
     # Shifts and adds only: matrix products of this size cost 1.4x as much on XLA:CPU.
     dist_jc = xp.asarray(np.tile(np.eye(1, top, dtype=np.float32), (rows, 1)))
@@ -380,7 +502,8 @@ def _exact_drain_steps(alpha, ks, r_b, live_b, xp):
     return xp.sum(1.0 - xp.prod(done_jnb, axis=2), axis=1)
 
 
-def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool = True, spread=0.0):
+def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool = True, spread=0.0,
+                          profile=None):
     """For a batch that runs until its slowest row is done (no request waits to take a finished
     row's slot): for each draft length, the live rows' remaining tokens divided by the expected
     steps until the last of them is done, i.e. the tokens per step that draft length is worth
@@ -402,6 +525,8 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool 
     (`_exact_drain_steps`) unless `exact` is False. Plain decoding is exact: max_i r_i steps.
     Checked against simulation in tests/test_policy.py.
 
+    `profile`: the per-position profile of acceptance (`PolicyState.profile_p`), or None (flat).
+
     `spread`: how far rows' own rates differ (a standard deviation, `AcceptanceMemory.spread`).
     The rows share alpha, but the slowest row is mostly one with a lower rate: on the tiny-8L
     pair at batch 4 (16 sets of prompts, 96 tokens), the largest row's steps were 2% above this
@@ -417,13 +542,17 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool 
     alpha = xp.sum(xp.where(live_b, xp.asarray(alpha_b, xp.float32), 0.0)) / n_live
     exact = (xp.max(r_b) <= DRAIN_EXACT) & exact
     args = (alpha, ks, r_b, live_b, xp)
+    if profile is not None:
+        exact_drain, normal_drain = (functools.partial(_exact_drain_steps, profile=profile),
+                                     functools.partial(_normal_drain_steps, profile=profile))
+    else:
+        exact_drain, normal_drain = _exact_drain_steps, _normal_drain_steps
     if xp is jnp:
         # A branch, not both computed: the exact count costs about 0.1 ms on XLA:CPU, and the
         # policy evaluates this every few drafting steps.
-        steps_j = jax.lax.cond(exact, lambda: _exact_drain_steps(*args),
-                               lambda: _normal_drain_steps(*args, spread=spread))
+        steps_j = jax.lax.cond(exact, lambda: exact_drain(*args), lambda: normal_drain(*args, spread=spread))
     else:
-        steps_j = _exact_drain_steps(*args) if exact else _normal_drain_steps(*args, spread=spread)
+        steps_j = exact_drain(*args) if exact else normal_drain(*args, spread=spread)
     return xp.sum(r_b) / xp.maximum(steps_j, 1e-6)
 
 
@@ -439,7 +568,7 @@ class TetrisPlan(NamedTuple):
 
 
 def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool = True,
-                  tetris: TetrisPlan | None = None, spread=0.0):
+                  tetris: TetrisPlan | None = None, spread=0.0, profile=None):
     """Predicted goodput (tokens per second) of each candidate draft length.
 
     Args:
@@ -454,6 +583,8 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool 
         the expected tokens of one step summed over rows.
       exact_drain: static; False keeps `drain_tokens_per_step` to its normal approximation.
       spread: the rows' spread of acceptance, for the drain rule (`PolicyState.spread`).
+      profile: acceptance along the draft window (`PolicyState.profile_p`; None: flat, the
+        geometric model).
       tetris: the TETRIS plan among the candidates, if any. Its goodput is that of its best budget
         (`tetris_goodput`), not that of the standard draft length it stands for in `ks`: at batch 1
         the TETRIS plan of a k = 4, extra = 2 decoder verifies up to 6 drafts, and judged as k = 4
@@ -461,33 +592,34 @@ def goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain=None, exact_drain: bool 
         SmolLM2 shapes. While the batch drains, that goodput is discounted by the drain rule's
         factor for the length it stands for.
     """
-    ks_j = jnp.asarray(ks, jnp.float32)
-    step_tokens_j = jnp.sum(jnp.where(live_b[None, :], expected_tokens_per_step(alpha_b[None, :], ks_j[:, None]),
-                                      0.0), axis=1)
+    step_tokens_j = jnp.sum(jnp.where(live_b[None, :], expected_tokens(alpha_b, ks, profile), 0.0), axis=1)
     tokens_j = step_tokens_j
     if drain is not None:
         remaining_b, draining = drain
         tokens_j = jnp.where(draining, drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, exact=exact_drain,
-                                                             spread=spread), tokens_j)
+                                                             spread=spread, profile=profile), tokens_j)
     goodput_j = tokens_j / seconds_j
     if tetris is not None:
         # While the batch drains, the best budget's goodput is discounted as the drain rule
         # discounts the length the plan stands for (what the slowest row's last steps waste).
         j = tetris.index
         discount = tokens_j[j] / jnp.maximum(step_tokens_j[j], 1e-30)
-        goodput_j = goodput_j.at[j].set(jnp.max(tetris_goodput(alpha_b, live_b, tetris)) * discount)
+        goodput_j = goodput_j.at[j].set(jnp.max(tetris_goodput(alpha_b, live_b, tetris, profile)) * discount)
     return goodput_j
 
 
-def tetris_goodput(alpha_b, live_b, tetris: TetrisPlan):
+def tetris_goodput(alpha_b, live_b, tetris: TetrisPlan, profile=None):
     """Predicted goodput of each budget of a TETRIS plan, before drafting: the j-th draft of a row
     survives with probability alpha^j (its cumulative acceptance), so the C slots TETRIS verifies
     are the C largest of those over the live rows' `draft_len` positions
     (`goodput_of_capacities`, with the geometric model's probabilities for the drafts' calibrated
     ones)."""
-    j_k = jnp.arange(1, tetris.draft_len + 1, dtype=jnp.float32)
-    log_alpha_b = jnp.log(jnp.clip(jnp.asarray(alpha_b, jnp.float32), 0.0, 1.0))
-    cum_bk = jnp.where(live_b[:, None], j_k[None, :] * log_alpha_b[:, None], -jnp.inf)
+    if profile is None:
+        j_k = jnp.arange(1, tetris.draft_len + 1, dtype=jnp.float32)
+        cum_bk = j_k[None, :] * jnp.log(jnp.clip(jnp.asarray(alpha_b, jnp.float32), 0.0, 1.0))[:, None]
+    else:   # (`profile`: as in `goodput_of_ks`)
+        cum_bk = jnp.cumsum(jnp.log(_position_rates(alpha_b, tetris.draft_len, profile, jnp)), axis=1)
+    cum_bk = jnp.where(live_b[:, None], cum_bk, -jnp.inf)
     # The budgets are the whole batch's; a refill plans for its new rows only, fewer slots.
     slots = max(cum_bk.size, max(tetris.capacities))
     cum_flat = jnp.full((slots,), -jnp.inf, jnp.float32).at[:cum_bk.size].set(cum_bk.reshape(-1))
@@ -521,7 +653,8 @@ def choose_k(state: PolicyState, live_b, ks, seconds_j, optimistic: bool = True,
       tetris: as in `goodput_of_ks`.
     """
     alpha_b = state.planning_alpha_b() if optimistic else state.alpha_b()
-    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain, tetris=tetris, spread=state.spread)
+    goodput_j = goodput_of_ks(alpha_b, live_b, ks, seconds_j, drain, tetris=tetris, spread=state.spread,
+                              profile=state.profile_p())
     if not optimistic and drain is not None:
         goodput_j = _stopping_judged_ahead(state, live_b, ks, seconds_j, goodput_j, drain[0], tetris)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
@@ -555,8 +688,9 @@ def _stopping_judged_ahead(state: PolicyState, live_b, ks, seconds_j, goodput_j,
     to the end, each 5-10% slower than drafting throughout; the ratio uses one step's expected
     tokens (not the drain rule's count, which costs 7-40 us a step on XLA:CPU)."""
     drafting_j = jnp.asarray(ks) > 0
-    recent_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, tetris=tetris)
-    ahead_j = goodput_of_ks(state.forecast_alpha_b(remaining_b), live_b, ks, seconds_j, tetris=tetris)
+    profile = state.profile_p()
+    recent_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, tetris=tetris, profile=profile)
+    ahead_j = goodput_of_ks(state.forecast_alpha_b(remaining_b), live_b, ks, seconds_j, tetris=tetris, profile=profile)
     best_recent = jnp.max(jnp.where(drafting_j, recent_j, 0.0))
     best_ahead = jnp.max(jnp.where(drafting_j, ahead_j, 0.0))
     factor = jnp.minimum(1.0, best_recent / jnp.maximum(best_ahead, 1e-30))
@@ -625,12 +759,13 @@ def probe_choice(state: PolicyState, live_b, ks, seconds_j, margin: float = SWIT
     `exact_drain` and `tetris` as in `goodput_of_ks`.
     """
     ks_j = jnp.asarray(ks)
+    profile = state.profile_p()
     goodput_j = goodput_of_ks(state.planning_alpha_b(), live_b, ks, seconds_j, drain, exact_drain, tetris,
-                              spread=state.spread)
+                              spread=state.spread, profile=profile)
     plain = ks.index(0)
     cheapest = min((j for j, k in enumerate(ks) if k > 0), key=lambda j: ks[j])
     hope = jnp.max(jnp.where(ks_j > 0, goodput_j, -jnp.inf))
-    expected_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, tetris=tetris)
+    expected_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, tetris=tetris, profile=profile)
     shortfall = jnp.clip(1.0 - expected_j[cheapest] / jnp.maximum(expected_j[plain], 1e-30), 0.0, 1.0)
     probe_loss = PROBE_STEPS * seconds_j[cheapest] * shortfall
     probe = ((hope > (1.0 + margin) * goodput_j[plain])
@@ -647,7 +782,8 @@ def opening_choice(state: PolicyState, live_b, ks, seconds_j, drain=None, entry_
     decoding by the switch margin and pays for its entry, its own steps and, while the batch
     drains, `switch_seconds`: the round trip back to plain decoding if it fails). `tetris` as in
     `goodput_of_ks`."""
-    goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain, tetris=tetris, spread=state.spread)
+    goodput_j = goodput_of_ks(state.alpha_b(), live_b, ks, seconds_j, drain, tetris=tetris, spread=state.spread,
+                              profile=state.profile_p())
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     plain = ks.index(0)
     drafts = ((jnp.asarray(ks)[best] > 0)

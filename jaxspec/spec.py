@@ -38,6 +38,10 @@ class SpecConfig:
         where the device runs small operations quickly (XLA:CPU), dearer where each is a kernel
         launch (a GPU); a larger value makes them rarer, and a switch the acceptance asks for
         comes up to choose_every - 1 steps later. `scripts/policy_overhead.py` measures it.
+      position_profile: policy="goodput": track acceptance per draft position and predict each
+        draft length's tokens with it (`policy.PolicyState.profile_p`: a draft that got this far is
+        usually on easier text, so acceptance tends to rise along the window). False: one rate per
+        row for every position (the geometric model of `policy.expected_tokens_per_step`).
     """
 
     k: int = 4
@@ -51,6 +55,7 @@ class SpecConfig:
     greedy_draft: bool = False
     threshold: float | None = None
     choose_every: int = 4
+    position_profile: bool = True
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -74,6 +79,8 @@ class SpecConfig:
             raise ValueError(f"threshold must be None or a number in (0, 1], got {self.threshold!r}")
         if isinstance(self.choose_every, bool) or not isinstance(self.choose_every, int) or self.choose_every < 1:
             raise ValueError(f"choose_every must be an int >= 1, got {self.choose_every!r}")
+        if not isinstance(self.position_profile, bool):
+            raise ValueError(f"position_profile must be a bool, got {self.position_profile!r}")
         if not isinstance(self.measure_plans, bool):
             raise ValueError(f"measure_plans must be a bool, got {self.measure_plans!r}")
         if self.policy == "goodput" and not isinstance(self.cost_model, CostModel):

@@ -78,6 +78,9 @@ def main() -> None:
                              "it ends by then (results are written after every batch)")
     parser.add_argument("--choose-every", type=int, nargs="+", default=[4],
                         help="SpecConfig.choose_every of the goodput rows; with several, one row per value")
+    parser.add_argument("--flat-row", action="store_true",
+                        help="also a goodput row with one acceptance rate along the draft window "
+                             "(SpecConfig.position_profile=False): what the per-position profile changes")
     parser.add_argument("--name", default="bench_goodput", help="output name under docs/results (or a path)")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -147,6 +150,9 @@ def main() -> None:
 
         configs += [(named("goodput", e), jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost, choose_every=e))
                     for e in every]
+        if args.flat_row:
+            configs += [(named("goodput, flat acceptance", e), jaxspec.SpecConfig(
+                k=kmax, policy="goodput", cost_model=cost, choose_every=e, position_profile=False)) for e in every]
         if args.tetris:
             configs += [(named("goodput + tetris", e), jaxspec.SpecConfig(
                 k=4, extra=2, selection="tetris", policy="goodput", cost_model=cost, choose_every=e)) for e in every]

@@ -387,6 +387,30 @@ def test_a_short_trial_of_the_contradicted_plan_is_not_drowned_by_the_other_kind
     assert tracker.explore(1, tokens, baseline=0) == 0
 
 
+def test_a_trialled_plan_is_not_contradicted_again_until_its_timing_is_old():
+    """The machine runs at half its warm-up's speed, every plan alike; the run drafts. Plain
+    decoding, judged by its warm-up time, is contradicted and trialled (measured as slow as the
+    rest). As calls halve its trial's weight its ratio drifts back toward drafting's, but the
+    doubt was answered: it is not trialled again until its timing is `retime_segments` segments
+    old (batch 1 had trialled it every 3-4 calls, each trial 16 plain steps where drafting ran
+    1.5x as fast)."""
+    warm = np.array([1.0, 2.0])
+    true = 2.0 * warm
+    tokens = np.array([1.0, 2.9])
+    tracker = StepTimeTracker(warm, kinds=[False, True], measured=[True] * 2, round_trip=0.5)
+    tracker.new_call()
+    tracker.observe(1, 30, 30 * true[1] + 0.5)
+    assert tracker.explore(1, tokens, baseline=0, steps=16) == 0
+    tracker.observe(0, 16, 16 * true[0] + 0.5, trial=True)
+    proposals = []
+    for _ in range(tracker.retime_segments + 2):
+        tracker.new_call()
+        tracker.observe(1, 30, 30 * true[1] + 0.5)
+        proposals.append(tracker.explore(1, tokens, baseline=0, steps=16))
+    first = proposals.index(0)
+    assert set(proposals[:first]) == {None} and first >= tracker.retime_segments - 2, proposals
+
+
 def test_a_tied_plan_is_re_timed_every_few_segments_and_a_plan_behind_the_margin_is_not():
     """Batch 1 with one segment a call: the warm-up timed drafting (plan 1) 1% behind plain
     decoding where it is truly 30% ahead. Tied within the margin, drafting is run again once its

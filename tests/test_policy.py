@@ -984,7 +984,8 @@ def test_goodput_with_tetris_offers_every_standard_length_and_judges_tetris_by_i
     tetris_trace = trace()                                   # k_trace names a TETRIS step by its k + extra
     assert tetris_trace.count(4) >= len(tetris_trace) - 1
     jax.clear_caches()
-    monkeypatch.setattr(policy, "tetris_goodput", lambda alpha_b, live_b, tetris: jnp.zeros(len(tetris.capacities)))
+    monkeypatch.setattr(policy, "tetris_goodput",
+                        lambda alpha_b, live_b, tetris, profile=None: jnp.zeros(len(tetris.capacities)))
     standard_trace = trace()
     assert standard_trace.count(3) >= len(standard_trace) - 1
 
