@@ -59,7 +59,7 @@ SPREAD_MIN_TRIALS = 16  # trials a finished request needs to count toward the ro
 SPREAD_REQUESTS = 256   # the most recent finished requests the spread is measured over
 SPREAD_PRIOR_REQUESTS = 8  # requests' worth of "no spread" the measured spread is shrunk toward
 POSITION_DECAY = 0.99   # per-step decay of the per-position counts (a moving average over ~100 steps)
-POSITION_PRIOR = 16.0   # trials' worth of the remembered profile each position's rate is shrunk toward
+POSITION_PRIOR = 32.0   # trials' worth of the remembered profile each position's rate is shrunk toward
 
 
 def expected_tokens_per_step(alpha, k):
@@ -275,8 +275,8 @@ class AcceptanceMemory:
         shrunk by POSITION_PRIOR trials toward the rate of the position before it (the first
         toward the pooled rate), so positions the runs seldom reached take the deepest measured
         level rather than the pooled one: where acceptance rises along the window, the pooled
-        rate would have priced the drafts a decoder has not yet tried at its shorter drafts'
-        rate, and kept it from trying them. 1 everywhere before anything was remembered."""
+        rate would price the drafts a decoder has not yet tried at its shorter drafts' rate, a
+        bias against trying them. 1 everywhere before anything was remembered."""
         accepted_p = np.zeros(positions)
         tried_p = np.zeros(positions)
         n = min(positions, self.position_tried.shape[0])
