@@ -1377,11 +1377,7 @@ def _after_trial(schedule: Schedule, policy, tokens_j, seconds_j, live_b, remain
 def _expected_tokens(alpha_r: np.ndarray, ks, profile=None) -> np.ndarray:
     """Host twin of `policy.goodput_of_ks`' numerator (numpy: no device dispatch between segments);
     `profile` as in `policy.expected_tokens`."""
-    if profile is not None:
-        return np.sum(policy_lib.expected_tokens(alpha_r, ks, profile, xp=np), axis=1)
-    alpha_r = np.clip(np.asarray(alpha_r, np.float64), 0.0, 1.0 - 1e-9)[None, :]
-    k_j = np.asarray(ks, np.float64)[:, None]
-    return np.sum((1.0 - alpha_r ** (k_j + 1.0)) / (1.0 - alpha_r), axis=1)
+    return np.sum(policy_lib.expected_tokens(alpha_r, ks, profile, xp=np), axis=1)
 
 
 # Slack on `_drain_bound`'s drafting rates, for the drain count's numerical integration.

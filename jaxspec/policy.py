@@ -31,7 +31,6 @@ one step's expected tokens summed over rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -542,17 +541,14 @@ def drain_tokens_per_step(alpha_b, live_b, remaining_b, ks, xp=jnp, exact: bool 
     alpha = xp.sum(xp.where(live_b, xp.asarray(alpha_b, xp.float32), 0.0)) / n_live
     exact = (xp.max(r_b) <= DRAIN_EXACT) & exact
     args = (alpha, ks, r_b, live_b, xp)
-    if profile is not None:
-        exact_drain, normal_drain = (functools.partial(_exact_drain_steps, profile=profile),
-                                     functools.partial(_normal_drain_steps, profile=profile))
-    else:
-        exact_drain, normal_drain = _exact_drain_steps, _normal_drain_steps
     if xp is jnp:
         # A branch, not both computed: the exact count costs about 0.1 ms on XLA:CPU, and the
         # policy evaluates this every few drafting steps.
-        steps_j = jax.lax.cond(exact, lambda: exact_drain(*args), lambda: normal_drain(*args, spread=spread))
+        steps_j = jax.lax.cond(exact, lambda: _exact_drain_steps(*args, profile=profile),
+                               lambda: _normal_drain_steps(*args, spread=spread, profile=profile))
     else:
-        steps_j = exact_drain(*args) if exact else normal_drain(*args, spread=spread)
+        steps_j = (_exact_drain_steps(*args, profile=profile) if exact
+                   else _normal_drain_steps(*args, spread=spread, profile=profile))
     return xp.sum(r_b) / xp.maximum(steps_j, 1e-6)
 
 

@@ -143,19 +143,15 @@ def test_choice_with_a_profile_is_the_brute_force_argmax_and_departs_from_the_fl
     assert 0 < int(policy.choose_k(flat, live, ks, jnp.asarray(seconds), optimistic=False)) < got
 
 
-def draft_continuations(draft, sequence, starts, k_of_step):
-    """The draft model's greedy k-token continuation of sequence[:t] for each (t, k), uncached:
-    one padded forward per drafted token (causal: padding after t does not change logits at t)."""
-    width = len(sequence) + 8
-    out = []
-    for t, k in zip(starts, k_of_step):
-        tokens = list(sequence[:t])
-        for _ in range(k):
-            padded = np.zeros((1, width), np.int32)
-            padded[0, :len(tokens)] = tokens
-            tokens.append(int(np.argmax(np.asarray(draft.logits(jnp.asarray(padded)))[0, len(tokens) - 1])))
-        out.append(tokens[t:])
-    return out
+def draft_continuation(draft, sequence, t: int, k: int) -> list[int]:
+    """The draft model's greedy k-token continuation of sequence[:t], uncached: one padded forward
+    per drafted token (causal: padding after the prefix does not change its logits)."""
+    tokens = list(sequence[:t])
+    for _ in range(k):
+        padded = np.zeros((1, len(sequence) + 8), np.int32)   # one width: one compiled forward (k <= 8)
+        padded[0, :len(tokens)] = tokens
+        tokens.append(int(np.argmax(np.asarray(draft.logits(jnp.asarray(padded)))[0, len(tokens) - 1])))
+    return tokens[t:]
 
 
 def test_acceptance_by_position_is_what_a_naive_loop_counts():
@@ -183,7 +179,7 @@ def test_acceptance_by_position_is_what_a_naive_loop_counts():
         if k == 0:
             t += 1
             continue
-        (proposal,) = draft_continuations(draft, sequence, [t], [k])
+        proposal = draft_continuation(draft, sequence, t, k)
         n = 0
         while n < k and proposal[n] == sequence[t + n]:
             n += 1
