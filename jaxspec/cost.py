@@ -368,7 +368,8 @@ class StepTimeTracker:
         # Per kind: its members, and the prior weight (steps' worth) its ratio is shrunk with.
         self._kinds = [(members, prior_steps * float(np.mean(self.predicted_j[members])))
                        for members in (self.kind_j == kind for kind in np.unique(self.kind_j))]
-        self._ratios = None   # `_ratio` until the sums change (it is read several times a segment)
+        # `_ratio` and `_doubts` until the sums change (each is read several times between segments).
+        self._ratios = self._doubted = None
         if not np.isfinite(round_trip) or round_trip < 0:
             raise ValueError(f"round_trip must be seconds >= 0, got {round_trip!r}")
         self.prior_steps, self.decay, self.round_trip = prior_steps, decay, float(round_trip)
@@ -405,7 +406,7 @@ class StepTimeTracker:
         self.measured_j *= self.decay
         self.expected_j *= self.decay
         self.held_j *= self.decay
-        self._ratios = None
+        self._ratios = self._doubted = None
         self.segments += 1
         expected = steps * self.predicted_j[plan]
         weight = self.evidence(expected)
@@ -422,7 +423,7 @@ class StepTimeTracker:
         and renew its measurement (a glimpse, steps shorter than the round trip, does neither)."""
         self.measured_j[plan] += sample[0]
         self.expected_j[plan] += sample[1]
-        self._ratios = None
+        self._ratios = self._doubted = None
         if timed:
             self.tried_j[plan] = True
             self.last_j[plan] = self.segments
@@ -449,7 +450,7 @@ class StepTimeTracker:
         self.held_j[:] = 0.0
         self.measured_j *= self.call_decay
         self.expected_j *= self.call_decay
-        self._ratios = None
+        self._ratios = self._doubted = None
 
     def overall_ratio(self) -> float:
         total = self.expected_j.sum()
@@ -506,6 +507,8 @@ class StepTimeTracker:
         re-timed only when stale, 16 calls later: those calls decoded plainly at 0.82 of fixed
         k = 6. (A plan scaled down and still not within the margin is not trialled: `explore`
         judges it by the lesser of its two times.)"""
+        if self._doubted is not None:
+            return self._doubted
         ratio_j, kind_ran_j = self._ratio()
         off_j = (ratio_j > 1.0 + self.explore_margin) | (ratio_j * (1.0 + self.explore_margin) < 1.0)
         # A kind timed during the run within `retime_segments` segments has answered the doubt: as
@@ -520,7 +523,8 @@ class StepTimeTracker:
             answered_j[members] = timed_j[members].any()
         contradicted_j = self.tried_j & ~kind_ran_j & off_j & ~answered_j
         doubtful_j = ~self.tried_j | contradicted_j | (self.held_j[:, 1] > 0)
-        return contradicted_j, doubtful_j, self.segments - self.last_j >= self.retime_segments
+        self._doubted = (contradicted_j, doubtful_j, self.segments - self.last_j >= self.retime_segments)
+        return self._doubted
 
     def _basis(self) -> np.ndarray:
         """Seconds per step each plan may be expected to take: its corrected time, or its own

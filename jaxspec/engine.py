@@ -871,14 +871,15 @@ class SpeculativeDecoder:
             # no step and costs what that wait did. A call that opens on a timing trial runs the
             # trial's plan instead (the drafter prefilled if it drafts), timed once the prefill is done.
             plan_index = self._openings.get(shape_key, schedule.predict_ks.index(0))
-            trial, whole = self._opening_trial(schedule, tracker, plan_index,
+            remembered = self._acceptance.seed(schedule.positions)   # (alpha, weight, evidence, spread, profile...)
+            trial, whole = self._opening_trial(schedule, tracker, plan_index, remembered,
                                                np.asarray(first.max_new_b)[:first.num_prompts], not len(queue))
             incumbent = plan_index   # what a trial stands in for (`_after_trial`)
             plan_index = plan_index if trial is None else trial
             # The acceptance last measured seeds the rows; whether requests wait for slots.
             seconds, next_choice, acceptance, draining = put((
                 _as_arrays(_corrected(predicted, tracker, schedule)), np.int32(-1 if trial is None else trial),
-                self._acceptance.seed(schedule.positions), np.bool_(not len(queue))))
+                remembered, np.bool_(not len(queue))))
         else:
             seconds, next_choice, acceptance, draining = put(_as_arrays(predicted)), None, None, None
             plan_index, trial, whole = 0, None, False
@@ -974,7 +975,7 @@ class SpeculativeDecoder:
                                                      zip(policy.pos_total_accepted_p, policy.pos_total_tried_p)]
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _opening_trial(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, guess: int,
+    def _opening_trial(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, guess: int, seed: np.ndarray,
                        remaining_r: np.ndarray, drains: bool) -> tuple[int | None, bool]:
         """A timing trial to open the call with (`StepTimeTracker.explore`), or None; and whether
         it runs a whole segment: a plan tied with the guess (`StepTimeTracker.retime_tie`), not
@@ -984,10 +985,14 @@ class SpeculativeDecoder:
         decoding, or one draft length, all the way) has none: a ranking of near-tied plans that
         the warm-up's timing got wrong then stood for every later call at the shape (in one batch-4
         diagnostic, 15 calls in a row decoded plainly where fixed k = 1 ran 7% faster). Judged on the
-        acceptance the decoder remembers, against the plan the call is expected to open on."""
-        if not tracker.segments:
+        acceptance the decoder remembers (`seed`, `AcceptanceMemory.seed`), against the plan the
+        call is expected to open on.
+
+        Most calls have no plan in doubt, none due for re-timing and no tie due; they return before
+        any expected tokens are counted (0.5 ms of host time a call at batch 1 on XLA:CPU, while
+        the device waits for the call's first dispatch)."""
+        if not tracker.segments or not (tracker.in_doubt(guess) or tracker.tie_due(guess, TIE_RETIME)):
             return None, False
-        seed = self._acceptance.seed(schedule.positions)   # (alpha, weight, evidence, spread, profile...)
         profile = seed[4:] if schedule.positions else None
         alpha_r = np.full(remaining_r.shape, seed[0])
         tokens_j = _expected_tokens(alpha_r, schedule.predict_ks, profile)
@@ -997,10 +1002,12 @@ class SpeculativeDecoder:
         if not tracker.tie_due(guess, TIE_RETIME):   # spares most calls the drain count below
             return None, False
         if drains:
-            if schedule.predict_ks[guess] == 0 and tracker.retime_tie(
-                    guess, _drain_bound(tokens_j, remaining_r, schedule.predict_ks), margin=policy_lib.SWITCH_MARGIN,
-                    segments=TIE_RETIME) is None:
-                return None, False   # no drafting plan ties even at its bound: the count is spared
+            # A tie needs the drain count unless even bounds rule it out: drafting plans at most
+            # (a plain guess) or at least (a drafting guess) what the count could give them.
+            bound = _drain_bound if schedule.predict_ks[guess] == 0 else _drain_floor
+            if tracker.retime_tie(guess, bound(tokens_j, remaining_r, schedule.predict_ks),
+                                  margin=policy_lib.SWITCH_MARGIN, segments=TIE_RETIME) is None:
+                return None, False   # no tie even at the bounds: the count is spared
             # A tie is judged as the device will judge it (by when the slowest row is done): judged
             # by one step's tokens, at batch 16 drafting plans came within the margin of plain
             # decoding, and the device left them after 4 steps in most calls (a round trip each).
@@ -1380,7 +1387,7 @@ def _expected_tokens(alpha_r: np.ndarray, ks, profile=None) -> np.ndarray:
     return np.sum(policy_lib.expected_tokens(alpha_r, ks, profile, xp=np), axis=1)
 
 
-# Slack on `_drain_bound`'s drafting rates, for the drain count's numerical integration.
+# Slack on `_drain_bound`'s and `_drain_floor`'s drafting rates, for the drain count's numerical integration.
 DRAIN_BOUND_SLACK = 1.01
 
 
@@ -1396,6 +1403,24 @@ def _drain_bound(tokens_j: np.ndarray, remaining_r: np.ndarray, ks) -> np.ndarra
     plain = np.asarray(ks) == 0
     bound_j[plain] = remaining_r.sum() / max(remaining_r.max(initial=0.0), 1.0)
     return bound_j
+
+
+def _drain_floor(tokens_j: np.ndarray, remaining_r: np.ndarray, ks) -> np.ndarray:
+    """Per plan, the drain rule's tokens per step (`policy.drain_tokens_per_step`) or less, without
+    its count: plain decoding's exactly, each drafting plan's at least n mu R / (R + n k) / n
+    (`tokens_j` = n mu, the n rows' expected tokens per step; R, their remaining tokens). A row
+    done after S steps has emitted at most r + k tokens, so by Wald's identity E[S] <= (r + k) / mu,
+    and E[max_i S_i] <= sum_i E[S_i]. Tight for one row (within k / r), where a drafting call at
+    batch 1 otherwise counted the drain steps on the host before every call (0.5 ms on XLA:CPU) to
+    find that plain decoding does not tie with it; loose for many rows."""
+    remaining_r = np.asarray(remaining_r, np.float64)
+    rows, total = max(remaining_r.size, 1), remaining_r.sum()
+    ks_j = np.asarray(ks, np.float64)
+    floor_j = np.asarray(tokens_j, np.float64) / rows * total / np.maximum(total + rows * ks_j, 1e-9)
+    floor_j /= DRAIN_BOUND_SLACK
+    plain = ks_j == 0
+    floor_j[plain] = total / max(remaining_r.max(initial=0.0), 1.0)
+    return floor_j
 
 
 def _as_arrays(seconds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -622,11 +622,12 @@ def test_a_draining_batch_weighs_its_slowest_row():
         assert int(policy.choose_k(state, live, ks, seconds, optimistic=False, drain=(drain[0], False))) == 1
 
 
-def test_the_drain_bound_is_never_below_the_drain_count():
-    """`engine._drain_bound`, which lets a plain call's opening skip the drain count when no
-    drafting plan could tie: plain decoding's rate exactly, every drafting plan's at or above the
-    count, over random batches, acceptance, remaining tokens (the exact count's range included)
-    and spreads."""
+def test_the_drain_bound_and_floor_enclose_the_drain_count():
+    """`engine._drain_bound` and `engine._drain_floor`, which let a call's opening skip the drain
+    count when no plan could tie (a plain guess: drafting plans at their bound; a drafting guess:
+    at their floor): plain decoding's rate exactly, every drafting plan's count between the two,
+    over random batches, acceptance, remaining tokens (the exact count's range included), spreads
+    and per-position profiles. At one row the floor is within k / r of the count."""
     from jaxspec import engine
     rng = np.random.default_rng(0)
     ks = (0, 1, 2, 3, 4, 6)
@@ -635,16 +636,26 @@ def test_the_drain_bound_is_never_below_the_drain_count():
         alpha_r = np.full(rows, rng.uniform(0.05, 0.99))
         remaining_r = rng.integers(1, rng.choice([8, 200]) + 1, rows).astype(np.float64)
         spread = float(rng.choice([0.0, 0.05, 0.15]))
-        count_j = policy.drain_tokens_per_step(alpha_r, np.ones(rows, bool), remaining_r, ks, xp=np, spread=spread)
-        bound_j = engine._drain_bound(engine._expected_tokens(alpha_r, ks), remaining_r, ks)
-        assert bound_j[0] == pytest.approx(count_j[0], rel=1e-6)
+        profile = None if rng.uniform() < 0.5 else rng.uniform(0.8, 1.2, max(ks)).astype(np.float32)
+        count_j = policy.drain_tokens_per_step(alpha_r, np.ones(rows, bool), remaining_r, ks, xp=np, spread=spread,
+                                               profile=profile)
+        tokens_j = engine._expected_tokens(alpha_r, ks, profile)
+        bound_j = engine._drain_bound(tokens_j, remaining_r, ks)
+        floor_j = engine._drain_floor(tokens_j, remaining_r, ks)
+        assert bound_j[0] == pytest.approx(count_j[0], rel=1e-6) and floor_j[0] == bound_j[0]
         assert np.all(bound_j[1:] >= count_j[1:]), (alpha_r[0], remaining_r, spread, bound_j, count_j)
+        assert np.all(floor_j[1:] <= count_j[1:]), (alpha_r[0], remaining_r, spread, floor_j, count_j)
+        if rows == 1 and remaining_r[0] >= 100:
+            tight_j = count_j[1:] * (1.0 - np.asarray(ks[1:]) / remaining_r[0]) / engine.DRAIN_BOUND_SLACK ** 2
+            assert np.all(floor_j[1:] >= tight_j), (alpha_r[0], remaining_r, floor_j, count_j)
 
 
-def test_a_plain_opening_decides_ties_as_with_the_full_drain_count(monkeypatch):
-    """The opening's tie check with the bound first gives the same answer as the full drain count
-    alone, over random step-time trackers (timings due for re-timing, drafting near and far from
-    plain decoding), and skips the count where no drafting plan could tie."""
+def test_an_opening_decides_ties_as_with_the_full_drain_count(monkeypatch):
+    """The opening's tie check with the bounds first (`_drain_bound` for a plain guess,
+    `_drain_floor` for a drafting one) gives the same answer as the full drain count alone, over
+    random step-time trackers (timings due for re-timing, drafting near and far from plain
+    decoding, batches of 1 to 16), and skips the count where no plan could tie. Its first check
+    (no plan in doubt and no tie due: no trial) gives the same answer as the whole search."""
     from jaxspec import engine
     rng = np.random.default_rng(1)
     ks = (0, 1, 2, 3)
@@ -661,23 +672,32 @@ def test_a_plain_opening_decides_ties_as_with_the_full_drain_count(monkeypatch):
         def __init__(self, alpha):
             self._acceptance = policy.AcceptanceMemory(accepted=alpha * 1e3, trials=1e3, weight=policy.SEED_WEIGHT)
 
-    skipped = counted_calls = 0
-    for _ in range(200):
+    tally = {(plain_guess, branch): 0 for plain_guess in (True, False) for branch in ("skipped", "counted", "first")}
+    for _ in range(400):
         plain = rng.uniform(2e-3, 6e-3)
         predicted = [plain] + [plain * (1.0 + k * rng.uniform(0.1, 2.0)) for k in ks[1:]]
         tracker = cost_lib.StepTimeTracker(predicted, kinds=[k > 0 for k in ks], measured=[True] * len(ks))
-        for _ in range(int(rng.integers(4, 9))):    # plain segments: the drafting timings age
-            tracker.observe(0, 50, 50 * plain * rng.uniform(0.9, 1.1))
+        guess = int(rng.choice(len(ks)))
+        for _ in range(int(rng.integers(4, 9))):    # the guess's segments: the other kind's timings age
+            tracker.observe(guess, 50, 50 * predicted[guess] * rng.uniform(0.9, 1.1))
+        if rng.uniform() < 0.3:   # or every plan was timed lately: nothing to trial
+            for j in range(len(ks)):
+                if j != guess:
+                    tracker.observe(j, 50, 50 * predicted[j] * rng.uniform(0.97, 1.03))
         decoder, remaining = Decoder(rng.uniform(0.3, 0.95)), rng.integers(20, 100, int(rng.choice([1, 4, 16])))
         counts.clear()
-        got = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, 0, remaining, True)
-        skipped += not counts
-        counted_calls += bool(counts)
-        with monkeypatch.context() as m:   # the reference: a bound that never spares the count
+        seed = decoder._acceptance.seed(schedule.positions)
+        got = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, guess, seed, remaining, True)
+        first = not (tracker.in_doubt(guess) or tracker.tie_due(guess, engine.TIE_RETIME))
+        branch = "first" if first else ("counted" if counts else "skipped")
+        tally[(guess == 0, branch)] += 1
+        with monkeypatch.context() as m:   # the reference: no first check, bounds that never spare the count
             m.setattr(engine, "_drain_bound", lambda tokens_j, *_: np.where(np.asarray(ks) == 0, 0.0, np.inf))
-            want = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, 0, remaining, True)
+            m.setattr(engine, "_drain_floor", lambda tokens_j, *_: np.where(np.asarray(ks) == 0, np.inf, 0.0))
+            m.setattr(tracker, "in_doubt", lambda chosen: True)
+            want = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, guess, seed, remaining, True)
         assert got == want
-    assert skipped > 20 and counted_calls > 20, (skipped, counted_calls)   # both branches were exercised
+    assert all(n >= 5 for n in tally.values()), tally   # every branch was exercised, for both kinds of guess
 
 
 def test_a_draining_batch_switches_plans_only_when_that_saves_more_than_the_round_trip():
