@@ -125,6 +125,11 @@ class StepPlan:
         own packed verification size (capacity is then their maximum).
       cache_len: the cache size, for cost predictions.
       threshold: confidence-threshold drafting (SpecConfig.threshold).
+      calibrate: goodput policy: whether the step counts draft confidence against acceptance (the
+        calibration that TETRIS and threshold drafting read, `policy.calibrated_logprobs`). A
+        schedule with neither skips it: the count and the drafter's log-probabilities it reads
+        were 23 of the 33 kernels a goodput step at batch 1 ran more than a fixed-k step
+        (`scripts/step_kernels.py`), each a few microseconds on XLA:CPU.
     """
 
     k: int
@@ -132,6 +137,7 @@ class StepPlan:
     capacities: tuple[int, ...] | None = None
     cache_len: int = 0
     threshold: float | None = None
+    calibrate: bool = True
 
 
 def empty_proposal(b: int) -> Proposal:
@@ -203,7 +209,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     state = state.replace(target_cache=target_cache)
     if state.policy is not None and k > 0:   # a plain step observes nothing (see `policy.age`)
         state = state.replace(policy=policy_lib.observe(state.policy, proposal.logprob_bk, verify_b, accepted_b,
-                                                        live_b))
+                                                        live_b, calibrate=plan.calibrate))
     record = _record_for_level_above(logits_bk1v, emitted_bk1, sampling) if state.probs_bov is not None else None
     state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len, record)
     live = live_b.astype(jnp.int32)
@@ -1103,7 +1109,8 @@ class SpeculativeDecoder:
             return Schedule(plans=(plan,)), budget
         if not tetris_on:
             ks = tuple(range(spec.k + 1))
-            plans = tuple(StepPlan(k=k, cache_len=cache_len, threshold=threshold) for k in ks)
+            plans = tuple(StepPlan(k=k, cache_len=cache_len, threshold=threshold, calibrate=threshold is not None)
+                          for k in ks)
             return Schedule(plans=plans, predict_ks=ks, choose_every=spec.choose_every,
                             positions=spec.k if spec.position_profile else 0), 0
         capacities = tuple(sorted({0} | {tetris.capacity_bucket(round(f * budget), rows, big_k)

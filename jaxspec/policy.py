@@ -338,30 +338,37 @@ def calibrated_logprobs(state: PolicyState, logprob_bk) -> jax.Array:
     return jnp.where(jnp.isneginf(logprob_bk), -jnp.inf, calibrated)
 
 
-def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, decay: float = DECAY) -> PolicyState:
+def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, decay: float = DECAY,
+            calibrate: bool = True) -> PolicyState:
     """Folds one verification's outcome into the counts.
 
     Slot j of a row was tried if it was verified and every earlier slot was accepted
-    (j <= accepted, j < verified); it was accepted if j < accepted.
+    (j <= accepted, j < verified); it was accepted if j < accepted. `calibrate` (static): also
+    count the slots per confidence bin (`calibration_curve`); off, `logprob_bk` is not read.
     """
     k = logprob_bk.shape[1]
     j = jnp.arange(k)[None, :]
     tried_bk = (j < verified_b[:, None]) & (j <= accepted_b[:, None]) & live_b[:, None]
     hit_bk = tried_bk & (j < accepted_b[:, None])
-    bins = state.calib_tried_c.shape[0]
-    # Per-bin counts as sums over a one-hot [b, k, c] mask, not as scatter-adds: in the decode
-    # loop on XLA:CPU the two scatters cost a goodput step about 30 us more at batch 1 (k = 5, a
-    # 2.2 ms step; 52 against 28 us over fixed k = 5, the means of six paired diagnostics each).
-    in_bin_bkc = _bin_of(logprob_bk, bins)[:, :, None] == jnp.arange(bins)[None, None, :]
-    tried_c = jnp.sum(in_bin_bkc & tried_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
-    hit_c = jnp.sum(in_bin_bkc & hit_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
+    # A row tried min(verified, accepted + 1) slots and had `accepted` of them accepted (in closed
+    # form: sums over the slots are kernels of their own in every drafting step on XLA:CPU).
     live = live_b.astype(jnp.float32)
-    hits_b, tries_b = live * jnp.sum(hit_bk, axis=1), live * jnp.sum(tried_bk, axis=1)
+    accepted = jnp.minimum(accepted_b, verified_b).astype(jnp.float32)
+    hits_b = live * accepted
+    tries_b = live * jnp.minimum(verified_b.astype(jnp.float32), accepted + 1.0)
     state = state.replace(
         accepted_b=state.accepted_b * decay + hits_b, trials_b=state.trials_b * decay + tries_b,
-        total_accepted=state.total_accepted + jnp.sum(hits_b), total_trials=state.total_trials + jnp.sum(tries_b),
-        calib_tried_c=state.calib_tried_c * decay + tried_c,
-        calib_accepted_c=state.calib_accepted_c * decay + hit_c)
+        total_accepted=state.total_accepted + jnp.sum(hits_b), total_trials=state.total_trials + jnp.sum(tries_b))
+    if calibrate:
+        bins = state.calib_tried_c.shape[0]
+        # Per-bin counts as sums over a one-hot [b, k, c] mask, not as scatter-adds: in the decode
+        # loop on XLA:CPU the two scatters cost a goodput step about 30 us more at batch 1 (k = 5, a
+        # 2.2 ms step; 52 against 28 us over fixed k = 5, the means of six paired diagnostics each).
+        in_bin_bkc = _bin_of(logprob_bk, bins)[:, :, None] == jnp.arange(bins)[None, None, :]
+        tried_c = jnp.sum(in_bin_bkc & tried_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
+        hit_c = jnp.sum(in_bin_bkc & hit_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
+        state = state.replace(calib_tried_c=state.calib_tried_c * decay + tried_c,
+                              calib_accepted_c=state.calib_accepted_c * decay + hit_c)
     positions = state.pos_tried_p.shape[0]
     if positions == 0:
         return state

@@ -920,6 +920,35 @@ BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, t
                                        target_per_token=5e-4)
 
 
+def test_calibration_is_counted_only_where_a_plan_reads_it(pair):
+    """`observe(calibrate=False)` updates every count but the confidence bins, exactly as with
+    them; a goodput schedule turns the bins off only where no plan reads them (no TETRIS plan, no
+    threshold drafting), so its steps skip the drafter's log-probabilities too."""
+    rng = np.random.default_rng(5)
+    b, k = 4, 3
+    on = off = policy.PolicyState.init(b, 0, positions=k)
+    for _ in range(10):
+        logprob = jnp.log(jnp.asarray(rng.uniform(0.05, 1.0, (b, k)), jnp.float32))
+        verified = jnp.asarray(rng.integers(0, k + 1, b))
+        accepted = jnp.minimum(jnp.asarray(rng.integers(0, k + 1, b)), verified)
+        live = jnp.asarray(rng.random(b) < 0.8)
+        on = policy.observe(on, logprob, verified, accepted, live)
+        off = policy.observe(off, logprob, verified, accepted, live, calibrate=False)
+    assert float(jnp.sum(on.calib_tried_c)) > 0 and not np.any(np.asarray(off.calib_tried_c))
+    for name in ("accepted_b", "trials_b", "total_accepted", "total_trials", "pos_accepted_p", "pos_tried_p"):
+        np.testing.assert_array_equal(getattr(on, name), getattr(off, name))
+    target, draft = pair
+
+    def plans(**spec):
+        decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(
+            k=3, policy="goodput", cost_model=BALANCED, **spec))
+        return decoder._schedule(4, 4, 64)[0].plans
+
+    assert not any(plan.calibrate for plan in plans())
+    assert all(plan.calibrate for plan in plans(selection="tetris", extra=1))
+    assert all(plan.calibrate for plan in plans(threshold=0.5))
+
+
 def on_a_quiet_moment(check, attempts: int = 4, pause: float = 4.0):
     """Runs `check` (a test body that times steps by the wall clock), again from scratch if its
     assertions fail, up to `attempts` times, waiting `pause` seconds more before each retry; the
