@@ -100,11 +100,13 @@ def main() -> None:
         jax.clear_caches()
     m = machine()
     text = (f"{pair_text}. Fusions (kernels) in the compiled drafting step of `engine.run_on_device` at draft length "
-            f"{args.k}: `step_body`, the step's loop body; `draft_scan_body`, the drafter's scan body, run k - 1 times a "
-            f"step; `kernels_per_step` = step_body + (k - 1) draft_scan_body; `extra_per_step`: less fixed k's. "
+            f"{args.k}: `step_body`, the step's loop body; `draft_scan_body`, the drafter's scan body, run k - 1 "
+            f"times a step; `kernels_per_step` = step_body + (k - 1) draft_scan_body; "
+            f"`extra_per_step`: less fixed k's. "
             f"Compiled, not timed. Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, "
             f"jax {m['jax']}.")
-    write_results(args.name, {"args": vars(args), "rows": rows}, markdown=f"# Kernels per step\n\n{text}\n\n{table(rows)}")
+    write_results(args.name, {"args": vars(args), "rows": rows},
+                  markdown=f"# Kernels per step\n\n{text}\n\n{table(rows)}")
     print(text)
 
 
