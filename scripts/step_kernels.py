@@ -40,13 +40,8 @@ def compiled_text(decoder, ids, k: int) -> str:
     schedule, budget = decoder._schedule(slots, len(ids), cache_len)
     goodput = schedule.predict_ks is not None
     static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=None)
-    tokens = np.zeros((slots, batch.tokens_bp.shape[1]), np.int32)
-    tokens[:len(ids)] = batch.tokens_bp
-    lengths = np.ones((slots,), np.int32)
-    lengths[:len(ids)] = batch.lengths_b
-    max_new = np.zeros((slots,), np.int32)
-    max_new[:len(ids)] = batch.max_new_b
-    rows_in = (tokens, lengths, max_new, request_keys(0, np.arange(slots)))
+    rows = prompts_lib.subset(batch, list(range(len(ids))), min_rows=slots)   # padded to the slots, as a call's
+    rows_in = (rows.tokens_bp, rows.lengths_b, rows.max_new_b, request_keys(0, rows.request_ids_b))
     seconds = engine._as_arrays(decoder._predicted_seconds(schedule, slots, cache_len))
     plan = [p.k for p in schedule.plans].index(k)
     if goodput:
