@@ -10,6 +10,7 @@ import pytest
 
 import jaxspec
 from jaxspec import cost as cost_lib
+from jaxspec import engine as engine_lib
 from jaxspec import policy
 from jaxspec.cost import CostModel
 
@@ -384,16 +385,24 @@ def test_warm_up_times_of_drafting_plans_are_read_through_a_line_in_k():
     np.testing.assert_array_equal(_drafting_line(falling, schedule), falling)
 
 
-def segments_take(monkeypatch, true_j=None):
+def segments_take(monkeypatch, true_j=None, round_trip=5e-4, position=1e-5):
     """Feeds every goodput segment's time to the step-time tracker as if it took `true_j[plan]` a
-    step (default: what the tracker's cost model predicts), plus the round trip: decisions that a
-    test pins on step times then do not hang on this machine's wall clock."""
+    step (default: what the tracker's cost model predicts), plus the round trip; and pins what the
+    warm-up measures on the wall clock besides (a segment's round trip, the drafter's seconds per
+    position fed) to `round_trip` and `position`. Decisions that a test pins on step times then do
+    not hang on this machine's clock or load: a round trip measured at 3 ms under CI load instead
+    of 0.7 ms once made a switch of plans no longer pay."""
     observe = cost_lib.StepTimeTracker.observe
+    warm_up = engine_lib.SpeculativeDecoder._warm_up
 
     def synthetic(self, plan, steps, seconds, trial=False):
         step = float(self.predicted_j[plan] if true_j is None else true_j[plan])
         observe(self, plan, steps, steps * step + self.round_trip, trial)
+
+    def pinned(self, *args, **kwargs):
+        return warm_up(self, *args, **kwargs)._replace(round_trip=round_trip, position_seconds=position)
     monkeypatch.setattr(cost_lib.StepTimeTracker, "observe", synthetic)
+    monkeypatch.setattr(engine_lib.SpeculativeDecoder, "_warm_up", pinned)
 
 
 def test_a_decoder_remembers_each_calls_whole_acceptance(pair, monkeypatch):
