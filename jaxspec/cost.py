@@ -323,9 +323,10 @@ class StepTimeTracker:
     was measured before the run but its kind has not run since and the other kinds' error scales
     it, up or down, by more than the margin (a warm-up that timed the drafting plans far too cheap
     made every plan look that much dearer, plain decoding included, and kept the policy drafting;
-    one that timed drafting dearer than plain decoding kept it decoding plainly), or its last
-    measurement is `retime_segments` segments old (a decoder keeps its tracker across calls, so
-    the runner-up is re-timed now and then instead of being judged forever by a warm-up). A plan in
+    one that timed drafting dearer than plain decoding kept it decoding plainly), or its kind's
+    last measurement is `retime_segments` segments old (a decoder keeps its tracker across calls,
+    so the runner-up is re-timed now and then instead of being judged forever by a warm-up; plans
+    of a kind share its correction, so a timing of one renews them all). A plan in
     the second or third case is judged by its own warm-up time (or the profile's) where that is
     the better one, not only as scaled by the others' error. Trials
     are held to `explore_budget` of the time observed so far, their own included, so a short run
@@ -350,7 +351,8 @@ class StepTimeTracker:
         corrected, and added back in the segment predictions of `history`.
       measured: per plan, whether `predicted_j` was measured at the run's shape (the engine's
         warm-up) rather than taken from a profile: `explore` counts those as measured.
-      retime_segments: segments after which a plan's last measurement is old enough to re-time.
+      retime_segments: segments after which a kind's last measurement is old enough to re-time
+        its plans.
       call_decay: the factor `new_call` applies to the sums of the calls before.
       surprise: how many times its expected step time a segment must take to be held back until
         the plan's next segment confirms it.
@@ -497,7 +499,8 @@ class StepTimeTracker:
         """Per plan: contradicted (measured before the run, but scaled by the error of kinds that
         did run, up or down, by more than the margin, and no plan of its kind timed in the last
         `retime_segments` segments), doubtful (untried or contradicted) and stale
-        (its last measurement `retime_segments` segments old): what makes a plan a candidate for a
+        (its kind's last measurement `retime_segments` segments old: `_kind_last`): what makes a
+        plan a candidate for a
         trial.
 
         Scaled down counts too: the kinds' warm-up times were then off by different amounts, and
@@ -523,8 +526,22 @@ class StepTimeTracker:
             answered_j[members] = timed_j[members].any()
         contradicted_j = self.tried_j & ~kind_ran_j & off_j & ~answered_j
         doubtful_j = ~self.tried_j | contradicted_j | (self.held_j[:, 1] > 0)
-        self._doubted = (contradicted_j, doubtful_j, self.segments - self.last_j >= self.retime_segments)
+        self._doubted = (contradicted_j, doubtful_j, self.segments - self._kind_last() >= self.retime_segments)
         return self._doubted
+
+    def _kind_last(self) -> np.ndarray:
+        """Per plan, the segment count at the last measurement of any plan of its kind.
+
+        Plans of a kind share its correction (`_ratio`), so a segment of one renews the others'
+        times, and a plan is due for re-timing only when its whole kind is. Aged one by one, each
+        of six drafting plans came due in turn: at batch 64 of the tiny-8L pair, where plain
+        decoding is best, a decoder trialled a drafting plan in 8 of 30 calls, each a few
+        drafting steps at up to 2.5x a plain step's cost, judged by warm-up times that its kind's
+        recent segments had already corrected upward by a quarter."""
+        last_j = self.last_j.copy()
+        for members, _ in self._kinds:
+            last_j[members] = self.last_j[members].max()
+        return last_j
 
     def _basis(self) -> np.ndarray:
         """Seconds per step each plan may be expected to take: its corrected time, or its own
@@ -544,8 +561,8 @@ class StepTimeTracker:
     def retime_tie(self, chosen: int, tokens_j, margin: float, segments: int) -> int | None:
         """A plan to run for a whole segment instead of `chosen` because the two are tied, or None:
         the best plan of another kind (`kinds`: drafting or not) whose predicted goodput (by the
-        times `explore` judges it by) is within `margin` of `chosen`'s and whose last measurement
-        is at least `segments` segments old.
+        times `explore` judges it by) is within `margin` of `chosen`'s and whose kind's last
+        measurement is at least `segments` segments old.
 
         Plans within the policy's switch margin are ones the policy cannot tell apart, and a run
         that rests on one timing of each keeps whichever that timing favoured. Where a call is one
@@ -554,8 +571,9 @@ class StepTimeTracker:
         of 16 calls, at 0.78 of fixed k = 5. Running the tie for a whole segment adds no round
         trip, and costs at most the margin over that segment; it is not charged to the trial
         budget. Plans of one kind share their kind's correction (a segment of one corrects the
-        others), so a tie within a kind is left to `explore`: offered across draft lengths at
-        batch 4, ties that the device then left after 4 steps cost a round trip in most calls."""
+        others), so a tie within a kind is not offered (the device chooses among draft lengths
+        every few steps on acceptance): offered across draft lengths at batch 4, ties that the
+        device then left after 4 steps cost a round trip in most calls."""
         tokens_j = np.asarray(tokens_j, np.float64)
         hopeful_j = tokens_j / self._basis()
         tie_j = hopeful_j >= (1.0 - margin) * tokens_j[chosen] / self.corrected()[chosen]
@@ -569,7 +587,7 @@ class StepTimeTracker:
 
     def _due_across(self, chosen: int, segments: int) -> np.ndarray:
         """Per plan: of another kind than `chosen`, and last timed at least `segments` segments ago."""
-        return (self.kind_j != self.kind_j[chosen]) & (self.segments - self.last_j >= segments)
+        return (self.kind_j != self.kind_j[chosen]) & (self.segments - self._kind_last() >= segments)
 
     def explore(self, chosen: int, tokens_j, baseline: int | None = None, steps: int = 4) -> int | None:
         """A plan worth one short trial instead of `chosen`, or None.

@@ -486,7 +486,7 @@ def test_tracker_re_times_a_close_runner_up_once_its_measurement_is_old():
     """A decoder keeps its tracker across calls: a plan measured at warm-up and not run since is
     re-timed after `retime_segments` segments if it is within the margin (and the budget allows),
     never if it is far behind; a re-timed plan waits that long again."""
-    tracker = StepTimeTracker(np.ones(3), measured=[True] * 3, retime_segments=5)
+    tracker = StepTimeTracker(np.ones(3), kinds=[False, True, True], measured=[True] * 3, retime_segments=5)
     tokens = np.array([1.0, 0.95, 0.5])
     for n in range(1, 5):
         tracker.observe(0, 40, 40.0)
@@ -504,6 +504,42 @@ def test_tracker_re_times_a_close_runner_up_once_its_measurement_is_old():
     assert tracker.history == [] and np.array_equal(tracker.corrected(), before)
     with pytest.raises(ValueError, match="retime_segments"):
         StepTimeTracker(np.ones(2), retime_segments=0)
+
+
+def test_a_timing_of_one_plan_renews_its_whole_kind():
+    """Plain decoding runs; six drafting plans, all within the margin by their warm-up times, were
+    timed there. Each trial of one of them times their kind, whose plans share its correction: over
+    60 segments a drafting plan is trialled once per `retime_segments` segments, not once per
+    plan. Nor is one of them offered as a tie, by `retime_tie`, until their kind's timing is old,
+    whichever plan ran; and plain decoding, timed in every segment, renews nothing of theirs. A
+    tracker whose plans are all of one kind re-times none of the chosen plan's runners-up."""
+    n, every = 7, 6
+    kinds = [False] + [True] * (n - 1)
+    tracker = StepTimeTracker(np.linspace(1.0, 2.0, n), kinds=kinds, measured=[True] * n, retime_segments=every,
+                              explore_budget=1.0)
+    tokens = np.linspace(1.0, 1.9, n)           # drafting 5-10% behind plain decoding: within the margin
+    trials = []
+    for segment in range(60):
+        trial = tracker.explore(0, tokens, steps=4)
+        if trial is not None:
+            assert trial > 0
+            trials.append(segment)
+            tracker.observe(trial, 4, 4 * tracker.predicted_j[trial], trial=True)
+        else:
+            tracker.observe(0, 40, 40.0)
+    gaps = np.diff(trials)
+    assert len(trials) >= 60 // (every + 1) - 1 and np.all(gaps >= every), trials
+    # Ties, across kinds: due only once the kind's last timing, by any of its plans, is old.
+    ties = StepTimeTracker(np.ones(3), kinds=[False, True, True], measured=[True] * 3)
+    ties.observe(2, 40, 40.0)
+    for _ in range(4):
+        assert ties.retime_tie(0, np.ones(3), margin=0.04, segments=4) is None
+        ties.observe(0, 40, 40.0)
+    assert ties.retime_tie(0, np.ones(3), margin=0.04, segments=4) in (1, 2)
+    one_kind = StepTimeTracker(np.ones(3), measured=[True] * 3, retime_segments=3)
+    for _ in range(10):
+        one_kind.observe(0, 40, 40.0)
+        assert one_kind.explore(0, np.array([1.0, 0.99, 0.98]), steps=4) is None
 
 
 def test_one_short_segment_does_not_swing_a_kind_of_one_plan():
