@@ -640,8 +640,9 @@ def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samp
                    counters=jax.tree.map(put, state.counters, fresh.counters))
     if state.policy is not None:
         rows_of = {name: put(getattr(state.policy, name), getattr(fresh.policy, name))
-                   for name in ("accepted_b", "trials_b", "seed_accepted_b", "seed_trials_b")}
-        per_row["policy"] = state.policy.replace(**rows_of,
+                   for name in ("seed_accepted_b", "seed_trials_b")}
+        counts_2b = state.policy.counts_2b.at[:, slots_r].set(fresh.policy.counts_2b, mode="drop")
+        per_row["policy"] = state.policy.replace(**rows_of, counts_2b=counts_2b,
                                                  choice=jnp.where(idle, fresh.policy.choice, running.choice),
                                                  hold=jnp.where(idle, fresh.policy.hold, running.hold))
     return state.replace(**per_row)

@@ -72,12 +72,13 @@ def expected_tokens_per_step(alpha, k):
 
 @struct.dataclass
 class PolicyState:
-    accepted_b: jax.Array       # decayed accepted drafts per row
-    trials_b: jax.Array         # decayed acceptance trials per row
+    # The counts a drafting step updates are packed, one array per shape (`accepted_b`, `trials_b`,
+    # `total_*`, `pos_*` are views): on XLA:CPU each updated array was a kernel of its own in every
+    # drafting step, 8 of a goodput step's 386 at batch 1 against fixed k's 378 (scripts/step_kernels.py).
+    counts_2b: jax.Array        # per row: decayed accepted drafts [0] and acceptance trials [1]
     seed_accepted_b: jax.Array  # the seed's accepted drafts per row (see `init`)
     seed_trials_b: jax.Array    # the seed's trials per row
-    total_accepted: jax.Array   # accepted drafts over the run, every row, undecayed (`AcceptanceMemory`)
-    total_trials: jax.Array     # acceptance trials over the run, every row, undecayed
+    totals_2: jax.Array         # accepted drafts [0], trials [1]: the run's, every row, undecayed (`AcceptanceMemory`)
     calib_tried_c: jax.Array    # decayed verified slots per confidence bin
     calib_accepted_c: jax.Array  # decayed accepted slots per confidence bin
     choice: jax.Array           # candidate index for the next step
@@ -85,11 +86,47 @@ class PolicyState:
     memory_trials: jax.Array    # trials the decoder's memory rests on (`AcceptanceMemory`), aged with the counts
     spread: jax.Array           # how far rows' acceptance rates differ, a standard deviation (`drain_tokens_per_step`)
     # Per draft position p, pooled over rows (`observe`; none when the state has no positions):
-    pos_accepted_p: jax.Array   # decayed accepted drafts (POSITION_DECAY)
-    pos_tried_p: jax.Array      # decayed trials
-    pos_total_accepted_p: jax.Array  # undecayed, over the run (stats; `AcceptanceMemory.remember_positions`)
-    pos_total_tried_p: jax.Array
+    # decayed accepted drafts [0] and trials [1] (POSITION_DECAY), and the same undecayed over the
+    # run [2], [3] (stats; `AcceptanceMemory.remember_positions`).
+    pos_counts_4p: jax.Array
     profile_seed_p: jax.Array   # the remembered profile the counts are shrunk toward (`profile_p`)
+
+    @property
+    def accepted_b(self) -> jax.Array:
+        return self.counts_2b[0]
+
+    @property
+    def trials_b(self) -> jax.Array:
+        return self.counts_2b[1]
+
+    @property
+    def total_accepted(self) -> jax.Array:
+        return self.totals_2[0]
+
+    @property
+    def total_trials(self) -> jax.Array:
+        return self.totals_2[1]
+
+    @property
+    def pos_accepted_p(self) -> jax.Array:
+        return self.pos_counts_4p[0]
+
+    @property
+    def pos_tried_p(self) -> jax.Array:
+        return self.pos_counts_4p[1]
+
+    @property
+    def pos_total_accepted_p(self) -> jax.Array:
+        return self.pos_counts_4p[2]
+
+    @property
+    def pos_total_tried_p(self) -> jax.Array:
+        return self.pos_counts_4p[3]
+
+    def with_row_counts(self, accepted_b, trials_b) -> PolicyState:
+        """This state with the rows' decayed counts replaced."""
+        return self.replace(counts_2b=jnp.stack([jnp.asarray(accepted_b, jnp.float32),
+                                                 jnp.asarray(trials_b, jnp.float32)]))
 
     @classmethod
     def init(cls, b: int, first_choice: int, bins: int = CALIBRATION_BINS, seed=None, live_b=None,
@@ -112,7 +149,7 @@ class PolicyState:
         speculation is off the seed ages with everything else (`age`), so the optimism that
         re-probes speculation grows back as before, whatever the seed said.
         """
-        zeros_b, zeros_p = jnp.zeros((b,), jnp.float32), jnp.zeros((positions,), jnp.float32)
+        zeros_b = jnp.zeros((b,), jnp.float32)
         seed_accepted_b, seed_trials_b, memory, spread = zeros_b, zeros_b, jnp.float32(0.0), jnp.float32(0.0)
         profile_p = jnp.ones((positions,), jnp.float32)
         if seed is not None:
@@ -124,12 +161,11 @@ class PolicyState:
                 profile_p = seed[4:4 + positions]
             weight_b = zeros_b + weight if live_b is None else jnp.where(live_b, weight, 0.0)
             seed_accepted_b, seed_trials_b = alpha * weight_b, weight_b
-        return cls(accepted_b=zeros_b, trials_b=zeros_b, seed_accepted_b=seed_accepted_b, seed_trials_b=seed_trials_b,
-                   total_accepted=jnp.float32(0.0), total_trials=jnp.float32(0.0),
+        return cls(counts_2b=jnp.zeros((2, b), jnp.float32), seed_accepted_b=seed_accepted_b,
+                   seed_trials_b=seed_trials_b, totals_2=jnp.zeros((2,), jnp.float32),
                    calib_tried_c=jnp.zeros((bins,), jnp.float32), calib_accepted_c=jnp.zeros((bins,), jnp.float32),
                    choice=jnp.int32(first_choice), hold=jnp.int32(0), memory_trials=memory, spread=spread,
-                   pos_accepted_p=zeros_p, pos_tried_p=zeros_p, pos_total_accepted_p=zeros_p,
-                   pos_total_tried_p=zeros_p, profile_seed_p=profile_p)
+                   pos_counts_4p=jnp.zeros((4, positions), jnp.float32), profile_seed_p=profile_p)
 
     def profile_p(self, xp=jnp):
         """Per draft position p, its acceptance rate over the pooled rate (None when no position is
@@ -356,9 +392,8 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
     accepted = jnp.minimum(accepted_b, verified_b).astype(jnp.float32)
     hits_b = live * accepted
     tries_b = live * jnp.minimum(verified_b.astype(jnp.float32), accepted + 1.0)
-    state = state.replace(
-        accepted_b=state.accepted_b * decay + hits_b, trials_b=state.trials_b * decay + tries_b,
-        total_accepted=state.total_accepted + jnp.sum(hits_b), total_trials=state.total_trials + jnp.sum(tries_b))
+    state = state.replace(counts_2b=state.counts_2b * decay + jnp.stack([hits_b, tries_b]),
+                          totals_2=state.totals_2 + jnp.stack([jnp.sum(hits_b), jnp.sum(tries_b)]))
     if calibrate:
         bins = state.calib_tried_c.shape[0]
         # Per-bin counts as sums over a one-hot [b, k, c] mask, not as scatter-adds: in the decode
@@ -374,12 +409,10 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
         return state
     # Slots past the tracked positions (none: the engine tracks the longest draft) are not counted.
     used = min(k, positions)
-    tried_p = jnp.zeros((positions,), jnp.float32).at[:used].set(jnp.sum(tried_bk[:, :used], axis=0, dtype=jnp.float32))
-    hit_p = jnp.zeros((positions,), jnp.float32).at[:used].set(jnp.sum(hit_bk[:, :used], axis=0, dtype=jnp.float32))
-    return state.replace(pos_accepted_p=state.pos_accepted_p * POSITION_DECAY + hit_p,
-                         pos_tried_p=state.pos_tried_p * POSITION_DECAY + tried_p,
-                         pos_total_accepted_p=state.pos_total_accepted_p + hit_p,
-                         pos_total_tried_p=state.pos_total_tried_p + tried_p)
+    hit_tried_2p = jnp.zeros((2, positions), jnp.float32).at[:, :used].set(
+        jnp.sum(jnp.stack([hit_bk[:, :used], tried_bk[:, :used]]), axis=1, dtype=jnp.float32))
+    decay_4 = jnp.asarray([POSITION_DECAY, POSITION_DECAY, 1.0, 1.0], jnp.float32)
+    return state.replace(pos_counts_4p=state.pos_counts_4p * decay_4[:, None] + jnp.tile(hit_tried_2p, (2, 1)))
 
 
 def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
@@ -391,7 +424,7 @@ def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
     counts shrink), and every probe of a draft length that does not pay costs steps.
     """
     factor = jnp.asarray(decay, jnp.float32) ** jnp.asarray(steps, jnp.float32)
-    return state.replace(accepted_b=state.accepted_b * factor, trials_b=state.trials_b * factor,
+    return state.replace(counts_2b=state.counts_2b * factor,
                          seed_accepted_b=state.seed_accepted_b * factor, seed_trials_b=state.seed_trials_b * factor,
                          memory_trials=state.memory_trials * factor,
                          calib_tried_c=state.calib_tried_c * factor, calib_accepted_c=state.calib_accepted_c * factor)

@@ -41,7 +41,7 @@ def test_expected_tokens_per_step_at_alpha_one_is_exact():
 def state_with_alpha(alpha_b, weight=1e4):
     alpha_b = jnp.asarray(alpha_b, jnp.float32)
     state = policy.PolicyState.init(len(alpha_b), 0)
-    return state.replace(accepted_b=alpha_b * weight, trials_b=jnp.full_like(alpha_b, weight))
+    return state.with_row_counts(alpha_b * weight, jnp.full_like(alpha_b, weight))
 
 
 def brute_force_k(alpha_b, live_b, ks, cost, batch, cache_len):
@@ -319,7 +319,7 @@ def test_after_a_trial_the_plan_it_stood_in_for_keeps_its_place_unless_beaten_by
 
     def state(recent, seed=0.84, trials=12.0):
         s = policy.PolicyState.init(1, 4, seed=(seed, 10.0, 100.0, 0.0))
-        return jax.device_get(s.replace(accepted_b=jnp.asarray([recent * trials]), trials_b=jnp.asarray([trials])))
+        return jax.device_get(s.with_row_counts(jnp.asarray([recent * trials]), jnp.asarray([trials])))
 
     def decide(s, remaining, plain_seconds):
         seconds = seconds_j.copy()

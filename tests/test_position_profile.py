@@ -139,7 +139,7 @@ def test_choice_with_a_profile_is_the_brute_force_argmax_and_departs_from_the_fl
     tokens = [sum(1 + sum(np.prod([min(a * profile[p], 1.0) for p in range(i)]) for i in range(1, k + 1))
                   for a in alpha_b) for k in ks]
     assert got == int(np.argmax(np.asarray(tokens) / seconds))
-    flat = state.replace(pos_tried_p=jnp.zeros(0), pos_accepted_p=jnp.zeros(0), profile_seed_p=jnp.zeros(0))
+    flat = state.replace(pos_counts_4p=jnp.zeros((4, 0)), profile_seed_p=jnp.zeros(0))
     assert 0 < int(policy.choose_k(flat, live, ks, jnp.asarray(seconds), optimistic=False)) < got
 
 
