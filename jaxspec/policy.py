@@ -392,6 +392,9 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
     accepted = jnp.minimum(accepted_b, verified_b).astype(jnp.float32)
     hits_b = live * accepted
     tries_b = live * jnp.minimum(verified_b.astype(jnp.float32), accepted + 1.0)
+    # The run's totals from the rows' counts, not from the per-position sums below (equal where
+    # every slot is at a tracked position): shared, those sums' masks became a kernel of their own
+    # at batch 1, where the rows' sums fuse into the update (at batch 64 it is the other way round).
     state = state.replace(counts_2b=state.counts_2b * decay + jnp.stack([hits_b, tries_b]),
                           totals_2=state.totals_2 + jnp.stack([jnp.sum(hits_b), jnp.sum(tries_b)]))
     if calibrate:
@@ -404,7 +407,7 @@ def observe(state: PolicyState, logprob_bk, verified_b, accepted_b, live_b, deca
         hit_c = jnp.sum(in_bin_bkc & hit_bk[:, :, None], axis=(0, 1), dtype=jnp.float32)
         state = state.replace(calib_tried_c=state.calib_tried_c * decay + tried_c,
                               calib_accepted_c=state.calib_accepted_c * decay + hit_c)
-    positions = state.pos_tried_p.shape[0]
+    positions = state.pos_counts_4p.shape[1]
     if positions == 0:
         return state
     # Slots past the tracked positions (none: the engine tracks the longest draft) are not counted.

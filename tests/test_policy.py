@@ -258,13 +258,16 @@ def test_a_long_memory_keeps_the_opening_from_probing_what_it_has_measured():
     assert float(long.planning_alpha_b()[0]) < float(thin.planning_alpha_b()[0])
 
 
-def test_run_totals_count_every_trial_undecayed():
+@pytest.mark.parametrize("positions", [0, 2, 4, 6])
+def test_run_totals_count_every_trial_undecayed(positions):
     """`total_accepted` / `total_trials` sum every live row's outcomes over the run: a row with a
     drafts verified and a accepted tried min(a + 1, v) of them (the accepted ones and the first
-    rejection), counted directly here; neither total decays, in drafting steps or in plain ones."""
+    rejection), counted directly here; neither total decays, in drafting steps or in plain ones.
+    Whether the state tracks no draft positions, fewer than the drafts (2 of 4) or all of them
+    (the totals are then the positions' sums)."""
     rng = np.random.default_rng(8)
     b, k = 5, 4
-    state = policy.PolicyState.init(b, 0, seed=(0.7, 3.0))
+    state = policy.PolicyState.init(b, 0, seed=(0.7, 3.0), positions=positions)
     want_accepted = want_trials = 0.0
     for step in range(30):
         verified_b = rng.integers(0, k + 1, b)
