@@ -535,9 +535,9 @@ class StepTimeTracker:
         Plans of a kind share its correction (`_ratio`), so a segment of one renews the others'
         times, and a plan is due for re-timing only when its whole kind is. Aged one by one, each
         of six drafting plans came due in turn: at batch 64 of the tiny-8L pair, where plain
-        decoding is best, a decoder trialled a drafting plan in 8 of 30 calls, each a few
-        drafting steps at up to 2.5x a plain step's cost, judged by warm-up times that its kind's
-        recent segments had already corrected upward by a quarter."""
+        decoding is best, a decoder trialled a drafting plan in 8 of 30 calls, each 4 drafting
+        steps at 1.9-4x a plain step's cost, judged by warm-up times that its kind's recent
+        segments had already corrected upward by about a third (2 in 30 aged as a kind)."""
         last_j = self.last_j.copy()
         for members, _ in self._kinds:
             last_j[members] = self.last_j[members].max()
@@ -586,7 +586,7 @@ class StepTimeTracker:
         return bool(self._due_across(chosen, segments).any())
 
     def _due_across(self, chosen: int, segments: int) -> np.ndarray:
-        """Per plan: of another kind than `chosen`, and last timed at least `segments` segments ago."""
+        """Per plan: of another kind than `chosen`, and its kind last timed at least `segments` segments ago."""
         return (self.kind_j != self.kind_j[chosen]) & (self.segments - self._kind_last() >= segments)
 
     def explore(self, chosen: int, tokens_j, baseline: int | None = None, steps: int = 4) -> int | None:

@@ -263,8 +263,7 @@ def test_run_totals_count_every_trial_undecayed(positions):
     """`total_accepted` / `total_trials` sum every live row's outcomes over the run: a row with a
     drafts verified and a accepted tried min(a + 1, v) of them (the accepted ones and the first
     rejection), counted directly here; neither total decays, in drafting steps or in plain ones.
-    Whether the state tracks no draft positions, fewer than the drafts (2 of 4) or all of them
-    (the totals are then the positions' sums)."""
+    Whether the state tracks no draft positions, fewer than the drafts (2 of 4) or all of them."""
     rng = np.random.default_rng(8)
     b, k = 5, 4
     state = policy.PolicyState.init(b, 0, seed=(0.7, 3.0), positions=positions)
@@ -393,8 +392,9 @@ def segments_take(monkeypatch, true_j=None, round_trip=5e-4, position=1e-5):
     step (default: what the tracker's cost model predicts), plus the round trip; and pins what the
     warm-up measures on the wall clock besides (a segment's round trip, the drafter's seconds per
     position fed) to `round_trip` and `position`. Decisions that a test pins on step times then do
-    not hang on this machine's clock or load: a round trip measured at 3 ms under CI load instead
-    of 0.7 ms once made a switch of plans no longer pay."""
+    not hang on this machine's clock or load: with the round trip at 3 ms instead of the 0.7 ms
+    measured here (as on a loaded machine), the one switch the `choose_every` test relies on no
+    longer paid, and it failed in CI."""
     observe = cost_lib.StepTimeTracker.observe
     warm_up = engine_lib.SpeculativeDecoder._warm_up
 
