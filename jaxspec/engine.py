@@ -1128,7 +1128,14 @@ class SpeculativeDecoder:
         # and ran 0-10% behind the best fixed configuration in eight runs (5% at the median); with
         # k = 1..k - 1 and TETRIS judged as k, one at SmolLM2 shapes ran k = 3 at batch 1, 9% behind
         # the best fixed k (5).
-        standard = tuple(StepPlan(k=j, cache_len=cache_len, threshold=threshold if j else None)
+        # The standard plans count the calibration only where they read it (threshold drafting):
+        # TETRIS's ranking reads it in the TETRIS plan's own steps, and counted in every standard
+        # step (most of a run's steps where the policy prefers a standard length) it cost a
+        # standard k = 4 step 13 kernels over fixed k = 4's 567 at batch 1, against 3 without.
+        # The TETRIS plan's steps still count it, so a run that stays on TETRIS learns the curve;
+        # one that switches to it ranks by the drafter's own probabilities until its steps have.
+        standard = tuple(StepPlan(k=j, cache_len=cache_len, threshold=threshold if j else None,
+                                  calibrate=threshold is not None and j > 0)
                          for j in range(big_k))
         return Schedule(plans=standard + (tetris_plan,), predict_ks=tuple(range(big_k)) + (spec.k,),
                         choose_every=spec.choose_every, positions=big_k if spec.position_profile else 0), 0

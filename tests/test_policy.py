@@ -934,8 +934,8 @@ BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, t
 
 def test_calibration_is_counted_only_where_a_plan_reads_it(pair):
     """`observe(calibrate=False)` updates every count but the confidence bins, exactly as with
-    them; a goodput schedule turns the bins off only where no plan reads them (no TETRIS plan, no
-    threshold drafting), so its steps skip the drafter's log-probabilities too."""
+    them; a goodput schedule's plan counts the bins only where it reads them (the TETRIS plan,
+    threshold drafting), so the other plans' steps skip the drafter's log-probabilities too."""
     rng = np.random.default_rng(5)
     b, k = 4, 3
     on = off = policy.PolicyState.init(b, 0, positions=k)
@@ -957,8 +957,12 @@ def test_calibration_is_counted_only_where_a_plan_reads_it(pair):
         return decoder._schedule(4, 4, 64)[0].plans
 
     assert not any(plan.calibrate for plan in plans())
-    assert all(plan.calibrate for plan in plans(selection="tetris", extra=1))
+    # With TETRIS, its own plan counts the bins; the standard plans beside it do not read them.
+    tetris_plans = plans(selection="tetris", extra=1)
+    assert [plan.calibrate for plan in tetris_plans] == [plan.capacities is not None for plan in tetris_plans]
     assert all(plan.calibrate for plan in plans(threshold=0.5))
+    assert [plan.calibrate for plan in plans(selection="tetris", extra=1, threshold=0.5)] == [
+        plan.k > 0 for plan in tetris_plans]
 
 
 def on_a_quiet_moment(check, attempts: int = 4, pause: float = 4.0):
