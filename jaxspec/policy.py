@@ -70,11 +70,16 @@ def expected_tokens_per_step(alpha, k):
     return jnp.where(alpha < 1.0, (1.0 - safe ** (k + 1.0)) / (1.0 - safe), k + 1.0)
 
 
+def _row(field: str, row: int, doc: str) -> property:
+    """A read-only view of row `row` of a packed `PolicyState` array."""
+    return property(lambda state: getattr(state, field)[row], doc=doc)
+
+
 @struct.dataclass
 class PolicyState:
     # The counts a drafting step updates are packed, one array per shape (`accepted_b`, `trials_b`,
     # `total_*`, `pos_*` are views): on XLA:CPU each updated array was a kernel of its own in every
-    # drafting step, 8 of a goodput step's 386 at batch 1 against fixed k's 378 (scripts/step_kernels.py).
+    # drafting step: 8 more than fixed k's 378 at batch 1, 3 once packed (scripts/step_kernels.py).
     counts_2b: jax.Array        # per row: decayed accepted drafts [0] and acceptance trials [1]
     seed_accepted_b: jax.Array  # the seed's accepted drafts per row (see `init`)
     seed_trials_b: jax.Array    # the seed's trials per row
@@ -91,37 +96,14 @@ class PolicyState:
     pos_counts_4p: jax.Array
     profile_seed_p: jax.Array   # the remembered profile the counts are shrunk toward (`profile_p`)
 
-    @property
-    def accepted_b(self) -> jax.Array:
-        return self.counts_2b[0]
-
-    @property
-    def trials_b(self) -> jax.Array:
-        return self.counts_2b[1]
-
-    @property
-    def total_accepted(self) -> jax.Array:
-        return self.totals_2[0]
-
-    @property
-    def total_trials(self) -> jax.Array:
-        return self.totals_2[1]
-
-    @property
-    def pos_accepted_p(self) -> jax.Array:
-        return self.pos_counts_4p[0]
-
-    @property
-    def pos_tried_p(self) -> jax.Array:
-        return self.pos_counts_4p[1]
-
-    @property
-    def pos_total_accepted_p(self) -> jax.Array:
-        return self.pos_counts_4p[2]
-
-    @property
-    def pos_total_tried_p(self) -> jax.Array:
-        return self.pos_counts_4p[3]
+    accepted_b = _row("counts_2b", 0, "decayed accepted drafts per row")
+    trials_b = _row("counts_2b", 1, "decayed acceptance trials per row")
+    total_accepted = _row("totals_2", 0, "accepted drafts over the run, every row, undecayed")
+    total_trials = _row("totals_2", 1, "acceptance trials over the run, every row, undecayed")
+    pos_accepted_p = _row("pos_counts_4p", 0, "decayed accepted drafts per draft position")
+    pos_tried_p = _row("pos_counts_4p", 1, "decayed trials per draft position")
+    pos_total_accepted_p = _row("pos_counts_4p", 2, "accepted drafts per draft position over the run")
+    pos_total_tried_p = _row("pos_counts_4p", 3, "trials per draft position over the run")
 
     def with_row_counts(self, accepted_b, trials_b) -> PolicyState:
         """This state with the rows' decayed counts replaced."""
