@@ -477,7 +477,14 @@ MAX_SEGMENT_CAP = 64
 # slow, the cheapest most: at batch 16 the plain step by 14-17% (13.3-13.5 ms against 11.3-12.3
 # in the run's long segments) and k = 1 by 7%, which tilted near-ties toward drafting; with up
 # to 8 steps the plain step was timed at 11.4-11.6 ms, and the first call took no longer (the
-# passes' length is bounded by MEASURE_PASS_SECONDS). MEASURE_PASSES passes go round
+# passes' length is bounded by MEASURE_PASS_SECONDS). At batch 1, where the cap and not the
+# seconds bounds a pass, passes of up to 8 steps timed the drafting plans' line too steep: over 5
+# warm-ups of the tiny-8L pair (96 tokens) the slope per drafted token came out 0.129 of a k = 1
+# step on average (sd 0.042), where a compiled loop of many steps gives 0.078, and a steeper line
+# tilts the pick toward shorter drafts (k = 4 where k = 5-6 was best). Passes of up to 32 steps:
+# 0.086 (sd 0.018) in the same process; in another 0.084, against 0.098 with 16 and 0.075 with
+# 64. The call's jitter (about a millisecond) is spread over 31 steps instead of 7, for about a
+# second more of the first call there. MEASURE_PASSES passes go round
 # the plans, more (up to MEASURE_MAX_PASSES) while the timing has taken under MEASURE_SECONDS:
 # small shapes, whose few-millisecond steps are the noisiest, are timed more often at little cost.
 # Each pass makes every plan's 1-step call, then every plan's longer call, and a plan's step time
@@ -491,7 +498,7 @@ MAX_SEGMENT_CAP = 64
 # with the call's own cost in it, and at batch 1 the drafting plans' fourth and fifth passes did
 # (k = 3 at 2.56-2.71 ms a step where its other passes took 1.74-2.34 and a fixed k = 3 run's
 # steps 1.8), which tilted a near-tie toward plain decoding.
-MEASURE_STEPS = 8
+MEASURE_STEPS = 32
 MEASURE_PASS_SECONDS = 0.1
 MEASURE_PASSES = 3
 MEASURE_MAX_PASSES = 8
@@ -1212,6 +1219,7 @@ class SpeculativeDecoder:
         cap_j = np.array([np.clip(static["out_len"] // (plan.k + 1) - 2, 1, MEASURE_STEPS) for plan in schedule.plans])
         pass_steps_j = np.clip(np.ceil(MEASURE_PASS_SECONDS / np.maximum(predicted["plans"], 1e-6)), 2, cap_j)
         passes_j: list[list[float]] = [[] for _ in states]
+        sized_j = np.zeros(len(states), bool)   # whether a plan's passes are sized by its own timing
         retired: list[tuple] = []   # (plan, counters) of states replaced by fresh rows
         entries: list[float] = []   # a segment's seconds besides its steps, as the 1-step calls saw it
         start = time.perf_counter()
@@ -1231,6 +1239,7 @@ class SpeculativeDecoder:
                 states[i], one, one_elapsed, _ = timed(state, i, 1)
                 ones.append((one, one_elapsed))
             for i, (state, (one, one_elapsed)) in enumerate(zip(states, ones)):
+                counted = len(passes_j[i])
                 states[i], steps, elapsed, rooms_j[i] = timed(state, i, int(pass_steps_j[i]))
                 if one > steps_j[i] and steps - one >= 2:
                     # A step's time is the difference of the two calls over the steps the longer one
@@ -1242,8 +1251,16 @@ class SpeculativeDecoder:
                 elif steps > steps_j[i]:   # rows ran out: the plain round trip comes off instead
                     passes_j[i].append(cost_lib.steps_seconds(elapsed + one_elapsed, 2 * round_trip)
                                        / (steps - steps_j[i]))
-                if n == 0 and passes_j[i]:
-                    pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 2, cap_j[i])
+                if len(passes_j[i]) > counted and not sized_j[i]:
+                    # Passes sized by the plan's first timing, not the cost model's guess.
+                    pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][-1], 1e-6)), 2, cap_j[i])
+                    sized_j[i] = True
+                elif len(passes_j[i]) == counted:
+                    # The steps were lost in the two calls' jitter (a difference of zero or less):
+                    # longer passes. Sized on the first pass only, a plan whose first pass timed
+                    # nothing kept the cost model's 2 steps for good: the tiny test pair's 0.1 ms
+                    # plain step, under a cost model 1000x too slow, came out 0.01-0.27 ms.
+                    pass_steps_j[i] = min(2 * pass_steps_j[i], cap_j[i])
                 steps_j[i] = steps
         if entries:
             round_trip = max(round_trip, float(np.median(entries)))
