@@ -4,9 +4,10 @@ Two pairs of decoders that run the same steps, timed alternately in one process 
 
 - the autoregressive loop against a goodput decoder held to plain decoding (a cost model under
   which drafting never pays, `measure_plans=False`);
-- fixed k = 1 against goodput decoders with k <= 1 held to drafting (a cost model under which
-  drafting is free), once for each `--choose-every` (how often a drafting segment re-chooses its
-  plan on device, `SpecConfig.choose_every`).
+- fixed k = K against goodput decoders with k <= K held to drafting (a cost model under which
+  drafting is free, so the longest draft pays most), once for each `--choose-every` (how often a
+  drafting segment re-chooses its plan on device, `SpecConfig.choose_every`); K is `--draft-len`
+  (default 1).
 
 Greedy decoding with the same draft length emits the same tokens in the same steps, so each pair's
 time difference is the policy's overhead alone. Timing calls of two lengths (`--tokens`) splits it
@@ -18,7 +19,7 @@ for the device, and the transfers), each the median over calls; `extra_*` column
 differences of those medians against the row's reference.
 
     python scripts/policy_overhead.py [--pair tiny-8L] [--batches 4 16] [--tokens 32 96] [--reps 15]
-        [--choose-every 4 16] [--name policy_overhead]
+        [--choose-every 4 16] [--draft-len 1] [--name policy_overhead]
 
 Writes docs/results/<name>.json and .md (or under a path given as --name).
 """
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 96])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--choose-every", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--draft-len", type=int, default=1, help="K: fixed k = K against goodput with k <= K")
     parser.add_argument("--phase-reps", type=int, default=10, help="calls timed by phase, per method (0: none)")
     parser.add_argument("--name", default="policy_overhead")
     args = parser.parse_args()
@@ -105,6 +107,9 @@ def main() -> None:
         raise ValueError(f"--tokens needs two different lengths to split per call from per step, got {args.tokens}")
     target, draft, pair_text = build_pair(args.pair, args.dtype)
     never, free = CostModel.from_coefficients(**NEVER_DRAFT), CostModel.from_coefficients(**FREE_DRAFT)
+    kk = args.draft_len
+    if kk < 1:
+        raise ValueError(f"--draft-len must be >= 1, got {kk}")
 
     def decoder(**spec):
         return jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(**spec))
@@ -113,9 +118,9 @@ def main() -> None:
     methods = [("autoregressive", None, None, 0),
                ("goodput, plain", "autoregressive", decoder(k=2, policy="goodput", cost_model=never,
                                                             measure_plans=False), 0),
-               ("fixed k=1", None, decoder(k=1), 1)]
-    methods += [(f"goodput k<=1, choose every {e}", "fixed k=1",
-                 decoder(k=1, policy="goodput", cost_model=free, measure_plans=False, choose_every=e), 1)
+               (f"fixed k={kk}", None, decoder(k=kk), kk)]
+    methods += [(f"goodput k<={kk}, choose every {e}", f"fixed k={kk}",
+                 decoder(k=kk, policy="goodput", cost_model=free, measure_plans=False, choose_every=e), kk)
                 for e in args.choose_every]
     columns = (["batch", "method"] + [f"ms_{n}" for n in args.tokens] + [f"steps_{n}" for n in args.tokens]
                + ["vs", "extra_ms_per_call", "extra_us_per_step", "on_plan", "same_output"]
