@@ -1019,6 +1019,7 @@ def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_
     assert got.tokens == want and set(got.stats.extra["k_trace"]) == {4}
 
 
+@pytest.mark.slow  # 85 s: four decoders' programs to compile
 def test_goodput_with_tetris_offers_every_standard_length_and_judges_tetris_by_its_best_budget(pair, monkeypatch):
     """TETRIS under the policy (k = 2, extra = 2) offers plain decoding, standard draft lengths
     1..3 and TETRIS, which drafts 4 positions and verifies the best C of them. At batch 1 with a
@@ -1193,6 +1194,7 @@ def test_requests_queued_for_a_single_slot_each_open_on_their_own_plan(pair, mon
     assert sorted(drafted) == [0, 1, 2] and all(n > 0 for n in drafted.values()), drafted
 
 
+@pytest.mark.slow  # 85 s: two decoders of five plans to compile
 def test_a_wrong_guess_of_the_opening_plan_defers_to_the_devices_choice(pair):
     """The first segment is dispatched on the plan the last call opened on, before the device's
     own opening choice is read. Guessed wrong either way (drafting where the draft is made
