@@ -480,11 +480,12 @@ MAX_SEGMENT_CAP = 64
 # passes' length is bounded by MEASURE_PASS_SECONDS). At batch 1, where the cap and not the
 # seconds bounds a pass, passes of up to 8 steps timed the drafting plans' line too steep: over 5
 # warm-ups of the tiny-8L pair (96 tokens) the slope per drafted token came out 0.129 of a k = 1
-# step on average (sd 0.042), where a compiled loop of many steps gives 0.078, and a steeper line
-# tilts the pick toward shorter drafts (k = 4 where k = 5-6 was best). Passes of up to 32 steps:
-# 0.086 (sd 0.018) in the same process; in another 0.084, against 0.098 with 16 and 0.075 with
-# 64. The call's jitter (about a millisecond) is spread over 31 steps instead of 7, for about a
-# second more of the first call there. MEASURE_PASSES passes go round
+# step on average (sd 0.042), and a steep line tilts the pick toward shorter drafts (k = 4 where
+# fixed k = 5-6 ran faster). Passes of up to 32 steps: 0.086 (sd 0.018) in the same process; in
+# another 0.084, against 0.098 with 16 and 0.075 with 64 (the longer the pass, the less the
+# slope). The call's jitter (about a millisecond) is spread over 31 steps instead of 7, for
+# about a second more of the first call there; a batch-1 benchmark then ran the best fixed k in
+# all of its 32 calls. MEASURE_PASSES passes go round
 # the plans, more (up to MEASURE_MAX_PASSES) while the timing has taken under MEASURE_SECONDS:
 # small shapes, whose few-millisecond steps are the noisiest, are timed more often at little cost.
 # Each pass makes every plan's 1-step call, then every plan's longer call, and a plan's step time
