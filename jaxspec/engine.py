@@ -1240,7 +1240,6 @@ class SpeculativeDecoder:
                 states[i], one, one_elapsed, _ = timed(state, i, 1)
                 ones.append((one, one_elapsed))
             for i, (state, (one, one_elapsed)) in enumerate(zip(states, ones)):
-                counted = len(passes_j[i])
                 states[i], steps, elapsed, rooms_j[i] = timed(state, i, int(pass_steps_j[i]))
                 if one > steps_j[i] and steps - one >= 2:
                     # A step's time is the difference of the two calls over the steps the longer one
@@ -1249,19 +1248,18 @@ class SpeculativeDecoder:
                     if step > 0:
                         passes_j[i].append(step)
                         entries.append(one_elapsed - step)
+                    else:
+                        # The steps were lost in the two calls' jitter: longer passes. Sized on the
+                        # first pass only, a plan whose first pass timed nothing kept the cost
+                        # model's 2 steps for good: the tiny test pair's 0.1 ms plain step, under a
+                        # cost model 1000x too slow, came out 0.01-0.27 ms.
+                        pass_steps_j[i] = min(2 * pass_steps_j[i], cap_j[i])
                 elif steps > steps_j[i]:   # rows ran out: the plain round trip comes off instead
                     passes_j[i].append(cost_lib.steps_seconds(elapsed + one_elapsed, 2 * round_trip)
                                        / (steps - steps_j[i]))
-                if len(passes_j[i]) > counted and not sized_j[i]:
-                    # Passes sized by the plan's first timing, not the cost model's guess.
-                    pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][-1], 1e-6)), 2, cap_j[i])
+                if passes_j[i] and not sized_j[i]:   # sized by the plan's first timing, not the cost model's guess
+                    pass_steps_j[i] = np.clip(np.ceil(MEASURE_PASS_SECONDS / max(passes_j[i][0], 1e-6)), 2, cap_j[i])
                     sized_j[i] = True
-                elif len(passes_j[i]) == counted:
-                    # The steps were lost in the two calls' jitter (a difference of zero or less):
-                    # longer passes. Sized on the first pass only, a plan whose first pass timed
-                    # nothing kept the cost model's 2 steps for good: the tiny test pair's 0.1 ms
-                    # plain step, under a cost model 1000x too slow, came out 0.01-0.27 ms.
-                    pass_steps_j[i] = min(2 * pass_steps_j[i], cap_j[i])
                 steps_j[i] = steps
         if entries:
             round_trip = max(round_trip, float(np.median(entries)))
