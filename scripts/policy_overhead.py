@@ -19,7 +19,7 @@ for the device, and the transfers), each the median over calls; `extra_*` column
 differences of those medians against the row's reference.
 
     python scripts/policy_overhead.py [--pair tiny-8L] [--batches 4 16] [--tokens 32 96] [--reps 15]
-        [--choose-every 4 16] [--draft-len 1] [--name policy_overhead]
+        [--choose-every 4 16] [--draft-len 1] [--plain-only] [--dtype bfloat16] [--name policy_overhead]
 
 Writes docs/results/<name>.json and .md (or under a path given as --name).
 """
@@ -102,6 +102,9 @@ def main() -> None:
     parser.add_argument("--choose-every", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--draft-len", type=int, default=1, help="K: fixed k = K against goodput with k <= K")
     parser.add_argument("--phase-reps", type=int, default=10, help="calls timed by phase, per method (0: none)")
+    parser.add_argument("--plain-only", action="store_true",
+                        help="only the autoregressive loop against goodput held to plain decoding (fewer programs "
+                             "to compile: for a short GPU lease at the qwen2.5 shapes)")
     parser.add_argument("--name", default="policy_overhead")
     args = parser.parse_args()
     if len(set(args.tokens)) < 2:
@@ -123,6 +126,8 @@ def main() -> None:
     methods += [(f"goodput k<={kk}, choose every {e}", f"fixed k={kk}",
                  decoder(k=kk, policy="goodput", cost_model=free, measure_plans=False, choose_every=e), kk)
                 for e in args.choose_every]
+    if args.plain_only:
+        del methods[2:]
     columns = (["batch", "method"] + [f"ms_{n}" for n in args.tokens] + [f"steps_{n}" for n in args.tokens]
                + ["vs", "extra_ms_per_call", "extra_us_per_step", "on_plan", "same_output"]
                + ["host_ms", "dispatch_ms", "read_ms", "extra_host_ms", "extra_dispatch_ms", "extra_read_ms"])
