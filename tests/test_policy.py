@@ -681,8 +681,11 @@ def test_an_opening_decides_ties_as_with_the_full_drain_count(monkeypatch):
     monkeypatch.setattr(policy, "drain_tokens_per_step", counted)
 
     class Decoder:   # what `_opening_trial` reads of a decoder
+        _opening_tokens = engine.SpeculativeDecoder._opening_tokens
+
         def __init__(self, alpha):
             self._acceptance = policy.AcceptanceMemory(accepted=alpha * 1e3, trials=1e3, weight=policy.SEED_WEIGHT)
+            self._opening_memo = {}
 
     tally = {(plain_guess, branch): 0 for plain_guess in (True, False) for branch in ("skipped", "counted", "first")}
     for _ in range(400):
@@ -710,6 +713,51 @@ def test_an_opening_decides_ties_as_with_the_full_drain_count(monkeypatch):
             want = engine.SpeculativeDecoder._opening_trial(decoder, schedule, tracker, guess, seed, remaining, True)
         assert got == want
     assert all(n >= 5 for n in tally.values()), tally   # every branch was exercised, for both kinds of guess
+
+
+def test_the_openings_remembered_counts_are_those_of_their_own_inputs():
+    """`SpeculativeDecoder._opening_tokens` keeps its counts between calls: asked again for a seed
+    (remembered acceptance, spread, per-position profile) and lengths seen before, it gives the
+    count of those inputs, never one of another seed or lengths, whether the drain count or one
+    step's expected tokens; and it keeps at most OPENING_MEMO_SIZE of them."""
+    from jaxspec import engine
+    rng = np.random.default_rng(5)
+    ks = (0, 1, 2, 4)
+    schedule = engine.Schedule(plans=tuple(engine.StepPlan(k=k) for k in ks), predict_ks=ks, positions=4)
+
+    class Decoder:
+        _opening_tokens = engine.SpeculativeDecoder._opening_tokens
+
+        def __init__(self):
+            self._opening_memo = {}
+
+    def fresh(seed, remaining, drain):
+        alpha_r = np.full(remaining.shape, seed[0])
+        if drain:
+            return policy.drain_tokens_per_step(alpha_r, np.ones(remaining.shape, bool), remaining, ks, xp=np,
+                                                spread=float(seed[3]), profile=seed[4:])
+        return engine._expected_tokens(alpha_r, ks, seed[4:])
+
+    decoder = Decoder()
+    inputs = []
+    for _ in range(6):
+        memory = policy.AcceptanceMemory()
+        memory.remember(np.array([rng.uniform(10, 90)]), np.array([100.0]))
+        memory.remember_requests(rng.uniform(5, 30, 4), np.full(4, 32.0))
+        memory.remember_positions(rng.uniform(5, 30, 4), np.full(4, 32.0))
+        inputs.append(memory.seed(4))
+    lengths = [rng.integers(8, 96, n) for n in (1, 4, 16)]
+    assert len({seed.tobytes() for seed in inputs}) == len(inputs)
+    for _ in range(3):   # the same inputs come back, in shuffled order
+        for i in rng.permutation(len(inputs)):
+            for remaining in lengths:
+                for drain in (True, False):
+                    got = decoder._opening_tokens(schedule, inputs[i], remaining, drain)
+                    np.testing.assert_allclose(got, fresh(inputs[i], remaining, drain), rtol=1e-6)
+    assert len(decoder._opening_memo) == len(inputs) * len(lengths) * 2
+    for n in range(2 * engine.OPENING_MEMO_SIZE):
+        decoder._opening_tokens(schedule, inputs[0], np.array([n + 1]), False)
+        assert len(decoder._opening_memo) <= engine.OPENING_MEMO_SIZE
 
 
 def test_a_draining_batch_switches_plans_only_when_that_saves_more_than_the_round_trip():
