@@ -463,6 +463,9 @@ TRIAL_STEPS = 16
 # A call may instead open on a plan tied with the one it would run (within the switch margin) whose
 # last timing is TIE_RETIME segments old, for a whole segment (`StepTimeTracker.retime_tie`).
 TIE_RETIME = 4
+# Lean calls (`SpeculativeDecoder._lean_call`) after a call that decoded plainly throughout before
+# a call lets the device choose its plan again.
+LEAN_CALLS = 3
 # Distinct openings whose counts a decoder keeps (`SpeculativeDecoder._opening_tokens`).
 OPENING_MEMO_SIZE = 64
 # A drafting segment re-chooses its plan every `SpecConfig.choose_every` steps (from MIN_SEGMENT
@@ -620,6 +623,34 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     # XLA:CPU, 1.4% of a 96-token call that ended in one plain segment.
     return state.replace(policy=jax.lax.cond(jnp.all(state.done_b) | missed, lambda policy: policy, plan_next,
                                              state.policy))
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "sampling", "cache_len", "seq_len", "out_len",
+                                             "mesh"))
+def plain_call_on_device(target_graphdef, sampling: SamplingConfig, target_params, tokens_bp, prompt_len_b,
+                         max_new_b, request_keys_b, eos_id, *, cache_len: int, seq_len: int, out_len: int,
+                         mesh=None):
+    """Goodput: a whole call of plain decoding in one program, the prefill and then `plain_step`
+    until every row is done, as the autoregressive loop runs it (the same tokens as the general
+    path's plain steps: each is drawn from its request's key and position). Returns what the
+    host reads (done flags, outputs, counts, counters, steps), no caches.
+
+    The call a decoder makes when it knows the call will decode plainly throughout
+    (`SpeculativeDecoder._lean_call`). Split into `start_on_device` and a plain `run_on_device`
+    segment, a plain call cost 6-9 ms more than the autoregressive loop at the qwen2.5 shapes on an
+    H200 (batch 4), none of it per step: the policy's opening and closing choices, 7 conditionals
+    whose predicates the host reads, each of the target's 56 cache arrays transposed into the
+    attention's layout before the segment's loop and back after it (the cache crosses a program
+    boundary), and a read of 23 arrays. In one program, as here, the caches never leave it."""
+    state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
+                          request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
+
+    def step(state):
+        return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
+                          out_len)
+
+    state = jax.lax.while_loop(lambda state: ~jnp.all(state.done_b), step, state)
+    return state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(6,))
@@ -805,6 +836,9 @@ class SpeculativeDecoder:
         # Goodput: per compiled shape, the plan the last call opened on (the next call's first
         # segment is dispatched on it before the device's choice is read; see `run_on_device`).
         self._openings: dict = {}
+        # Goodput: per compiled shape, (lean calls since the last call that decoded plainly in one
+        # segment, that call's longest request), while the next call may be lean (`_lean_call`).
+        self._lean: dict = {}
         # Goodput: the openings' counts of tokens per step, by what they depend on (`_opening_tokens`).
         self._opening_memo: dict = {}
 
@@ -896,6 +930,12 @@ class SpeculativeDecoder:
                                                np.asarray(first.max_new_b)[:first.num_prompts], not len(queue))
             incumbent = plan_index   # what a trial stands in for (`_after_trial`)
             plan_index = plan_index if trial is None else trial
+            opening_trial = trial
+            longest = int(np.max(np.asarray(first.max_new_b)[:first.num_prompts]))
+            if (trial is None and on_finish is None and not len(queue) and self._target_mesh is None
+                    and self._lean_call(shape_key, schedule, plan_index, longest)):
+                return self._generate_lean(schedule, shape_key, tracker, warm, plan_index, batch, queue, table,
+                                           rows_in, eos_t, static, slots)
             # The acceptance last measured seeds the rows; whether requests wait for slots.
             seconds, next_choice, acceptance, draining = put((
                 _as_arrays(_corrected(predicted, tracker, schedule)), np.int32(-1 if trial is None else trial),
@@ -983,6 +1023,14 @@ class SpeculativeDecoder:
         stats = _stats(Counters(**queue.counters), batch.num_prompts, int(steps), seconds_taken, step_ks, self.drafter)
         stats.extra["slots"] = slots
         if goodput:
+            # A call that ran one plain segment from its opening to its end makes the next calls at
+            # the shape lean (`_lean_call`); any other call ends a streak of them.
+            plain_through = (len(tracker.history) == 1 and schedule.plans[tracker.history[0][0]].k == 0
+                             and opening_trial is None)
+            if plain_through:
+                self._lean[shape_key] = (0, longest)
+            else:
+                self._lean.pop(shape_key, None)
             # Per segment: (draft length, steps, predicted and measured seconds per step).
             stats.extra["segments"] = [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
             # The call's whole count seeds the next calls' rows; its requests' own counts measure how
@@ -993,6 +1041,45 @@ class SpeculativeDecoder:
             # Per draft position p: how often the p-th draft was accepted when it was tried (None: never tried).
             stats.extra["acceptance_by_position"] = [float(a / t) if t > 0 else None for a, t in
                                                      zip(policy.pos_total_accepted_p, policy.pos_total_tried_p)]
+        return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+    def _lean_call(self, shape_key, schedule: Schedule, plan_index: int, longest: int) -> bool:
+        """Whether a goodput call that opens on `plan_index` with no timing trial, no request
+        waiting and no per-request callback runs as one program of plain decoding
+        (`plain_call_on_device`), its longest request asking for `longest` tokens.
+
+        It does when the call would open on plain decoding and one of the last calls at the shape
+        decoded plainly in one segment from its opening to its end, for requests no shorter, with
+        fewer than LEAN_CALLS lean calls since. Such a call's device choices are the same as that
+        one's: plain decoding observes no acceptance (the remembered acceptance the opening judges
+        by is unchanged), and its plain segment's look-ahead (`policy.hold`) covered the whole
+        call. What can move between calls is the step times, corrected after every segment: a
+        lean call is timed and corrects them as a plain segment does, and every LEAN_CALLS + 1-th
+        call lets the device choose again. Timing trials and ties come due as before (the call's
+        opening checks them on the host first, `_opening_trial`)."""
+        lean = self._lean.get(shape_key)
+        return (lean is not None and lean[0] < LEAN_CALLS and longest <= lean[1]
+                and schedule.predict_ks[plan_index] == 0)
+
+    def _generate_lean(self, schedule: Schedule, shape_key, tracker: cost_lib.StepTimeTracker, warm: _Warm,
+                       plan_index: int, batch, queue, table, rows_in, eos_t, static, slots: int) -> GenerationResult:
+        """A goodput call of plain decoding throughout, in one program (`plain_call_on_device`)."""
+        start = time.perf_counter()
+        outputs = plain_call_on_device(self.target.graphdef, self.sampling, self.target.params, *rows_in, eos_t,
+                                       **static)
+        done_b, out_bo, n_out_b, counters, steps = jax.device_get(outputs)
+        seconds_taken = time.perf_counter() - start
+        steps = int(steps)
+        # Timed as a run's opening segment is: from the dispatch, less what the opening costs.
+        tracker.observe(plan_index, steps, max(seconds_taken - (warm.opening_seconds - warm.round_trip), 0.0))
+        table.harvest(done_b, out_bo, n_out_b, counters)
+        calls, longest = self._lean[shape_key]
+        self._lean[shape_key] = (calls + 1, longest)
+        tokens = queue.results()
+        stats = _stats(Counters(**queue.counters), batch.num_prompts, steps, seconds_taken, [0] * steps, self.drafter)
+        stats.extra.update(slots=slots, lean=True,
+                           segments=[(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history],
+                           acceptance_by_position=[None] * schedule.positions)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _opening_trial(self, schedule: Schedule, tracker: cost_lib.StepTimeTracker, guess: int, seed: np.ndarray,
@@ -1221,6 +1308,9 @@ class SpeculativeDecoder:
                                    seconds, next_choice, acceptance, draining, **static)
 
         scratch = jax.block_until_ready(opened())
+        if self._target_mesh is None:   # a lean call's program (`_lean_call`), compiled and run once, rows of 1 token
+            jax.block_until_ready(plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1],
+                                                       put(np.ones_like(max_new_host)), keys_b, eos_t, **static))
         starts = []
         for _ in range(3):   # what a run's opening costs (prefill, first plan), fetch included
             start = time.perf_counter()

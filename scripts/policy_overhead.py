@@ -79,7 +79,8 @@ def phase_clock():
                     spent[phase] += time.perf_counter() - start
         return wrapper
 
-    patches = [(engine, name, "dispatch") for name in ("start_on_device", "run_on_device", "refill_on_device")]
+    patches = [(engine, name, "dispatch") for name in ("start_on_device", "run_on_device", "refill_on_device",
+                                                      "plain_call_on_device")]
     patches += [(engine, "_segment_outputs", "read"), (generate_module, "_generate_on_device", "dispatch"),
                 (jax, "device_get", "read")]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]

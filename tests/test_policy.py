@@ -1575,3 +1575,49 @@ def test_goodput_plans_with_step_times_measured_at_the_runs_shape(pair):
         assert warm.plan_seconds[2] > warm.plan_seconds[0]
 
     on_a_quiet_moment(check)
+
+
+def test_plain_calls_run_lean_with_the_general_paths_tokens_and_let_the_device_choose_again(pair, compile_counter,
+                                                                                            monkeypatch):
+    """Under a cost model where drafting never pays, a goodput decoder's first call decodes plainly
+    in one segment; the next LEAN_CALLS calls at the shape run as one program of plain decoding
+    (`engine.plain_call_on_device`, `stats.extra["lean"]`), then one lets the device choose
+    again. Lean calls compile nothing (their program is compiled at warm-up) and emit, sampled
+    and greedy, exactly the tokens of the general path (the same decoder with lean calls turned
+    off); greedy ones are the target's own. Not lean, at the same compiled shape: a call for
+    longer requests than the call that qualified, one with requests waiting for a slot, one with a
+    per-request callback."""
+    target, draft = pair
+    prompts = prompts16(7)
+    expensive = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=5e-3,
+                                            target_per_token=5e-4)
+    spec = jaxspec.SpecConfig(k=1, policy="goodput", cost_model=expensive, measure_plans=False)   # k = 1: fewer programs
+    own = jaxspec.generate(target, prompts, max_new_tokens=10).tokens
+    for sampling in (jaxspec.SamplingConfig(temperature=0.0), jaxspec.SamplingConfig(temperature=0.9, top_k=8)):
+        lean = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling)
+        assert not lean.generate(prompts, max_new_tokens=10, seed=0).stats.extra.get("lean", False)
+        flags = []
+        with compile_counter() as counter:
+            for call in range(engine_lib.LEAN_CALLS + 2):
+                got = lean.generate(prompts, max_new_tokens=10, seed=call)
+                flags.append(got.stats.extra.get("lean", False))
+                streak = dict(lean._lean)   # the reference call below leaves the streak as it was
+                with monkeypatch.context() as m:
+                    m.setattr(engine_lib, "LEAN_CALLS", 0)
+                    want = lean.generate(prompts, max_new_tokens=10, seed=call)
+                lean._lean = streak
+                assert not want.stats.extra.get("lean", False)
+                assert got.tokens == want.tokens, (sampling, call)
+                assert got.stats.steps == want.stats.steps and got.stats.drafted_tokens == 0
+                assert got.tokens == own or not sampling.greedy
+        assert counter.count == 0
+        assert flags == [True] * engine_lib.LEAN_CALLS + [False, True], flags
+    # 12 tokens compile to the same shape as 10; this call qualifies the next ones for 12.
+    assert not lean.generate(prompts, max_new_tokens=12, seed=1).stats.extra.get("lean", False)
+    waiting = lean.generate(prompts + prompts16(8), max_new_tokens=12, seed=2, batch_size=8)
+    assert not waiting.stats.extra.get("lean", False) and waiting.stats.extra["slots"] == 8
+    lean.generate(prompts, max_new_tokens=12, seed=1)
+    assert lean._lean   # a plain call to its end: the next call at the shape may be lean ...
+    finished = []
+    got = lean.generate(prompts, max_new_tokens=12, seed=3, on_finish=lambda i, tokens, c: finished.append(i))
+    assert not got.stats.extra.get("lean", False) and sorted(finished) == list(range(len(prompts)))   # ... but not this
