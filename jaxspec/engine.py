@@ -1310,7 +1310,7 @@ class SpeculativeDecoder:
         scratch = jax.block_until_ready(opened())
         if self._target_mesh is None:   # a lean call's program (`_lean_call`), compiled and run once, rows of 1 token
             jax.block_until_ready(plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1],
-                                                       put(np.ones_like(max_new_host)), keys_b, eos_t, **static))
+                                                       put(np.minimum(max_new_host, 1)), keys_b, eos_t, **static))
         starts = []
         for _ in range(3):   # what a run's opening costs (prefill, first plan), fetch included
             start = time.perf_counter()
