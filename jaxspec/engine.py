@@ -1070,8 +1070,15 @@ class SpeculativeDecoder:
         done_b, out_bo, n_out_b, counters, steps = jax.device_get(outputs)
         seconds_taken = time.perf_counter() - start
         steps = int(steps)
-        # Timed as a run's opening segment is: from the dispatch, less what the opening costs.
-        tracker.observe(plan_index, steps, max(seconds_taken - (warm.opening_seconds - warm.round_trip), 0.0))
+        # Timed from the dispatch, less what such a call costs besides its steps, plus the round trip
+        # a segment's time holds. The general path's opening (`warm.opening_seconds`, the policy's
+        # choice and conditionals in it) is dearer than this program's prefill: taken off instead,
+        # it left no time at all for the steps of a 10-token call of the tiny test pair, and the
+        # plain plan's corrected time went to zero. A call timed within the noise of that estimate
+        # says nothing of its steps and is not folded in.
+        segment_seconds = seconds_taken - (warm.lean_opening_seconds - warm.round_trip)
+        if segment_seconds > warm.round_trip:
+            tracker.observe(plan_index, steps, segment_seconds)
         table.harvest(done_b, out_bo, n_out_b, counters)
         calls, longest = self._lean[shape_key]
         self._lean[shape_key] = (calls + 1, longest)
@@ -1308,9 +1315,16 @@ class SpeculativeDecoder:
                                    seconds, next_choice, acceptance, draining, **static)
 
         scratch = jax.block_until_ready(opened())
-        if self._target_mesh is None:   # a lean call's program (`_lean_call`), compiled and run once, rows of 1 token
-            jax.block_until_ready(plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1],
-                                                       put(np.minimum(max_new_host, 1)), keys_b, eos_t, **static))
+        lean_starts = []
+        if self._target_mesh is None:
+            # A lean call's program (`_lean_call`), compiled, then timed on rows of 1 token (no step):
+            # what a lean call costs besides its steps, its prefill and fetch.
+            one_b = put(np.minimum(max_new_host, 1))
+            for n in range(4):
+                start = time.perf_counter()
+                jax.device_get(plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1], one_b,
+                                                    keys_b, eos_t, **static))
+                lean_starts += [time.perf_counter() - start] if n else []
         starts = []
         for _ in range(3):   # what a run's opening costs (prefill, first plan), fetch included
             start = time.perf_counter()
@@ -1332,7 +1346,8 @@ class SpeculativeDecoder:
         round_trip = float(np.median(trips))
         position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
-            return _Warm(None, round_trip, _acceptance_seen(schedule, states), position, float(np.median(starts)))
+            return _Warm(None, round_trip, _acceptance_seen(schedule, states), position, float(np.median(starts)),
+                         lean_opening_seconds=float(np.median(lean_starts)) if lean_starts else 0.0)
         # A pass (a 1-step call and a longer one) must fit in the tokens of fresh rows after their
         # first step, even where every step emits k + 1 tokens.
         cap_j = np.array([np.clip(static["out_len"] // (plan.k + 1) - 2, 1, MEASURE_STEPS) for plan in schedule.plans])
@@ -1382,7 +1397,8 @@ class SpeculativeDecoder:
         if entries:
             round_trip = max(round_trip, float(np.median(entries)))
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
-                     _acceptance_seen(schedule, states, retired), position, float(np.median(starts)))
+                     _acceptance_seen(schedule, states, retired), position, float(np.median(starts)),
+                     lean_opening_seconds=float(np.median(lean_starts)) if lean_starts else 0.0)
 
     def _position_seconds(self, tokens_bp, prompt_len_b, cache_len: int) -> float:
         """Goodput warm-up: the drafter's seconds per position fed, from its prefill of this call's
@@ -1431,6 +1447,7 @@ class _Warm(NamedTuple):
     position_seconds: float           # the drafter's seconds per position it feeds (its prefill's rate)
     opening_seconds: float            # a run's opening (`start_on_device`) and the fetch of its choice
     predicted: dict | None = None     # step times the policy starts each call from (the warm-up's in them)
+    lean_opening_seconds: float = 0.0  # a lean call's prefill and fetch (`plain_call_on_device`, no step)
 
 
 def _acceptance_seen(schedule: Schedule, states, retired=()) -> tuple | None:

@@ -110,6 +110,7 @@ def main() -> None:
     kmax = max(args.ks)
     rows, round_seconds, skipped, batch_seconds = [], {}, [], [0.0]
     round_plans = {}   # the goodput runs' (draft length, steps) segments, per batch and round
+    round_lean = {}    # whether each goodput run was a lean plain call (`SpeculativeDecoder._lean_call`)
     for batch in args.batches:
         batch_start = time.perf_counter()
         if args.deadline is not None and batch_start - started + 1.1 * max(batch_seconds) > args.deadline:
@@ -168,6 +169,7 @@ def main() -> None:
         # round alike.
         seconds = {label: [] for label in fns}
         segments = {label: [] for label in fns}   # the goodput runs' segments, one list per round
+        lean = {label: [] for label in fns}
         order = np.random.default_rng(batch)
         for round_index in range(args.rounds):
             ids = batch_sets[round_index % len(batch_sets)]
@@ -177,6 +179,7 @@ def main() -> None:
                 results[label] = fn(ids)
                 seconds[label].append(time.perf_counter() - start)
                 segments[label].append(results[label].stats.extra.get("segments", []))
+                lean[label].append(bool(results[label].stats.extra.get("lean", False)))
         secs = {label: np.asarray(v) for label, v in seconds.items()}
         fixed = [label for label, _ in configs if not label.startswith("goodput")]
         # The best fixed configuration is the one a user would pick: the fastest by median over
@@ -230,14 +233,16 @@ def main() -> None:
         round_seconds[batch] = {label: v.tolist() for label, v in secs.items()}
         round_plans[batch] = {label: [[(k, n) for k, n, *_ in run] for run in runs]
                               for label, runs in segments.items() if label.startswith("goodput")}
+        round_lean[batch] = {label: flags for label, flags in lean.items() if label.startswith("goodput")}
         jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
-        report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans)
+        report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans, round_lean)
         batch_seconds.append(time.perf_counter() - batch_start)
         print(f"batch {batch}: {batch_seconds[-1]:.0f} s", flush=True)
-    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans))
+    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans, round_lean))
 
 
-def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans=None) -> str:
+def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans=None,
+           round_lean=None) -> str:
     """Writes <out>.{json,md,png} for the batches run so far; returns the markdown."""
     m = machine()
     fit = cost.fit.get("step", {})
@@ -292,6 +297,7 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
     plot(rows, batches_run, out.with_name(f"{out.name}.png"))
     write_results(str(out), {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
                              "round_seconds": round_seconds, "round_plans": round_plans or {},
+                             "round_lean": round_lean or {},
                              "skipped_batches": skipped}, md)
     return md
 
