@@ -84,10 +84,12 @@ class CompileCounter:
 
     def __init__(self):
         self.count = 0
+        self.names: list = []   # the compiled functions' names, where JAX gives them (for failure messages)
 
     def _listener(self, event, duration, **kwargs):
         if event == self.EVENT:
             self.count += 1
+            self.names.append(kwargs.get("fun_name"))
 
     def __enter__(self):
         jax.monitoring.register_event_duration_secs_listener(self._listener)
