@@ -1031,8 +1031,7 @@ class SpeculativeDecoder:
                 self._lean[shape_key] = (0, longest)
             else:
                 self._lean.pop(shape_key, None)
-            # Per segment: (draft length, steps, predicted and measured seconds per step).
-            stats.extra["segments"] = [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
+            stats.extra["segments"] = _segment_log(schedule, tracker)
             # The call's whole count seeds the next calls' rows; its requests' own counts measure how
             # far rows differ (`AcceptanceMemory.spread`).
             self._acceptance.remember(np.atleast_1d(policy.total_accepted), np.atleast_1d(policy.total_trials))
@@ -1085,7 +1084,7 @@ class SpeculativeDecoder:
         tokens = queue.results()
         stats = _stats(Counters(**queue.counters), batch.num_prompts, steps, seconds_taken, [0] * steps, self.drafter)
         stats.extra.update(slots=slots, lean=True,
-                           segments=[(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history],
+                           segments=_segment_log(schedule, tracker),
                            acceptance_by_position=[None] * schedule.positions)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
@@ -1273,7 +1272,8 @@ class SpeculativeDecoder:
     def _warm_up(self, schedule: Schedule, rows_in, eos_t, budget_t, predicted, static, put) -> _Warm:
         """Goodput: compiles every plan's program and runs it on a scratch state prefilled with
         this call's first rows; times a segment's round trip there and, with
-        `spec.measure_plans`, each plan's steps. Once per decoder and shape.
+        `spec.measure_plans`, each plan's steps; compiles and times a lean call's program
+        (`plain_call_on_device`) on rows of one token. Once per decoder and shape.
 
         Running, not only compiling: a compiled program's first steps ran slowly (on XLA:CPU,
         150 ms over 4 steps of 10 ms), which stalled a run where a plan was first chosen mid-run.
@@ -1315,16 +1315,20 @@ class SpeculativeDecoder:
                                    seconds, next_choice, acceptance, draining, **static)
 
         scratch = jax.block_until_ready(opened())
-        lean_starts = []
+        lean_opening = 0.0
         if self._target_mesh is None:
             # A lean call's program (`_lean_call`), compiled, then timed on rows of 1 token (no step):
             # what a lean call costs besides its steps, its prefill and fetch.
             one_b = put(np.minimum(max_new_host, 1))
-            for n in range(4):
+
+            def lean_opened():
                 start = time.perf_counter()
                 jax.device_get(plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1], one_b,
                                                     keys_b, eos_t, **static))
-                lean_starts += [time.perf_counter() - start] if n else []
+                return time.perf_counter() - start
+
+            lean_opened()   # compiles
+            lean_opening = float(np.median([lean_opened() for _ in range(3)]))
         starts = []
         for _ in range(3):   # what a run's opening costs (prefill, first plan), fetch included
             start = time.perf_counter()
@@ -1347,7 +1351,7 @@ class SpeculativeDecoder:
         position = self._position_seconds(rows_in[0], rows_in[1], static["cache_len"])
         if not self.spec.measure_plans:
             return _Warm(None, round_trip, _acceptance_seen(schedule, states), position, float(np.median(starts)),
-                         lean_opening_seconds=float(np.median(lean_starts)) if lean_starts else 0.0)
+                         lean_opening_seconds=lean_opening)
         # A pass (a 1-step call and a longer one) must fit in the tokens of fresh rows after their
         # first step, even where every step emits k + 1 tokens.
         cap_j = np.array([np.clip(static["out_len"] // (plan.k + 1) - 2, 1, MEASURE_STEPS) for plan in schedule.plans])
@@ -1398,7 +1402,7 @@ class SpeculativeDecoder:
             round_trip = max(round_trip, float(np.median(entries)))
         return _Warm(np.array([np.median(p) if p else np.nan for p in passes_j]), round_trip,
                      _acceptance_seen(schedule, states, retired), position, float(np.median(starts)),
-                     lean_opening_seconds=float(np.median(lean_starts)) if lean_starts else 0.0)
+                     lean_opening_seconds=lean_opening)
 
     def _position_seconds(self, tokens_bp, prompt_len_b, cache_len: int) -> float:
         """Goodput warm-up: the drafter's seconds per position fed, from its prefill of this call's
@@ -1466,6 +1470,11 @@ def _acceptance_seen(schedule: Schedule, states, retired=()) -> tuple | None:
         return None
     drafting = jax.device_get(drafting)   # one read for all of them
     return tuple(np.concatenate(parts).astype(np.float32) for parts in zip(*drafting))
+
+
+def _segment_log(schedule: Schedule, tracker: cost_lib.StepTimeTracker) -> list[tuple]:
+    """A call's segments, for its stats: (draft length, steps, predicted and measured seconds per step)."""
+    return [(schedule.plans[j].k, n, p, m) for j, n, p, m in tracker.history]
 
 
 def _segment_outputs(state: DecodeState, max_new_b=None):
