@@ -466,6 +466,10 @@ TIE_RETIME = 4
 # Lean calls (`SpeculativeDecoder._lean_call`) after a call that decoded plainly throughout before
 # a call lets the device choose its plan again.
 LEAN_CALLS = 3
+# How far the corrected step times may have moved in drafting's favour since the call that
+# qualified lean calls (a drafting plan's time relative to plain decoding's) before the next call
+# lets the device choose instead: half the policy's switch margin.
+LEAN_DRIFT = 0.02
 # Distinct openings whose counts a decoder keeps (`SpeculativeDecoder._opening_tokens`).
 OPENING_MEMO_SIZE = 64
 # A drafting segment re-chooses its plan every `SpecConfig.choose_every` steps (from MIN_SEGMENT
@@ -837,7 +841,8 @@ class SpeculativeDecoder:
         # segment is dispatched on it before the device's choice is read; see `run_on_device`).
         self._openings: dict = {}
         # Goodput: per compiled shape, (lean calls since the last call that decoded plainly in one
-        # segment, that call's longest request), while the next call may be lean (`_lean_call`).
+        # segment, that call's longest request, the step-time corrections its opening judged by),
+        # while the next call may be lean (`_lean_call`).
         self._lean: dict = {}
         # Goodput: the openings' counts of tokens per step, by what they depend on (`_opening_tokens`).
         self._opening_memo: dict = {}
@@ -932,13 +937,14 @@ class SpeculativeDecoder:
             plan_index = plan_index if trial is None else trial
             opening_trial = trial
             longest = int(np.max(np.asarray(first.max_new_b)[:first.num_prompts]))
+            opening_ratio_j = tracker.ratio()
             if (trial is None and on_finish is None and not len(queue) and self._target_mesh is None
-                    and self._lean_call(shape_key, schedule, plan_index, longest)):
+                    and self._lean_call(shape_key, schedule, plan_index, longest, opening_ratio_j)):
                 return self._generate_lean(schedule, shape_key, tracker, warm, plan_index, batch, queue, table,
                                            rows_in, eos_t, static, slots)
             # The acceptance last measured seeds the rows; whether requests wait for slots.
             seconds, next_choice, acceptance, draining = put((
-                _as_arrays(_corrected(predicted, tracker, schedule)), np.int32(-1 if trial is None else trial),
+                _as_arrays(_scaled(predicted, opening_ratio_j, schedule)), np.int32(-1 if trial is None else trial),
                 remembered, np.bool_(not len(queue))))
         else:
             seconds, next_choice, acceptance, draining = put(_as_arrays(predicted)), None, None, None
@@ -1028,7 +1034,7 @@ class SpeculativeDecoder:
             plain_through = (len(tracker.history) == 1 and schedule.plans[tracker.history[0][0]].k == 0
                              and opening_trial is None)
             if plain_through:
-                self._lean[shape_key] = (0, longest)
+                self._lean[shape_key] = (0, longest, opening_ratio_j)
             else:
                 self._lean.pop(shape_key, None)
             stats.extra["segments"] = _segment_log(schedule, tracker)
@@ -1042,23 +1048,35 @@ class SpeculativeDecoder:
                                                      zip(policy.pos_total_accepted_p, policy.pos_total_tried_p)]
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _lean_call(self, shape_key, schedule: Schedule, plan_index: int, longest: int) -> bool:
+    def _lean_call(self, shape_key, schedule: Schedule, plan_index: int, longest: int, ratio_j: np.ndarray) -> bool:
         """Whether a goodput call that opens on `plan_index` with no timing trial, no request
         waiting and no per-request callback runs as one program of plain decoding
-        (`plain_call_on_device`), its longest request asking for `longest` tokens.
+        (`plain_call_on_device`), its longest request asking for `longest` tokens, its step times
+        corrected by `ratio_j` (`StepTimeTracker.ratio`).
 
         It does when the call would open on plain decoding and one of the last calls at the shape
         decoded plainly in one segment from its opening to its end, for requests no shorter, with
-        fewer than LEAN_CALLS lean calls since. Such a call's device choices are the same as that
-        one's: plain decoding observes no acceptance (the remembered acceptance the opening judges
-        by is unchanged), and its plain segment's look-ahead (`policy.hold`) covered the whole
-        call. What can move between calls is the step times, corrected after every segment: a
-        lean call is timed and corrects them as a plain segment does, and every LEAN_CALLS + 1-th
-        call lets the device choose again. Timing trials and ties come due as before (the call's
-        opening checks them on the host first, `_opening_trial`)."""
+        fewer than LEAN_CALLS lean calls since. Such a call's device choices are that one's but for
+        the step times: plain decoding observes no acceptance (the remembered acceptance the
+        opening judges by is unchanged), and its plain segment's look-ahead (`policy.hold`) covered
+        the whole call. The step times are corrected after every segment, a lean call's included,
+        so a call is lean only while no drafting plan's corrected time has fallen against plain
+        decoding's by more than LEAN_DRIFT since the qualifying call's opening: where they have,
+        the device, judging by them, may now draft. (In a batch-1 benchmark run a goodput + TETRIS
+        decoder decoded plainly for three whole calls after a plain trial, the last two of them
+        lean, each taking 1.5-2.0x its round's fixed k = 4 call; its drafting calls took 0.9-1.2x.)
+        A uniform drift of every plan moves only the switch's fixed costs against the steps'
+        (the drafter's prefill, a round trip: a few percent of a call), so it is let pass. Every
+        LEAN_CALLS + 1-th call lets the device choose again. Timing trials and ties come due as
+        before (the call's opening checks them on the host first, `_opening_trial`)."""
         lean = self._lean.get(shape_key)
-        return (lean is not None and lean[0] < LEAN_CALLS and longest <= lean[1]
-                and schedule.predict_ks[plan_index] == 0)
+        if lean is None or schedule.predict_ks[plan_index] != 0:
+            return False
+        calls, qualified_longest, qualified_ratio_j = lean
+        moved_j = np.asarray(ratio_j, np.float64) / qualified_ratio_j
+        drafting = np.asarray(schedule.predict_ks) > 0
+        return (calls < LEAN_CALLS and longest <= qualified_longest
+                and bool(np.all(moved_j[drafting] * (1.0 + LEAN_DRIFT) >= moved_j[plan_index])))
 
     def _generate_lean(self, schedule: Schedule, shape_key, tracker: cost_lib.StepTimeTracker, warm: _Warm,
                        plan_index: int, batch, queue, table, rows_in, eos_t, static, slots: int) -> GenerationResult:
@@ -1079,8 +1097,8 @@ class SpeculativeDecoder:
         if segment_seconds > warm.round_trip:
             tracker.observe(plan_index, steps, segment_seconds)
         table.harvest(done_b, out_bo, n_out_b, counters)
-        calls, longest = self._lean[shape_key]
-        self._lean[shape_key] = (calls + 1, longest)
+        calls, *qualified = self._lean[shape_key]
+        self._lean[shape_key] = (calls + 1, *qualified)
         tokens = queue.results()
         stats = _stats(Counters(**queue.counters), batch.num_prompts, steps, seconds_taken, [0] * steps, self.drafter)
         stats.extra.update(slots=slots, lean=True,
