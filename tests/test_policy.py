@@ -1668,3 +1668,41 @@ def test_lean_calls_stop_once_the_step_times_favour_drafting_more_than_when_they
     assert not call(1)
     segments(plain, 0.6)
     assert call(2)
+
+
+def test_the_lean_program_has_no_conditional_and_one_loop_as_the_autoregressive_loop(pair, monkeypatch):
+    """On a GPU the host reads each XLA conditional's predicate before it launches the branch, a
+    wait for the device's queue to drain: the general path's opening and plain segment hold seven
+    such branches (their cost on an H200: `docs/results/policy_overhead_qwen_h200_b4.md`). A lean
+    call's program (`engine.plain_call_on_device`), like the autoregressive loop's, compiles to
+    one while loop and no conditional."""
+    import importlib
+    import re
+
+    generate_module = importlib.import_module("jaxspec.generate")
+    target, draft = pair
+    expensive = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=5e-3,
+                                            target_per_token=5e-4)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(
+        k=1, policy="goodput", cost_model=expensive, measure_plans=False))
+    prompts = prompts16(7)
+    calls = {}
+
+    def capture(name, module, attribute):
+        program = getattr(module, attribute)
+
+        def called(*args, **kwargs):
+            calls[name] = (program, args, kwargs)
+            return program(*args, **kwargs)
+        monkeypatch.setattr(module, attribute, called)
+
+    capture("lean", engine_lib, "plain_call_on_device")
+    capture("autoregressive", generate_module, "_generate_on_device")
+    for seed in range(2):
+        decoder.generate(prompts, max_new_tokens=10, seed=seed)
+    jaxspec.generate(target, prompts, max_new_tokens=10)
+    for name, (program, args, kwargs) in calls.items():
+        hlo = program.lower(*args, **kwargs).compile().as_text()
+        assert len(re.findall(r"\bconditional\(", hlo)) == 0, name
+        assert len(re.findall(r"\bwhile\(", hlo)) == 1, name
+    assert set(calls) == {"lean", "autoregressive"}
