@@ -214,6 +214,8 @@ def main() -> None:
             if label.startswith("goodput"):
                 trace = s.extra["k_trace"]
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
+                if any(lean[label]):
+                    row["k_used"] += f"; {sum(lean[label])} of {len(lean[label])} calls lean"
                 # The policy's own predictions (corrected online, from where the decoder's calls
                 # before left them) against each segment's measured wall time per step, round trip
                 # included, over the segments after each run's first (a run of one segment counts
@@ -287,7 +289,9 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
         "many segments, and the median error of the runs' first segments (judged by what the calls before measured; "
         "the untimed first call, by the warm-up alone). `same_output`: the greedy output equals the autoregressive "
         "loop's token for token, or where the first differing row parts from it, with the target's logits of both "
-        "tokens there (an uncached forward). "
+        "tokens there (an uncached forward). `k_used`: the goodput run's mean draft length over the last round's "
+        "steps, the share of them decoded plainly, and how many timed calls ran as one program of plain decoding "
+        "(lean calls, `SpeculativeDecoder._lean_call`). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}"
         f"{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}. {profile}"
         + (f" Not run (they would have ended past the {args.deadline:.0f} s deadline): batch "
