@@ -840,10 +840,9 @@ class SpeculativeDecoder:
         # Goodput: per compiled shape, the plan the last call opened on (the next call's first
         # segment is dispatched on it before the device's choice is read; see `run_on_device`).
         self._openings: dict = {}
-        # Goodput: per compiled shape, (lean calls since the last call that decoded plainly in one
-        # segment, that call's longest request, the step-time corrections its opening judged by),
-        # while the next call may be lean (`_lean_call`).
-        self._lean: dict = {}
+        # Goodput: per compiled shape, the streak of lean calls since the last call that decoded
+        # plainly in one segment, while the next call may be lean (`_lean_call`).
+        self._lean: dict[tuple, _LeanStreak] = {}
         # Goodput: the openings' counts of tokens per step, by what they depend on (`_opening_tokens`).
         self._opening_memo: dict = {}
 
@@ -1034,7 +1033,7 @@ class SpeculativeDecoder:
             plain_through = (len(tracker.history) == 1 and schedule.plans[tracker.history[0][0]].k == 0
                              and opening_trial is None)
             if plain_through:
-                self._lean[shape_key] = (0, longest, opening_ratio_j)
+                self._lean[shape_key] = _LeanStreak(calls=0, longest=longest, ratio_j=opening_ratio_j)
             else:
                 self._lean.pop(shape_key, None)
             stats.extra["segments"] = _segment_log(schedule, tracker)
@@ -1069,14 +1068,13 @@ class SpeculativeDecoder:
         (the drafter's prefill, a round trip: a few percent of a call), so it is let pass. Every
         LEAN_CALLS + 1-th call lets the device choose again. Timing trials and ties come due as
         before (the call's opening checks them on the host first, `_opening_trial`)."""
-        lean = self._lean.get(shape_key)
-        if lean is None or schedule.predict_ks[plan_index] != 0:
+        streak = self._lean.get(shape_key)
+        if (streak is None or schedule.predict_ks[plan_index] != 0 or streak.calls >= LEAN_CALLS
+                or longest > streak.longest):
             return False
-        calls, qualified_longest, qualified_ratio_j = lean
-        moved_j = np.asarray(ratio_j, np.float64) / qualified_ratio_j
+        moved_j = np.asarray(ratio_j, np.float64) / streak.ratio_j
         drafting = np.asarray(schedule.predict_ks) > 0
-        return (calls < LEAN_CALLS and longest <= qualified_longest
-                and bool(np.all(moved_j[drafting] * (1.0 + LEAN_DRIFT) >= moved_j[plan_index])))
+        return bool(np.all(moved_j[drafting] * (1.0 + LEAN_DRIFT) >= moved_j[plan_index]))
 
     def _generate_lean(self, schedule: Schedule, shape_key, tracker: cost_lib.StepTimeTracker, warm: _Warm,
                        plan_index: int, batch, queue, table, rows_in, eos_t, static, slots: int) -> GenerationResult:
@@ -1097,8 +1095,8 @@ class SpeculativeDecoder:
         if segment_seconds > warm.round_trip:
             tracker.observe(plan_index, steps, segment_seconds)
         table.harvest(done_b, out_bo, n_out_b, counters)
-        calls, *qualified = self._lean[shape_key]
-        self._lean[shape_key] = (calls + 1, *qualified)
+        streak = self._lean[shape_key]
+        self._lean[shape_key] = streak._replace(calls=streak.calls + 1)
         tokens = queue.results()
         stats = _stats(Counters(**queue.counters), batch.num_prompts, steps, seconds_taken, [0] * steps, self.drafter)
         stats.extra.update(slots=slots, lean=True,
@@ -1470,6 +1468,12 @@ class _Warm(NamedTuple):
     opening_seconds: float            # a run's opening (`start_on_device`) and the fetch of its choice
     predicted: dict | None = None     # step times the policy starts each call from (the warm-up's in them)
     lean_opening_seconds: float = 0.0  # a lean call's prefill and fetch (`plain_call_on_device`, no step)
+
+
+class _LeanStreak(NamedTuple):
+    calls: int            # lean calls since the call that qualified them
+    longest: int          # that call's longest request: a lean call's may be no longer
+    ratio_j: np.ndarray   # the step-time corrections that call's opening judged by (`StepTimeTracker.ratio`)
 
 
 def _acceptance_seen(schedule: Schedule, states, retired=()) -> tuple | None:

@@ -1706,3 +1706,23 @@ def test_the_lean_program_has_no_conditional_and_one_loop_as_the_autoregressive_
         assert len(re.findall(r"\bconditional\(", hlo)) == 0, name
         assert len(re.findall(r"\bwhile\(", hlo)) == 1, name
     assert set(calls) == {"lean", "autoregressive"}
+
+
+def test_lean_calls_sample_the_targets_distribution():
+    """A lean call's sampled tokens follow the target's own distribution (exact, by enumeration
+    on a 6-token vocabulary; chi-square), not only the general path's tokens: 4000 requests in
+    one batch, the second call at the shape lean."""
+    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    sampling = jaxspec.SamplingConfig(temperature=1.0)
+    expensive = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=5e-3,
+                                            target_per_token=5e-4)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(
+        k=1, policy="goodput", cost_model=expensive, measure_plans=False), sampling=sampling)
+    rows = 4000
+    assert not decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=5).stats.extra.get("lean", False)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=41)
+    assert result.stats.extra.get("lean", False)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
