@@ -92,6 +92,12 @@ class CompileCounter:
             self.names.append(kwargs.get("fun_name"))
 
     def __enter__(self):
+        # JAX's own key-seeding program (`jax.random.key`, which a call with a seed not seen before
+        # runs: `generate._base_key` keeps the keys of seeds seen) is built first: a module's
+        # teardown drops compiled programs (`_free_compiled_programs`), and a new seed after it
+        # compiled `jit(stage)` and `jit(_threefry_seed)` inside a counted call, programs that are
+        # not the library's and that it compiles once per process, not per call.
+        jax.random.key(0)
         jax.monitoring.register_event_duration_secs_listener(self._listener)
         return self
 

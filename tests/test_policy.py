@@ -1601,9 +1601,6 @@ def test_plain_calls_run_lean_with_the_general_paths_tokens_and_let_the_device_c
         lean = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling)
         assert not lean.generate(prompts, max_new_tokens=10, seed=0).stats.extra.get("lean", False)
         flags = []
-        # A seed not seen before builds its key with JAX's own seeding program (`generate._base_key`
-        # keeps the keys of seeds seen, and a module before may have dropped compiled programs).
-        jax.random.key(987654321)
         with compile_counter() as counter:
             for call in range(engine_lib.LEAN_CALLS + 2):
                 got = lean.generate(prompts, max_new_tokens=10, seed=call)
