@@ -110,7 +110,7 @@ def main() -> None:
     kmax = max(args.ks)
     rows, round_seconds, skipped, batch_seconds = [], {}, [], [0.0]
     round_plans = {}   # the goodput runs' (draft length, steps) segments, per batch and round
-    round_lean = {}    # whether each goodput run was a lean plain call (`SpeculativeDecoder._lean_call`)
+    round_lean = {}    # whether each goodput run was a lean plain call (`GoodputControl.lean_call`)
     for batch in args.batches:
         batch_start = time.perf_counter()
         if args.deadline is not None and batch_start - started + 1.1 * max(batch_seconds) > args.deadline:
@@ -291,7 +291,7 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
         "loop's token for token, or where the first differing row parts from it, with the target's logits of both "
         "tokens there (an uncached forward). `k_used`: the goodput run's mean draft length over the last round's "
         "steps, the share of them decoded plainly, and how many timed calls ran as one program of plain decoding "
-        "(lean calls, `SpeculativeDecoder._lean_call`). "
+        "(lean calls, `GoodputControl.lean_call`). "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}"
         f"{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}. {profile}"
         + (f" Not run (they would have ended past the {args.deadline:.0f} s deadline): batch "

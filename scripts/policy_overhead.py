@@ -35,9 +35,9 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec import engine
 from jaxspec.benchmarking import PAIRS, build_pair, machine, prompt_sets, table, write_results
 from jaxspec.cost import CostModel
+from jaxspec.engine import loop
 
 # Under this cost model a draft position costs a whole second: plain decoding wins at any acceptance.
 NEVER_DRAFT = dict(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-3, target_per_token=1e-5)
@@ -79,9 +79,9 @@ def phase_clock():
                     spent[phase] += time.perf_counter() - start
         return wrapper
 
-    patches = [(engine, name, "dispatch") for name in ("start_on_device", "run_on_device", "refill_on_device",
-                                                      "plain_call_on_device")]
-    patches += [(engine, "_segment_outputs", "read"), (generate_module, "_generate_on_device", "dispatch"),
+    patches = [(loop, name, "dispatch") for name in ("start_on_device", "run_on_device", "refill_on_device",
+                                                    "plain_call_on_device")]
+    patches += [(loop, "segment_outputs", "read"), (generate_module, "_generate_on_device", "dispatch"),
                 (jax, "device_get", "read")]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     try:

@@ -25,6 +25,7 @@ from jaxspec import engine
 from jaxspec import prompts as prompts_lib
 from jaxspec.benchmarking import PAIRS, build_pair, machine, prompt_sets, table, write_results
 from jaxspec.cost import CostModel
+from jaxspec.engine.control import as_arrays
 from jaxspec.generate import request_keys
 
 NEW_TOKENS = 96
@@ -42,10 +43,10 @@ def compiled_text(decoder, ids, k: int) -> str:
     static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=None)
     rows = prompts_lib.subset(batch, list(range(len(ids))), min_rows=slots)   # padded to the slots, as a call's
     rows_in = (rows.tokens_bp, rows.lengths_b, rows.max_new_b, request_keys(0, rows.request_ids_b))
-    seconds = engine._as_arrays(decoder._predicted_seconds(schedule, slots, cache_len))
+    seconds = as_arrays(decoder._goodput.predicted_seconds(schedule, slots, cache_len))
     plan = [p.k for p in schedule.plans].index(k)
     if goodput:
-        opening = (np.int32(plan), decoder._acceptance.seed(schedule.positions), np.bool_(True))
+        opening = (np.int32(plan), decoder._goodput.acceptance.seed(schedule.positions), np.bool_(True))
         flags = (np.int32(0), np.int32(NEW_TOKENS), np.bool_(True), np.bool_(False))
     else:
         opening, flags = (None, None, None), (np.int32(0), np.int32(NEW_TOKENS), None, None)

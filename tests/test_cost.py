@@ -73,23 +73,23 @@ def test_a_step_timing_is_never_far_below_the_loops_average_step(tiny_model, mon
     falls back to a tenth of the long loop's average step instead of a floor of zero."""
     import types
 
-    import jaxspec.engine as engine
     from jaxspec.drafters import NgramDrafter
+    from jaxspec.engine import loop
 
     step, stall, now = 1e-3, 1e-2, [0.0]
 
-    def loop(*args, **kwargs):
+    def timed_loop(*args, **kwargs):
         steps = int(args[-1])
         now[0] += steps * step + (stall if steps == 1 else 0.0)
         return args[6]
 
-    monkeypatch.setattr(engine, "_steps_loop", loop)
-    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(loop, "_steps_loop", timed_loop)
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     drafter = NgramDrafter().bind_vocab(tiny_model.config.vocab_size)
-    seconds = engine.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2)
+    seconds = loop.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2)
     assert seconds == pytest.approx(0.1 * step)   # the long loop's average: 7 steps in 7 steps' time
     stall = 0.0   # and a quiet clock gives the step itself
-    assert engine.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2) == pytest.approx(step)
+    assert loop.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2) == pytest.approx(step)
 
 
 def test_speculation_terms_apply_only_to_drafting_steps():

@@ -1,0 +1,324 @@
+"""One speculative decode step, as a pure function of the loop state (static shapes).
+
+Shape key: b rows, p padded prompt length, l sequence-buffer slots, k draft tokens, o output slots,
+v vocabulary.
+
+One step, for every row at its own length:
+  1. draft: the drafter proposes k tokens (and the distributions they came from);
+  2. select and verify: standard selection scores [pending, d_1 .. d_k] in one padded forward over
+     the target cache; TETRIS picks each row's window across the batch and scores exactly those
+     tokens in a packed forward of b + C tokens;
+  3. accept: greedy matching or lossless rejection sampling picks a prefix plus one token;
+  4. bookkeeping: emitted tokens go to the output and sequence buffers (cut at eos and at the
+     row's budget); the target cache commits exactly the tokens it has processed and kept.
+     Rolling back the rest is not writing them: `lengths` simply does not cover them.
+`draft_phase` is 1, `verify_phase` 2-4; `speculative_step` composes them, and the two-slice engine
+(`jaxspec.parallel.pipeline`) runs them on two device slices. `plain_step` is a step without drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxspec import policy as policy_lib
+from jaxspec import tetris
+from jaxspec.drafters import Drafter, Proposal, draft_logprob
+from jaxspec.generate import prefill
+from jaxspec.models.cache import KVCache
+from jaxspec.models.model import forward, forward_packed
+from jaxspec.parallel import sharding as sharding_lib
+from jaxspec.sampling import SamplingConfig, probabilities, row_keys, sample
+from jaxspec.verify import accept
+
+_DRAFT_TAG, _ACCEPT_TAG = 1, 2
+
+
+@struct.dataclass
+class Counters:
+    """Per-row statistics accumulated on device."""
+
+    row_steps: jax.Array      # steps in which the row was live
+    drafted: jax.Array        # real draft tokens proposed
+    verified: jax.Array       # draft slots sent to the target
+    accepted: jax.Array       # draft tokens accepted
+    emitted: jax.Array        # tokens emitted
+    tried: jax.Array          # acceptance trials: accepted drafts plus the first rejection (`policy.observe`)
+
+    @classmethod
+    def zeros(cls, b: int) -> Counters:
+        z = jnp.zeros((b,), jnp.int32)
+        return cls(row_steps=z, drafted=z, verified=z, accepted=z, emitted=z, tried=z)
+
+
+@struct.dataclass
+class DecodeState:
+    target_cache: KVCache
+    draft_state: object
+    seq_bl: jax.Array         # prompt + emitted tokens of each row
+    out_bo: jax.Array         # emitted tokens only
+    n_out_b: jax.Array        # tokens emitted so far
+    done_b: jax.Array
+    counters: Counters
+    steps: jax.Array
+    # Only when this decoder drafts for a higher level (a chain): the distribution each emitted
+    # token was drawn from, which the level above needs for rejection sampling, and its
+    # acceptance surrogate for TETRIS.
+    probs_bov: jax.Array | None = None
+    logprob_bo: jax.Array | None = None
+    # Only under the goodput policy: acceptance tracking and the next step's choice.
+    policy: policy_lib.PolicyState | None = None
+
+
+def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos_id, out_len: int,
+                    record=None):
+    """Writes each row's first `emit_count_b` window tokens (cut at eos and the budget)."""
+    b, width = window_bk1.shape
+    j = jnp.arange(width)[None, :]
+    live_b = ~state.done_b
+    count_b = jnp.minimum(emit_count_b, max_new_b - state.n_out_b)
+    is_eos_bk = (window_bk1 == eos_id) & (j < count_b[:, None])
+    first_eos_b = jnp.argmax(is_eos_bk, axis=1)
+    count_b = jnp.where(jnp.any(is_eos_bk, axis=1), first_eos_b + 1, count_b)
+    count_b = jnp.where(live_b, count_b, 0).astype(jnp.int32)
+    writes_bk = j < count_b[:, None]
+    rows_bk = jnp.broadcast_to(jnp.arange(b)[:, None], (b, width))
+    out_at = jnp.where(writes_bk, state.n_out_b[:, None] + j, out_len)       # out of range: dropped
+    pending_b = state.target_cache.lengths
+    seq_at = jnp.where(writes_bk, pending_b[:, None] + 1 + j, state.seq_bl.shape[1])
+    out_bo = state.out_bo.at[rows_bk, out_at].set(window_bk1, mode="drop")
+    seq_bl = state.seq_bl.at[rows_bk, seq_at].set(window_bk1, mode="drop")
+    if record is not None:
+        probs_bk1v, logprob_bk1 = record
+        state = state.replace(probs_bov=state.probs_bov.at[rows_bk, out_at].set(probs_bk1v, mode="drop"),
+                              logprob_bo=state.logprob_bo.at[rows_bk, out_at].set(logprob_bk1, mode="drop"))
+    n_out_b = state.n_out_b + count_b
+    hit_eos_b = jnp.any(is_eos_bk & writes_bk, axis=1)
+    done_b = state.done_b | hit_eos_b | (n_out_b >= max_new_b)
+    # The target processed pending and the accepted drafts: keep exactly the emitted ones.
+    cache = state.target_cache.commit(pending_b + count_b)
+    return state.replace(target_cache=cache, seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b, done_b=done_b), count_b
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The static shape of one speculative step (a compiled branch).
+
+    Attributes:
+      k: draft tokens proposed per row (k + extra under TETRIS; 0 = a plain decoding step).
+      capacity: None for standard selection (every row verifies all its drafts in a padded
+        [b, k + 1] pass); else TETRIS, compiled for this many selected drafts at most.
+      capacities: goodput policy with TETRIS: candidate budgets searched every step, each with its
+        own packed verification size (capacity is then their maximum).
+      cache_len: the cache size, for cost predictions.
+      threshold: confidence-threshold drafting (SpecConfig.threshold).
+      calibrate: goodput policy: whether the step counts draft confidence against acceptance (the
+        calibration that TETRIS and threshold drafting read, `policy.calibrated_logprobs`). A
+        schedule with neither skips it: the count and the drafter's log-probabilities it reads
+        were 23 of the 33 kernels a goodput step at batch 1 ran more than a fixed-k step
+        (`scripts/step_kernels.py`), each a few microseconds on XLA:CPU.
+    """
+
+    k: int
+    capacity: int | None = None
+    capacities: tuple[int, ...] | None = None
+    cache_len: int = 0
+    threshold: float | None = None
+    calibrate: bool = True
+
+
+def empty_proposal(b: int) -> Proposal:
+    """The proposal of a step that does not draft (k = 0)."""
+    return Proposal(tokens_bk=jnp.zeros((b, 0), jnp.int32), q_bkv=jnp.zeros((b, 0, 1), jnp.float32),
+                    num_drafts_b=jnp.zeros((b,), jnp.int32), logprob_bk=jnp.zeros((b, 0), jnp.float32))
+
+
+def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params, draft_state, seq_bl, pending_b,
+                n_out_b, request_keys_b) -> tuple[Proposal, object]:
+    """Step part 1, the drafter's side: propose k tokens per row.
+
+    It reads only token ids and lengths of the target's side (`seq_bl`, the pending positions, the
+    emitted counts that seed the RNG), so it can run on another device slice than the target
+    (`jaxspec.parallel`); its output, the Proposal, is all the target's side needs.
+    """
+    if k == 0:
+        return empty_proposal(seq_bl.shape[0]), draft_state
+    step_key_b = row_keys(request_keys_b, n_out_b)
+    draft_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _DRAFT_TAG)
+    return drafter.propose(draft_params, draft_state, seq_bl, pending_b, k, draft_key_b, sampling)
+
+
+def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
+                 proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None,
+                 capacity_seconds_j=None) -> DecodeState:
+    """Step part 2, the target's side: select -> verify -> accept -> commit, for every row.
+
+    Args:
+      plan: the step's static shape (StepPlan); plan.k must equal the proposal's length.
+      proposal: what `draft_phase` proposed from this same state.
+      budget: traced number of drafts TETRIS may select (<= plan.capacity; default all of it).
+      capacity_seconds_j: predicted step time of each of plan.capacities, when the step searches
+        TETRIS budgets by goodput.
+    """
+    b, k = state.seq_bl.shape[0], plan.k
+    if k == 0 and state.probs_bov is None:
+        return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
+                          out_len)
+    pending_b = state.target_cache.lengths
+    pending_tok_b = jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1)[:, 0]
+    step_key_b = row_keys(request_keys_b, state.n_out_b)
+    live_b = ~state.done_b
+    if plan.threshold is not None and k > 0:
+        # Threshold drafting: each row's window ends where its cumulative confidence drops below
+        # the threshold (a prefix: the cumulative estimate never increases along a row).
+        estimate_bk = proposal.logprob_bk
+        if state.policy is not None:
+            estimate_bk = policy_lib.calibrated_logprobs(state.policy, estimate_bk)
+        above_b = jnp.sum(tetris.cumulative_logprobs(estimate_bk) >= jnp.log(plan.threshold), axis=1)
+        proposal = proposal.replace(num_drafts_b=jnp.minimum(proposal.num_drafts_b, above_b).astype(jnp.int32))
+    drafts_bk = proposal.tokens_bk
+    window_bk1 = jnp.concatenate([pending_tok_b[:, None], drafts_bk], axis=1)
+    if plan.capacity is None:
+        # Standard: the target scores the pending token and every draft in one padded pass.
+        verify_b = proposal.num_drafts_b
+        logits_bk1v, target_cache = forward(target_graphdef, target_params, window_bk1, state.target_cache)
+        verified_b = jnp.full((b,), k, jnp.int32)
+    else:
+        verify_b, logits_bk1v, target_cache = _tetris_verify(target_graphdef, target_params, plan, state, proposal,
+                                                             window_bk1, max_new_b, budget, capacity_seconds_j)
+        verified_b = verify_b
+    accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
+    accepted_b, next_b = accept(accept_key_b, drafts_bk, proposal.q_bkv, logits_bk1v, verify_b, sampling)
+    # Emitted this step: d_1 .. d_a, then the correction / bonus token.
+    j = jnp.arange(k + 1)[None, :]
+    drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
+    state = state.replace(target_cache=target_cache)
+    if state.policy is not None and k > 0:   # a plain step observes nothing (see `policy.age`)
+        state = state.replace(policy=policy_lib.observe(state.policy, proposal.logprob_bk, verify_b, accepted_b,
+                                                        live_b, calibrate=plan.calibrate))
+    record = _record_for_level_above(logits_bk1v, emitted_bk1, sampling) if state.probs_bov is not None else None
+    state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len, record)
+    live = live_b.astype(jnp.int32)
+    c = state.counters
+    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * proposal.num_drafts_b,
+                        verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
+                        emitted=c.emitted + count_b,
+                        tried=c.tried + live * jnp.minimum(accepted_b + 1, verify_b))
+    # A step over finished rows only (a host-driven loop may run one) is not counted.
+    return state.replace(counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
+
+
+def plain_step(target_graphdef, sampling: SamplingConfig, target_params, state: DecodeState, request_keys_b,
+               max_new_b, eos_id, out_len: int) -> DecodeState:
+    """A step without drafts (k = 0), as lean as the autoregressive loop's: the general path's
+    window bookkeeping (eos search over the window, cut at the budget, masked scatters, draft
+    counters) cost 5% of a plain step at batch 16 on XLA:CPU (11.85 against 11.27 ms), which the
+    goodput policy paid wherever it turned speculation off. It draws the token exactly as the
+    general path's acceptance does with no drafts (the resample key of `verify.rejection_accept`,
+    from p itself), so a request's tokens do not depend on which path emitted them.
+    """
+    rows = jnp.arange(state.seq_bl.shape[0])
+    live_b = ~state.done_b
+    pending_b = state.target_cache.lengths
+    pending_tok_b = state.seq_bl[rows, pending_b]
+    logits_b1v, cache = forward(target_graphdef, target_params, pending_tok_b[:, None], state.target_cache)
+    if sampling.greedy:
+        token_b = jnp.argmax(logits_b1v[:, 0], axis=-1).astype(jnp.int32)
+    else:
+        key_b = jax.vmap(jax.random.fold_in, (0, None))(row_keys(request_keys_b, state.n_out_b), _ACCEPT_TAG)
+        resample_key_b = jax.vmap(lambda key: jax.random.split(key)[1])(key_b)
+        p_bv = probabilities(logits_b1v[:, 0], sampling)
+        p_bv = p_bv / jnp.sum(p_bv, axis=-1, keepdims=True)    # as the general path renormalises
+        token_b = jax.vmap(sample)(resample_key_b, p_bv)
+    live = live_b.astype(jnp.int32)
+    # A finished row writes nothing: its index is out of range, and the write is dropped.
+    out_bo = state.out_bo.at[rows, jnp.where(live_b, state.n_out_b, out_len)].set(token_b, mode="drop")
+    seq_bl = state.seq_bl.at[rows, jnp.where(live_b, pending_b + 1, state.seq_bl.shape[1])].set(token_b, mode="drop")
+    n_out_b = state.n_out_b + live
+    done_b = state.done_b | (live_b & (token_b == eos_id)) | (n_out_b >= max_new_b)
+    c = state.counters
+    counters = c.replace(row_steps=c.row_steps + live, emitted=c.emitted + live)
+    return state.replace(target_cache=cache.commit(pending_b + live), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
+                         done_b=done_b, counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
+
+
+def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
+                     target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
+                     out_len: int, budget=None, capacity_seconds_j=None) -> DecodeState:
+    """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
+
+    The composition of `draft_phase` and `verify_phase`; the pipelined engine runs the same two
+    functions on two device slices.
+    """
+    proposal, draft_state = draft_phase(drafter, plan.k, sampling, draft_params, state.draft_state, state.seq_bl,
+                                        state.target_cache.lengths, state.n_out_b, request_keys_b)
+    return verify_phase(target_graphdef, plan, sampling, target_params, state.replace(draft_state=draft_state),
+                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget, capacity_seconds_j)
+
+
+def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: DecodeState, proposal: Proposal,
+                   window_bk1, max_new_b, budget, capacity_seconds_j):
+    """TETRIS: choose each row's window across the batch, then verify exactly those tokens, packed.
+
+    A slot is usable if it is a real proposal, its row is live, and what it could emit fits in the
+    row's remaining token budget. Returns (window lengths, logits [b, k + 1, v], target cache).
+    """
+    b, k = window_bk1.shape[0], plan.k
+    j = jnp.arange(k)[None, :]
+    remaining_b = max_new_b - state.n_out_b
+    usable_bk = (j < proposal.num_drafts_b[:, None]) & ~state.done_b[:, None] & (j + 2 <= remaining_b[:, None])
+    logprob_bk = tetris.acceptance_logprobs(proposal, usable_bk)
+    if state.policy is not None:
+        logprob_bk = policy_lib.calibrated_logprobs(state.policy, logprob_bk)
+    if plan.capacities is None:
+        verify_b = tetris.select(logprob_bk, plan.capacity, budget)
+        logits_bk1v, cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1,
+                                            state.target_cache, b + plan.capacity)
+        return verify_b, logits_bk1v, cache
+    # Goodput: the budget with the most expected tokens per predicted second; each candidate has
+    # its own compiled packed size.
+    goodput_j = policy_lib.goodput_of_capacities(tetris.cumulative_logprobs(logprob_bk).reshape(-1),
+                                                 jnp.sum(~state.done_b), plan.capacities, capacity_seconds_j)
+    choice = jnp.argmax(goodput_j)
+    verify_b = tetris.select(logprob_bk, plan.capacity, jnp.asarray(plan.capacities)[choice])
+    branches = [functools.partial(_packed_branch, packed_len=b + c) for c in plan.capacities]
+    logits_bk1v, cache = jax.lax.switch(choice, branches, target_graphdef, target_params, window_bk1, verify_b + 1,
+                                        state.target_cache)
+    return verify_b, logits_bk1v, cache
+
+
+def _packed_branch(graphdef, params, window_bw, counts_b, cache, *, packed_len: int):
+    return forward_packed(graphdef, params, window_bw, counts_b, cache, packed_len)
+
+
+def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
+    """What a chain level reports for each emitted token: the distribution p it follows exactly
+    (the level above's q), and the acceptance surrogate TETRIS ranks (see `draft_logprob`)."""
+    p_bk1v = probabilities(logits_bk1v, sampling)
+    logprob_bk1 = jax.vmap(draft_logprob, (1, 1, 1, None, None), 1)(logits_bk1v, emitted_bk1, p_bk1v, sampling,
+                                                                    sampling.greedy)
+    return p_bk1v, logprob_bk1
+
+
+def initial_state(target_graphdef, sampling: SamplingConfig, target_params, tokens_bp, prompt_len_b, max_new_b,
+                  request_keys_b, eos_id, *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
+    """The target's prefill and first token, and the loop state before the first step (no drafter).
+
+    `mesh`: a jax Mesh to lay the target's KV cache out on (rows over data, kv heads over tensor).
+    """
+    b, p = tokens_bp.shape
+    cache, first_b, n_out_b, done_b = prefill(target_graphdef, target_params, tokens_bp, prompt_len_b, max_new_b,
+                                              request_keys_b, eos_id, sampling, cache_len)
+    if mesh is not None:
+        cache = sharding_lib.constrain_cache(cache, mesh)
+    rows = jnp.arange(b)
+    seq_bl = jnp.zeros((b, seq_len), jnp.int32).at[:, :p].set(tokens_bp)
+    seq_bl = seq_bl.at[rows, prompt_len_b].set(first_b)
+    out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
+    return DecodeState(target_cache=cache, draft_state=(), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
+                       done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
