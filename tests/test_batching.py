@@ -178,6 +178,32 @@ def test_slot_table_bookkeeping():
     assert table.remaining_work(np.array([1, 0])) == (2 - 1) + (4 - 0)
 
 
+@pytest.mark.parametrize("slots, multiple", [(24, 1), (64, 1), (1000, 1), (24, 2)])
+def test_refill_batches_come_in_few_sizes_and_fit_the_slots(slots, multiple):
+    """Whatever the number of free slots, a refill batch holds every request it takes, in the
+    fewest rows of a few sizes: each size is a refill program to compile. A refill of n requests
+    has the smallest power of two rows >= n, or `slots` rows where that is smaller (found here by
+    search over the sizes, not by the formula), so a table has at most ceil(log2(slots)) + 1
+    sizes (bucketed like a fresh batch, 1000 slots had 128). Its padding rows aim past the last
+    slot (their writes are dropped) and carry budget 0."""
+    lengths = np.random.default_rng(0).integers(1, 9, slots)
+    batch = prompts.prepare([[1] * n for n in lengths], None, vocab_size=10, max_positions=64, max_new_tokens=4)
+    sizes = set()
+    for n in range(1, slots + 1):
+        queue = batching.RequestQueue(batch)
+        table = batching.SlotTable(queue, slots, multiple)
+        table.first_batch([])                   # every slot free, n requests waiting
+        queue.pop(slots - n)
+        slots_r, sub = table.refill()
+        rows = sub.tokens_bp.shape[0]
+        want = min(next(2 ** j for j in range(slots.bit_length() + 1) if 2 ** j >= n), slots)
+        assert rows == -(-want // multiple) * multiple <= slots, (n, rows)
+        assert slots_r[:n].tolist() == list(range(n)) and np.all(slots_r[n:] == slots)
+        assert sub.num_prompts == n and np.all(sub.max_new_b[n:] == 0) and np.all(sub.max_new_b[:n] == 4)
+        sizes.add(rows)
+    assert len(sizes) <= int(np.ceil(np.log2(slots))) + 1, sorted(sizes)
+
+
 @pytest.mark.parametrize("value", [0, -1, 2.5, True])
 def test_bad_batch_size(pair, requests, value):
     target, draft = pair
