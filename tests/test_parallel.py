@@ -146,6 +146,41 @@ def test_draft_that_does_not_divide_its_slice_is_rejected(pair):
         jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=2))
 
 
+@pytest.mark.parametrize("mesh", [
+    jaxspec.MeshConfig(target_tp=2, draft_tp=0),
+    pytest.param(jaxspec.MeshConfig(target_dp=2, target_tp=2, draft_tp=0), marks=pytest.mark.slow),  # 70 s
+], ids=["tp2-shared", "dp2xtp2-shared"])
+def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompts, reference, mesh, monkeypatch):
+    """The goodput policy with the draft on the target's mesh: drafting where the cost model
+    makes it free, plain decoding where it makes the draft dear, and then lean calls (one program
+    of plain decoding, `loop.plain_call_on_device`), each the single-device greedy output; a
+    sampled lean call draws the tokens the general path draws on the same mesh."""
+    from jaxspec.engine import control
+
+    target, draft = pair
+    free = jaxspec.CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2,
+                                               target_per_token=1e-6)
+    dear = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-2,
+                                               target_per_token=1e-6)
+    drafting = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
+        k=1, policy="goodput", cost_model=free, measure_plans=False))
+    result = drafting.generate(prompts, max_new_tokens=BUDGETS)
+    assert result.tokens == reference and result.stats.accepted_tokens > 0
+    spec = jaxspec.SpecConfig(k=1, policy="goodput", cost_model=dear, measure_plans=False)
+    plain = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=spec)
+    lean = [plain.generate(prompts, max_new_tokens=BUDGETS, seed=call) for call in range(3)]
+    assert [r.stats.extra.get("lean", False) for r in lean] == [False, True, True]
+    assert all(r.tokens == reference and r.stats.drafted_tokens == 0 for r in lean)
+    sampling = jaxspec.SamplingConfig(temperature=1.0)
+    sampled = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=spec, sampling=sampling)
+    sampled.generate(prompts, max_new_tokens=BUDGETS, seed=0)
+    got = sampled.generate(prompts, max_new_tokens=BUDGETS, seed=1)
+    monkeypatch.setattr(control, "LEAN_CALLS", 0)
+    want = sampled.generate(prompts, max_new_tokens=BUDGETS, seed=1)
+    assert got.stats.extra.get("lean") and not want.stats.extra.get("lean", False)
+    assert got.tokens == want.tokens
+
+
 def test_goodput_with_a_separate_slice_is_rejected(pair):
     target, draft = pair
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0, target_fixed=1e-2,

@@ -363,20 +363,18 @@ class GoodputControl:
                                         eos_t, seconds, next_choice, acceptance, draining, **static)
 
         scratch = jax.block_until_ready(opened())
-        lean_opening = 0.0
-        if self.mesh is None:
-            # A lean call's program (`lean_call`), compiled, then timed on rows of 1 token (no step):
-            # what a lean call costs besides its steps, its prefill and fetch.
-            one_b = put(np.minimum(max_new_host, 1))
+        # A lean call's program (`lean_call`), compiled, then timed on rows of 1 token (no step):
+        # what a lean call costs besides its steps, its prefill and fetch.
+        one_b = put(np.minimum(max_new_host, 1))
 
-            def lean_opened():
-                start = time.perf_counter()
-                jax.device_get(loop.plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1], one_b,
-                                                         keys_b, eos_t, **static))
-                return time.perf_counter() - start
+        def lean_opened():
+            start = time.perf_counter()
+            jax.device_get(loop.plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1], one_b,
+                                                     keys_b, eos_t, **static))
+            return time.perf_counter() - start
 
-            lean_opened()   # compiles
-            lean_opening = float(np.median([lean_opened() for _ in range(3)]))
+        lean_opened()   # compiles
+        lean_opening = float(np.median([lean_opened() for _ in range(3)]))
         starts = []
         for _ in range(3):   # what a run's opening costs (prefill, first plan), fetch included
             start = time.perf_counter()

@@ -168,7 +168,7 @@ class SpeculativeDecoder:
             opening_trial = trial
             longest = int(np.max(np.asarray(first.max_new_b)[:first.num_prompts]))
             opening_ratio_j = tracker.ratio()
-            if (trial is None and on_finish is None and not len(queue) and self._target_mesh is None
+            if (trial is None and on_finish is None and not len(queue)
                     and control.lean_call(shape_key, schedule, plan_index, longest, opening_ratio_j)):
                 return self._generate_lean(schedule, shape_key, tracker, warm, plan_index, batch, queue, table,
                                            rows_in, eos_t, static, slots)
