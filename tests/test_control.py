@@ -1008,6 +1008,51 @@ def test_lean_calls_stop_once_the_step_times_favour_drafting_more_than_when_they
     assert call(2)
 
 
+def test_a_warm_up_compiles_each_program_once_and_ahead_of_its_first_run(pair, compile_counter, monkeypatch):
+    """The warm-up compiles its plans' programs side by side (`loop.compile_ahead`, through
+    `lower(...).compile()`); the runs that follow find them compiled: one compile per plan and
+    one each of the opening and lean programs, none of them at its first run. (A prompt of 40
+    tokens gives the call shapes of its own: no other test has compiled them.)"""
+    from jaxspec.engine import loop
+
+    target, draft = pair
+    prompts = prompts16(12) + [list(range(16)) * 2 + list(range(8))]
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+                                                                                cost_model=BALANCED))
+    compiled_at_call = []
+
+    def first_runs(name):
+        program = getattr(loop, name)
+
+        def called(*args, **kwargs):
+            with compile_counter() as counter:
+                out = program(*args, **kwargs)
+            compiled_at_call.extend(counter.names)
+            return out
+        called.lower = program.lower
+        monkeypatch.setattr(loop, name, called)
+
+    names = ("start_on_device", "run_on_device", "plain_call_on_device")
+    for name in names:
+        first_runs(name)
+    name_of = {getattr(loop, name): name for name in names}
+    ahead = []
+    real_ahead = loop.compile_ahead
+
+    def recorded(programs):
+        ahead.extend(name_of[fn] for fn, *_ in programs)
+        return real_ahead(programs)
+    monkeypatch.setattr(loop, "compile_ahead", recorded)
+    with compile_counter() as counter:
+        got = decoder.generate(prompts, max_new_tokens=20)
+    assert got.tokens == jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    assert sorted(ahead) == sorted(["start_on_device", "plain_call_on_device"] + ["run_on_device"] * 3), ahead
+    programs = {"jit(run_on_device)": 3, "jit(_fresh_rows)": 1, "jit(plain_call_on_device)": 1}
+    for name, count in programs.items():
+        assert counter.names.count(name) == count, (name, counter.names)
+    assert not set(compiled_at_call) & set(programs), compiled_at_call
+
+
 def test_the_lean_program_has_no_conditional_and_one_loop_as_the_autoregressive_loop(pair, monkeypatch):
     """On a GPU the host reads each XLA conditional's predicate before it launches the branch, a
     wait for the device's queue to drain: the general path's opening and plain segment hold seven

@@ -345,35 +345,41 @@ class GoodputControl:
                                                          np.bool_(False), np.int32(-1)))
 
         max_new_host = np.asarray(max_new_b)
+        # A lean call's program (`lean_call`) is timed on rows of 1 token (no step): what a lean
+        # call costs besides its steps, its prefill and fetch.
+        one_b = put(np.minimum(max_new_host, 1))
+        start_args = (graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in, eos_t, seconds,
+                      next_choice, acceptance, draining)
+        lean_args = (graphdef, self.sampling, params, rows_in[0], rows_in[1], one_b, keys_b, eos_t)
+
+        def run_args(state, steps: int) -> tuple:
+            return (graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b, max_new_b, eos_t,
+                    budget_t, seconds, no_stop, put(np.int32(steps)), draining, follow)
 
         def timed(state, plan_index: int, steps: int):
             """The state after `steps` more steps of a plan, the steps run so far, the call's
             seconds (fetch included) and the tokens the longest-running row has left."""
             start = time.perf_counter()
-            state = loop.run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
-                                       max_new_b, eos_t, budget_t, seconds, no_stop, put(np.int32(steps)), draining,
-                                       follow, **static, plan_index=plan_index)
+            state = loop.run_on_device(*run_args(state, steps), **static, plan_index=plan_index)
             done_b, _, n_out_b, _, ran, *_ = loop.segment_outputs(state)
             elapsed = time.perf_counter() - start
             room = int(np.max(np.where(done_b, 0, max_new_host - n_out_b), initial=0))
             return state, int(ran), elapsed, room
 
         def opened():
-            return loop.start_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, *rows_in,
-                                        eos_t, seconds, next_choice, acceptance, draining, **static)
-
-        scratch = jax.block_until_ready(opened())
-        # A lean call's program (`lean_call`), compiled, then timed on rows of 1 token (no step):
-        # what a lean call costs besides its steps, its prefill and fetch.
-        one_b = put(np.minimum(max_new_host, 1))
+            return loop.start_on_device(*start_args, **static)
 
         def lean_opened():
             start = time.perf_counter()
-            jax.device_get(loop.plain_call_on_device(graphdef, self.sampling, params, rows_in[0], rows_in[1], one_b,
-                                                     keys_b, eos_t, **static))
+            jax.device_get(loop.plain_call_on_device(*lean_args, **static))
             return time.perf_counter() - start
 
-        lean_opened()   # compiles
+        # The programs are compiled side by side before they first run (`loop.compile_ahead`).
+        loop.compile_ahead([(loop.start_on_device, start_args, static), (loop.plain_call_on_device, lean_args, static)])
+        scratch = jax.block_until_ready(opened())
+        loop.compile_ahead([(loop.run_on_device, run_args(scratch, 1), dict(static, plan_index=i))
+                            for i in range(len(schedule.plans))])
+        lean_opened()   # its first run
         lean_opening = float(np.median([lean_opened() for _ in range(3)]))
         starts = []
         for _ in range(3):   # what a run's opening costs (prefill, first plan), fetch included
