@@ -92,6 +92,42 @@ def test_a_step_timing_is_never_far_below_the_loops_average_step(tiny_model, mon
     assert loop.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2) == pytest.approx(step)
 
 
+def test_a_profile_compiles_its_grid_side_by_side_before_it_times(tiny_model, compile_counter, monkeypatch):
+    """`time_points` first compiles every shape's programs (`loop.warm_steps`), on as many threads
+    as the host has cores; its timing passes then compile nothing, and every shape is timed."""
+    import os
+    import threading
+
+    from jaxspec.cost import time_points
+    from jaxspec.drafters import NgramDrafter
+    from jaxspec.engine import loop
+
+    shapes = [(1, 0, 96), (1, 2, 96), (2, 1, 96), (2, 2, 128)]
+    real_time, real_warm = loop.time_steps, loop.warm_steps
+    warmed, threads, compiled_while_timing = [], set(), []
+
+    def warm(target, drafter, k, batch, cache_len, **kwargs):
+        threads.add(threading.get_ident())
+        warmed.append((batch, k, cache_len))
+        return real_warm(target, drafter, k, batch, cache_len, **kwargs)
+
+    def timed(*args, **kwargs):
+        with compile_counter() as counter:
+            seconds = real_time(*args, **kwargs)
+        compiled_while_timing.extend(counter.names)
+        return seconds
+
+    monkeypatch.setattr(loop, "warm_steps", warm)
+    monkeypatch.setattr(loop, "time_steps", timed)
+    drafter = NgramDrafter().bind_vocab(tiny_model.config.vocab_size)
+    with compile_counter() as counter:
+        points = time_points(tiny_model, drafter, shapes, passes=2)
+    assert sorted(warmed) == sorted(shapes) and counter.count > 0
+    assert len(threads) == min(len(shapes), os.cpu_count() or 1)
+    assert compiled_while_timing == []
+    assert [point[:3] for point in points] == shapes and all(point[3] > 0 for point in points)
+
+
 def test_speculation_terms_apply_only_to_drafting_steps():
     cost = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1.0, target_per_token=0.0,
                                        speculation_fixed=2.0, speculation_per_row=0.5)
@@ -678,7 +714,9 @@ def test_profile_passes_spread_a_drifting_machine_over_the_grid(tiny_model, monk
         ratio = np.array([cost.step_seconds(*shape) / truth.step_seconds(*shape) for shape in shapes])
         return ratio.max() / ratio.min()
 
-    monkeypatch.setattr(jaxspec.engine, "time_steps", machine)
+    from jaxspec.engine import loop
+    monkeypatch.setattr(loop, "time_steps", machine)
+    monkeypatch.setattr(loop, "warm_steps", lambda *args, **kwargs: None)
     cost = CostModel.profile(tiny_model, None, batches=batches, ks=ks, cache_lens=cache_lens, passes=passes)
     assert sorted(calls) == sorted(shapes * passes)   # every shape once per pass
     assert cost.fit["step"]["passes"] == passes

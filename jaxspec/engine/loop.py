@@ -337,8 +337,30 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     `block_until_ready`, as the difference between a compiled loop of 1 + `iterations` steps and
     one of 1 step, over `iterations`: a call's own cost besides its steps (the round trip, and on
     XLA:CPU about 1.3 ms more for a drafting program at batch 1) is not a step's (see
-    `MEASURE_STEPS`). Where a stall makes that difference implausibly small, a tenth of the long
-    loop's average step stands in. The cost model's profiler fits its coefficients to these times."""
+    `control.MEASURE_STEPS`). Where a stall makes that difference implausibly small, a tenth of the
+    long loop's average step stands in. The cost model's profiler fits its coefficients to these times."""
+    run = _step_timer(target, drafter, k, batch, cache_len, iterations, seed)
+
+    def step() -> tuple[float, float]:
+        long = run(1 + iterations)
+        return (long - run(1)) / iterations, long / (1 + iterations)
+
+    step()
+    times, averages = zip(*(step() for _ in range(repeats)), strict=True)
+    # A stall in the one-step loop can make the difference near zero or negative (a loaded
+    # machine); a step is never cheaper than a tenth of the long loop's average step.
+    return max(float(np.median(times)), 0.1 * float(np.median(averages)), 1e-9)
+
+
+def warm_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, iterations: int = 6,
+               seed: int = 0) -> None:
+    """Compiles and runs once the programs `time_steps` times at this shape (its prefill and its
+    loop of steps), so that the profiler can compile its grid's programs side by side first."""
+    _step_timer(target, drafter, k, batch, cache_len, iterations, seed)(1)
+
+
+def _step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int):
+    """Prefills `batch` rows for `time_steps` and returns a function timing `steps` steps from them."""
     sampling = SamplingConfig()
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     seq_len = cache_len
@@ -368,15 +390,7 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
                                           state, keys_b, max_new_b, eos, np.int32(steps), out_len=out_len))
         return time.perf_counter() - start
 
-    def step() -> tuple[float, float]:
-        long = run(1 + iterations)
-        return (long - run(1)) / iterations, long / (1 + iterations)
-
-    step()
-    times, averages = zip(*(step() for _ in range(repeats)), strict=True)
-    # A stall in the one-step loop can make the difference near zero or negative (a loaded
-    # machine); a step is never cheaper than a tenth of the long loop's average step.
-    return max(float(np.median(times)), 0.1 * float(np.median(averages)), 1e-9)
+    return run
 
 
 def cache_length(prompt_width: int, out_len: int, max_new: int, k: int) -> int:
@@ -402,24 +416,31 @@ def put_rows(array, slots_r, new):
     return array.at[slots_r].set(new, mode="drop")
 
 
-def compile_ahead(programs) -> None:
-    """Compiles jitted calls side by side, one thread each (up to the host's cores), ahead of their
-    first calls, which then find them compiled (jit keeps one cache for both ways in).
+def side_by_side(jobs) -> list:
+    """Runs zero-argument callables in threads, one per host core at most, and returns their
+    results in order (the first exception, if any, is raised). XLA compiles a program on one
+    thread, and JAX's compilation and dispatch are thread-safe: compiling several programs this
+    way takes about the time of the longest where the cores allow."""
+    jobs = list(jobs)
+    if len(jobs) < 2:
+        return [job() for job in jobs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        return [future.result() for future in futures]
 
-    `programs`: (jitted function, positional args, keyword args) as the call will pass them. XLA
-    compiles one program on one thread, and a goodput decoder's warm-up compiles one per plan:
-    at batch 4 of the tiny-8L pair with k = 6, 7 plans' programs took 26 s of a 41 s first call on
-    2 cores, one after another; a program at the qwen2.5 shapes takes about 18 s on an H200's
-    host (16 cores). A function without `lower` (a wrapper put in by instrumentation, as
-    `scripts/policy_overhead.py` does) is left to compile at its first call."""
-    programs = [(fn, args, kwargs) for fn, args, kwargs in programs if hasattr(fn, "lower")]
-    if len(programs) < 2:
-        return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(programs), os.cpu_count() or 1)) as pool:
-        futures = [pool.submit(lambda f=fn, a=args, k=kwargs: f.lower(*a, **k).compile())
-                   for fn, args, kwargs in programs]
-        for future in futures:
-            future.result()
+
+def compile_ahead(programs) -> None:
+    """Compiles jitted calls side by side (`side_by_side`), ahead of their first calls, which then
+    find them compiled (jit keeps one cache for both ways in).
+
+    `programs`: (jitted function, positional args, keyword args) as the call will pass them. A
+    goodput decoder's warm-up compiles one program per plan: at batch 4 of the tiny-8L pair with
+    k = 6, 7 plans' programs took 26 s of a 41 s first call on 2 cores, one after another; a
+    program at the qwen2.5 shapes takes about 18 s on an H200's host (16 cores). A function
+    without `lower` (a wrapper put in by instrumentation, as `scripts/policy_overhead.py` does) is
+    left to compile at its first call."""
+    side_by_side([functools.partial(lambda fn, args, kwargs: fn.lower(*args, **kwargs).compile(), fn, args, kwargs)
+                  for fn, args, kwargs in programs if hasattr(fn, "lower")])
 
 
 def segment_outputs(state: DecodeState, max_new_b=None):
