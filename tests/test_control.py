@@ -1017,7 +1017,7 @@ def test_a_warm_up_compiles_each_program_once_and_ahead_of_its_first_run(pair, c
 
     target, draft = pair
     prompts = prompts16(12) + [list(range(16)) * 2 + list(range(8))]
-    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput",
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=1, policy="goodput",
                                                                                 cost_model=BALANCED))
     compiled_at_call = []
 
@@ -1046,8 +1046,8 @@ def test_a_warm_up_compiles_each_program_once_and_ahead_of_its_first_run(pair, c
     with compile_counter() as counter:
         got = decoder.generate(prompts, max_new_tokens=20)
     assert got.tokens == jaxspec.generate(target, prompts, max_new_tokens=20).tokens
-    assert sorted(ahead) == sorted(["start_on_device", "plain_call_on_device"] + ["run_on_device"] * 3), ahead
-    programs = {"jit(run_on_device)": 3, "jit(_fresh_rows)": 1, "jit(plain_call_on_device)": 1}
+    assert sorted(ahead) == sorted(["start_on_device", "plain_call_on_device"] + ["run_on_device"] * 2), ahead
+    programs = {"jit(run_on_device)": 2, "jit(_fresh_rows)": 1, "jit(plain_call_on_device)": 1}
     for name, count in programs.items():
         assert counter.names.count(name) == count, (name, counter.names)
     assert not set(compiled_at_call) & set(programs), compiled_at_call

@@ -383,7 +383,7 @@ _COST = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e
 
 
 @pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, extra=2, selection="tetris"),
-                                  jaxspec.SpecConfig(k=3, extra=1, selection="tetris", policy="goodput",
+                                  jaxspec.SpecConfig(k=2, extra=1, selection="tetris", policy="goodput",
                                                      cost_model=_COST)],
                          ids=["standard", "tetris", "tetris-goodput"])
 def test_no_recompilation_after_warmup(small, compile_counter, spec):

@@ -153,8 +153,8 @@ def test_draft_that_does_not_divide_its_slice_is_rejected(pair):
 def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompts, reference, mesh, monkeypatch):
     """The goodput policy with the draft on the target's mesh: drafting where the cost model
     makes it free, plain decoding where it makes the draft dear, and then lean calls (one program
-    of plain decoding, `loop.plain_call_on_device`), each the single-device greedy output; a
-    sampled lean call draws the tokens the general path draws on the same mesh."""
+    of plain decoding, `loop.plain_call_on_device`), each the single-device greedy output; on the
+    2 x 2 mesh, a sampled lean call draws the tokens the general path draws there."""
     from jaxspec.engine import control
 
     target, draft = pair
@@ -171,6 +171,8 @@ def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompt
     lean = [plain.generate(prompts, max_new_tokens=BUDGETS, seed=call) for call in range(3)]
     assert [r.stats.extra.get("lean", False) for r in lean] == [False, True, True]
     assert all(r.tokens == reference and r.stats.drafted_tokens == 0 for r in lean)
+    if mesh.target_dp == 1:
+        return   # the sampled check costs a third decoder's programs: in the slow set only
     sampling = jaxspec.SamplingConfig(temperature=1.0)
     sampled = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=spec, sampling=sampling)
     sampled.generate(prompts, max_new_tokens=BUDGETS, seed=0)
