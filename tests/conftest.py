@@ -21,9 +21,14 @@ from jaxspec.models.loading import smollm2_gguf_path  # noqa: E402
 # whose programs lower to the same HLO (same model shapes, same buckets); each decoder owns its jit
 # wrappers, so without this every one of them compiled again. A cache hit loads the executable
 # instead (on this 2-core VM a tiny decoder's first call drops from 6 s to 1.5 s). Starting empty
-# keeps a session's results independent of earlier runs.
-_XLA_CACHE = tempfile.mkdtemp(prefix="jaxspec-test-xla-cache-")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+# keeps a session's results independent of earlier runs. The process that creates it (pytest's
+# main process) names it in the environment, so the xdist workers it starts share it: a program
+# one worker compiled, the other loads; it is removed when the main process exits.
+_XLA_CACHE = os.environ.get("JAXSPEC_TEST_XLA_CACHE")
+if _XLA_CACHE is None or not os.path.isdir(_XLA_CACHE):
+    _XLA_CACHE = tempfile.mkdtemp(prefix="jaxspec-test-xla-cache-")
+    os.environ["JAXSPEC_TEST_XLA_CACHE"] = _XLA_CACHE
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
