@@ -345,7 +345,7 @@ def test_bench_runs_the_chosen_script(capsys):
 def test_profile_writes_a_loadable_cost_model(tmp_path, capsys):
     out = tmp_path / "cost.json"
     assert cli.main(["profile", "--target", "preset:tiny", "--draft", "preset:tiny", "--batches", "1,4",
-                     "--ks", "0,1,2", "--cache-lens", "64,128", "--repeats", "2", "--output", str(out)]) == 0
+                     "--ks", "0,1,2", "--cache-lens", "64,128", "--passes", "2", "--output", str(out)]) == 0
     cost = CostModel.load(out)
     assert cost.target_name == "tiny" and cost.draft_name == "tiny"
     # A fit of noisy timings may put every coefficient but one at zero (nonnegative least squares),
