@@ -418,13 +418,17 @@ def put_rows(array, slots_r, new):
 
 def side_by_side(jobs) -> list:
     """Runs zero-argument callables in threads, one per host core at most, and returns their
-    results in order (the first exception, if any, is raised). XLA compiles a program on one
-    thread, and JAX's compilation and dispatch are thread-safe: compiling several programs this
-    way takes about the time of the longest where the cores allow."""
+    results in order (the first exception, if any, is raised). JAX's compilation and dispatch are
+    thread-safe, and one compilation leaves cores idle: a goodput decoder's first call (7 plans,
+    tiny-8L, batch 4) spent 69 s of CPU in 50 s on 2 cores compiling one program after another,
+    and 67 s in 40 s side by side."""
     jobs = list(jobs)
     if len(jobs) < 2:
         return [job() for job in jobs]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+    # The cores this process may run on: a container's or a job scheduler's share of the host,
+    # which `os.cpu_count()` (every core of the machine) overstates.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), cores)) as pool:
         futures = [pool.submit(job) for job in jobs]
         return [future.result() for future in futures]
 
