@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu policy-overhead step-kernels mesh-sweep multilevel distill-smollm2 clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu policy-overhead goodput-warmups step-kernels mesh-sweep multilevel distill-smollm2 clean
 
 .venv: $(STAMP)
 
@@ -59,6 +59,9 @@ bench-goodput-gpu:
 
 policy-overhead: $(STAMP)
 	$(BIN)/python scripts/policy_overhead.py --name policy_overhead_cpu
+
+goodput-warmups: $(STAMP)
+	$(BIN)/python scripts/goodput_warmups.py --decoders 8 --rounds 20
 
 step-kernels: $(STAMP)
 	$(BIN)/python scripts/step_kernels.py
