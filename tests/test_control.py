@@ -2,7 +2,9 @@
 step-time corrections, timing trials, openings, lean calls) against brute force and reference
 counts, and decoding under the policy, lossless against the target's own output."""
 
+import copy
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -968,6 +970,104 @@ def test_plain_calls_run_lean_with_the_general_paths_tokens_and_let_the_device_c
     finished = []
     got = lean.generate(prompts, max_new_tokens=12, seed=3, on_finish=lambda i, tokens, c: finished.append(i))
     assert not got.stats.extra.get("lean", False) and sorted(finished) == list(range(len(prompts)))   # ... but not this
+
+
+def test_drafting_calls_run_lean_with_the_general_paths_tokens(pair, compile_counter, monkeypatch):
+    """With drafting cheap and the draft the target itself, a goodput decoder runs k = 2 from its
+    opening to its end in every call. After LEAN_DRAFTING_RUNS such calls it compiles the plan's
+    lean program in the background (`loop.drafting_call_on_device`); once compiled, the next
+    LEAN_CALLS calls run as that one program, then one lets the device choose again. Lean calls
+    compile nothing and emit, sampled and greedy, exactly the tokens of the general path (the same
+    decoder with lean calls turned off); greedy ones are the target's own. The acceptance their
+    requests saw is remembered for the calls after."""
+    target, _ = pair
+    prompts = prompts16(7)
+    cheap = CostModel.from_coefficients(draft_fixed=1e-5, draft_per_token=0.0, target_fixed=5e-3,
+                                        target_per_token=1e-5)
+    spec = jaxspec.SpecConfig(k=2, policy="goodput", cost_model=cheap, measure_plans=False)
+    own = jaxspec.generate(target, prompts, max_new_tokens=10).tokens
+    for sampling in (jaxspec.SamplingConfig(temperature=0.0), jaxspec.SamplingConfig(temperature=0.9, top_k=8)):
+        lean = jaxspec.SpeculativeDecoder(target, target, spec=spec, sampling=sampling)
+        for call in range(engine_lib.control.LEAN_DRAFTING_RUNS):
+            got = lean.generate(prompts, max_new_tokens=10, seed=100 + call)
+            assert not got.stats.extra.get("lean", False) and set(got.stats.extra["k_trace"]) == {2}
+        (program,) = lean._goodput.lean_programs.values()
+        program.result()   # compiled in the background
+        flags = []
+        with compile_counter() as counter:
+            for call in range(engine_lib.control.LEAN_CALLS + 2):
+                remembered = lean._goodput.acceptance.trials
+                got = lean.generate(prompts, max_new_tokens=10, seed=call)
+                flags.append(got.stats.extra.get("lean", False))
+                assert lean._goodput.acceptance.trials > remembered   # lean or not, it counted acceptance
+                streak = dict(lean._goodput.lean)   # the reference call below leaves the streak as it was
+                memory = copy.deepcopy(lean._goodput.acceptance)
+                with monkeypatch.context() as m:
+                    m.setattr(engine_lib.control, "LEAN_CALLS", 0)
+                    want = lean.generate(prompts, max_new_tokens=10, seed=call)
+                lean._goodput.lean, lean._goodput.acceptance = streak, memory
+                assert not want.stats.extra.get("lean", False)
+                assert got.tokens == want.tokens, (sampling, call)
+                assert got.stats.steps == want.stats.steps and got.stats.drafted_tokens == want.stats.drafted_tokens > 0
+                assert got.tokens == own or not sampling.greedy
+        assert counter.count == 0, counter.names
+        assert flags == [True] * engine_lib.control.LEAN_CALLS + [False, True], flags
+
+
+def test_a_drafting_plan_runs_lean_only_while_it_ranks_within_the_margin_and_its_program_is_ready():
+    """`GoodputControl.lean_call` for a drafting plan, on the host: after a full call that ran the
+    plan throughout, the next call is lean when the plan's lean program has compiled and, by the
+    plans' tokens per step over their corrected times, no plan beats it by more than the switch
+    margin; not when the program is still compiling or failed, when another plan is ahead by more
+    than the margin, when the call's requests are longer, or once LEAN_CALLS lean calls ran. TETRIS
+    and threshold plans never qualify (their steps read the policy's calibration)."""
+    import concurrent.futures
+
+    from jaxspec.engine.loop import Schedule
+    from jaxspec.engine.step import StepPlan
+
+    schedule = Schedule(plans=(StepPlan(k=0), StepPlan(k=1), StepPlan(k=2)), predict_ks=(0, 1, 2))
+    control = engine_lib.control.GoodputControl(None, None, None, None)
+    tracker = cost_lib.StepTimeTracker([1.0, 1.5, 2.0], kinds=[False, True, True])
+    tracker.observe(2, 30, 60.0)   # one call, one segment of k = 2 from its opening to its end
+    key = "shape"
+    control.finish_call(key, schedule, tracker, None, 10, tracker.ratio(),
+                        types.SimpleNamespace(total_accepted=20.0, total_trials=25.0,
+                                              pos_total_accepted_p=np.zeros(2), pos_total_tried_p=np.zeros(2)),
+                        {"accepted": np.array([20]), "tried": np.array([25])})
+    assert control.lean[key].plan == 2 and control.lean[key].runs == 1
+    assert control.lean_program_due(key, schedule) is None   # one run: not compiled yet
+    ready, failed = concurrent.futures.Future(), concurrent.futures.Future()
+    ready.set_result(None)
+    failed.set_exception(RuntimeError("compile failed"))
+    control.lean_programs = {"ready": ready, "failed": failed, "compiling": concurrent.futures.Future()}
+    margin = policy.SWITCH_MARGIN
+
+    def lean(tokens, program="ready", plan=2, longest=10):
+        return control.lean_call(key, schedule, plan, longest, tracker.ratio(), lambda: np.asarray(tokens),
+                                 lambda: np.array([1.0, 1.5, 2.0]), program)
+
+    tied = [1.0, 1.5 * 1.45, 2.9]   # goodput 1.0 / 1.45 / 1.45
+    assert lean(tied)
+    assert not lean(tied, "compiling") and not lean(tied, "failed") and not lean(tied, "missing")
+    assert lean([1.0, 1.5 * 1.45 * (1 + margin) * 0.999, 2.9])       # k = 1 ahead, within the margin
+    assert not lean([1.0, 1.5 * 1.45 * (1 + margin) * 1.001, 2.9])   # ... beyond it
+    assert not lean([1.52, 1.5, 2.9])                                  # plain decoding ahead
+    assert not lean(tied, plan=1) and not lean(tied, longest=11)
+    for _ in range(engine_lib.control.LEAN_CALLS):
+        control.lean_called(key)
+    assert not lean(tied)
+    tracker.new_call()
+    tracker.observe(2, 30, 60.0)
+    control.finish_call(key, schedule, tracker, None, 10, tracker.ratio(),
+                        types.SimpleNamespace(total_accepted=20.0, total_trials=25.0,
+                                              pos_total_accepted_p=np.zeros(2), pos_total_tried_p=np.zeros(2)),
+                        {"accepted": np.array([20]), "tried": np.array([25])})
+    assert control.lean[key].runs == 2 and control.lean[key].calls == 0 and lean(tied)
+    assert control.lean_program_due(key, schedule) == 2
+    assert not engine_lib.control.leanable(StepPlan(k=3, capacity=6))
+    assert not engine_lib.control.leanable(StepPlan(k=3, threshold=0.5))
+    assert engine_lib.control.leanable(StepPlan(k=3)) and not engine_lib.control.leanable(StepPlan(k=0))
 
 
 def test_lean_calls_stop_once_the_step_times_favour_drafting_more_than_when_they_qualified(pair):

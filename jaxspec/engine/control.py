@@ -11,6 +11,7 @@ segments it proposes timing trials of plans whose times are in doubt and decides
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
 from typing import NamedTuple
@@ -44,6 +45,10 @@ TIE_RETIME = 4
 # Lean calls (`GoodputControl.lean_call`) after a call that decoded plainly throughout before
 # a call lets the device choose its plan again.
 LEAN_CALLS = 3
+# A drafting plan's lean program (`loop.drafting_call_on_device`) is compiled, in the background,
+# once LEAN_DRAFTING_RUNS full calls in a row at the shape ran that plan throughout: a decoder
+# that makes a call or two (most tests, a what-if study) never pays for it.
+LEAN_DRAFTING_RUNS = 2
 # How far the corrected step times may have moved in drafting's favour since the call that
 # qualified lean calls (a drafting plan's time relative to plain decoding's) before the next call
 # lets the device choose instead: half the policy's switch margin.
@@ -114,6 +119,8 @@ class LeanStreak(NamedTuple):
     calls: int            # lean calls since the call that qualified them
     longest: int          # that call's longest request: a lean call's may be no longer
     ratio_j: np.ndarray   # the step-time corrections that call's opening judged by (`StepTimeTracker.ratio`)
+    plan: int = 0         # the plan that call ran from its opening to its end
+    runs: int = 1         # full calls in a row that ran that plan throughout
 
 
 class GoodputControl:
@@ -137,6 +144,8 @@ class GoodputControl:
         self.openings: dict = {}
         self.lean: dict[tuple, LeanStreak] = {}
         self.opening_memo: dict = {}
+        self.lean_programs: dict[tuple, concurrent.futures.Future] = {}   # drafting plans' lean programs
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
 
     def prepare(self, shape_key, schedule: Schedule, rows_in, eos_t, budget_t, predicted, static,
                 put) -> tuple[Warm, cost_lib.StepTimeTracker]:
@@ -179,12 +188,14 @@ class GoodputControl:
           policy: the policy state the device left, read on the host.
           request_counters: the call's per-request counters (`batching.RequestQueue.counters`).
         """
-        # A call that ran one plain segment from its opening to its end makes the next calls at
-        # the shape lean (`lean_call`); any other call ends a streak of them.
-        plain_through = (len(tracker.history) == 1 and schedule.plans[tracker.history[0][0]].k == 0
-                         and opening_trial is None)
-        if plain_through:
-            self.lean[shape_key] = LeanStreak(calls=0, longest=longest, ratio_j=opening_ratio_j)
+        # A call that ran one segment of plain decoding, or of a standard drafting plan, from its
+        # opening to its end makes the next calls at the shape lean (`lean_call`); any other call
+        # ends a streak of them.
+        plan = tracker.history[0][0] if len(tracker.history) == 1 and opening_trial is None else None
+        if plan is not None and (schedule.plans[plan].k == 0 or leanable(schedule.plans[plan])):
+            before = self.lean.get(shape_key)
+            runs = before.runs + 1 if before is not None and before.plan == plan else 1
+            self.lean[shape_key] = LeanStreak(calls=0, longest=longest, ratio_j=opening_ratio_j, plan=plan, runs=runs)
         else:
             self.lean.pop(shape_key, None)
         # The call's whole count seeds the next calls' rows; its requests' own counts measure how
@@ -198,11 +209,49 @@ class GoodputControl:
         streak = self.lean[shape_key]
         self.lean[shape_key] = streak._replace(calls=streak.calls + 1)
 
-    def lean_call(self, shape_key, schedule: Schedule, plan_index: int, longest: int, ratio_j: np.ndarray) -> bool:
+    def lean_program_due(self, shape_key, schedule: Schedule) -> int | None:
+        """The drafting plan whose lean program should be compiled now (`compile_lean`): the one
+        the last LEAN_DRAFTING_RUNS full calls at the shape ran throughout, if any."""
+        streak = self.lean.get(shape_key)
+        if streak is None or schedule.plans[streak.plan].k == 0 or streak.runs < LEAN_DRAFTING_RUNS:
+            return None
+        return streak.plan
+
+    def compile_lean(self, key, args, static) -> None:
+        """Compiles a drafting plan's lean program (`loop.drafting_call_on_device` with `args`) in
+        a background thread, once per `key` (shape, plan, prompt width); `lean_call` waits for it.
+        Compiled in the foreground, a plan's switch mid-run would stall a call for the compile
+        (about 18 s at the qwen2.5 shapes on an H200's host)."""
+        if key in self.lean_programs:
+            return
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxspec-lean")
+        self.lean_programs[key] = self._compiler.submit(
+            lambda: loop.drafting_call_on_device.lower(*args, **static).compile())
+
+    def lean_call(self, shape_key, schedule: Schedule, plan_index: int, longest: int, ratio_j: np.ndarray,
+                  tokens_j=None, seconds_j=None, program_key=None) -> bool:
         """Whether a goodput call that opens on `plan_index` with no timing trial, no request
-        waiting and no per-request callback runs as one program of plain decoding
-        (`plain_call_on_device`), its longest request asking for `longest` tokens, its step times
-        corrected by `ratio_j` (`StepTimeTracker.ratio`).
+        waiting and no per-request callback runs as one program: of plain decoding
+        (`plain_call_on_device`) or of one standard drafting plan (`drafting_call_on_device`), its
+        longest request asking for `longest` tokens, its step times corrected by `ratio_j`
+        (`StepTimeTracker.ratio`). `tokens_j` and `seconds_j` (for a drafting plan): callables that
+        return each plan's tokens per step and corrected step time, asked only when needed.
+
+        A drafting plan: when one of the last calls at the shape ran it from its opening to its
+        end, for requests no shorter, with fewer than LEAN_CALLS lean calls since, its program is
+        compiled (`compile_lean`, under `program_key`), and by each plan's tokens per step at the
+        remembered acceptance (`tokens_j`) over the corrected step times (`seconds_j`) it is within
+        the policy's switch margin of the best: the device, opening on it, would keep it. What a
+        goodput call costs around its steps (the opening's choice, a choice every few steps, the
+        policy's counts, conditionals whose predicates the host reads, the caches crossing from the
+        prefill's program into the segment's, the reads and the host's planning) is then not paid:
+        on this CPU that was 4-7 ms of a 96-token call at batch 1 against fixed k = 6 running the
+        same steps (`docs/results/policy_overhead_b1_k6.md`), on an H100 13 ms of a batch-4 call
+        against fixed k = 1. A lean drafting call counts the acceptance its requests saw, not per
+        draft position (the remembered profile stays as the full calls left it).
+
+        Plain decoding:
 
         It does when the call would open on plain decoding and one of the last calls at the shape
         decoded plainly in one segment from its opening to its end, for requests no shorter, with
@@ -220,9 +269,14 @@ class GoodputControl:
         LEAN_CALLS + 1-th call lets the device choose again. Timing trials and ties come due as
         before (the call's opening checks them on the host first, `opening_trial`)."""
         streak = self.lean.get(shape_key)
-        if (streak is None or schedule.predict_ks[plan_index] != 0 or streak.calls >= LEAN_CALLS
-                or longest > streak.longest):
+        if streak is None or streak.plan != plan_index or streak.calls >= LEAN_CALLS or longest > streak.longest:
             return False
+        if schedule.predict_ks[plan_index] != 0:
+            program = self.lean_programs.get(program_key)
+            if tokens_j is None or program is None or not program.done() or program.exception() is not None:
+                return False
+            goodput_j = np.asarray(tokens_j(), np.float64) / np.asarray(seconds_j(), np.float64)
+            return bool(goodput_j[plan_index] * (1.0 + policy_lib.SWITCH_MARGIN) >= goodput_j.max())
         moved_j = np.asarray(ratio_j, np.float64) / streak.ratio_j
         drafting = np.asarray(schedule.predict_ks) > 0
         return bool(np.all(moved_j[drafting] * (1.0 + LEAN_DRIFT) >= moved_j[plan_index]))
@@ -543,6 +597,13 @@ def with_measured(predicted: dict[str, np.ndarray], measured_j: np.ndarray,
     ok = np.isfinite(measured_j)
     overall = measured_j[ok].sum() / model_j[ok].sum() if ok.any() else 1.0
     return scaled(predicted, np.where(ok, measured_j / model_j, overall), schedule)
+
+
+def leanable(plan) -> bool:
+    """Whether a drafting plan can run a lean call (`loop.drafting_call_on_device`): standard
+    selection of fixed-length drafts (TETRIS and threshold drafting read the policy's calibration
+    of draft confidence, which that program does not keep)."""
+    return plan.k > 0 and plan.capacity is None and plan.capacities is None and plan.threshold is None
 
 
 def _drafting_line(measured_j: np.ndarray, schedule: Schedule) -> np.ndarray:

@@ -168,8 +168,12 @@ class SpeculativeDecoder:
             opening_trial = trial
             longest = int(np.max(np.asarray(first.max_new_b)[:first.num_prompts]))
             opening_ratio_j = tracker.ratio()
-            if (trial is None and on_finish is None and not len(queue)
-                    and control.lean_call(shape_key, schedule, plan_index, longest, opening_ratio_j)):
+            lean_key = (shape_key, plan_index, first.tokens_bp.shape)
+            remaining_r = np.asarray(first.max_new_b)[:first.num_prompts]
+            if trial is None and on_finish is None and not len(queue) and control.lean_call(
+                    shape_key, schedule, plan_index, longest, opening_ratio_j,
+                    lambda: control.opening_tokens(schedule, remembered, remaining_r, drain=False),
+                    tracker.corrected, lean_key):
                 return self._generate_lean(schedule, shape_key, tracker, warm, plan_index, batch, queue, table,
                                            rows_in, eos_t, static, slots)
             # The acceptance last measured seeds the rows; whether requests wait for slots.
@@ -261,6 +265,11 @@ class SpeculativeDecoder:
         if goodput:
             control.finish_call(shape_key, schedule, tracker, opening_trial, longest, opening_ratio_j, policy,
                                 queue.counters)
+            lean_plan = control.lean_program_due(shape_key, schedule)
+            if lean_plan is not None:
+                control.compile_lean((shape_key, lean_plan, first.tokens_bp.shape), (
+                    graphdef, self.drafter, schedule.plans[lean_plan], self.sampling, params, dparams, *rows_in,
+                    eos_t), dict(static))
             stats.extra["segments"] = segment_log(schedule, tracker)
             # Per draft position p: how often the p-th draft was accepted when it was tried (None: never tried).
             stats.extra["acceptance_by_position"] = [float(a / t) if t > 0 else None for a, t in
@@ -269,10 +278,16 @@ class SpeculativeDecoder:
 
     def _generate_lean(self, schedule: Schedule, shape_key, tracker: StepTimeTracker, warm: Warm,
                        plan_index: int, batch, queue, table, rows_in, eos_t, static, slots: int) -> GenerationResult:
-        """A goodput call of plain decoding throughout, in one program (`plain_call_on_device`)."""
+        """A goodput call of one plan throughout, in one program: plain decoding
+        (`plain_call_on_device`) or a standard drafting plan (`drafting_call_on_device`)."""
+        plan = schedule.plans[plan_index]
+        graphdef, params = self.target.graphdef, self.target.params
         start = time.perf_counter()
-        outputs = loop.plain_call_on_device(self.target.graphdef, self.sampling, self.target.params, *rows_in, eos_t,
-                                            **static)
+        if plan.k == 0:
+            outputs = loop.plain_call_on_device(graphdef, self.sampling, params, *rows_in, eos_t, **static)
+        else:
+            outputs = loop.drafting_call_on_device(graphdef, self.drafter, plan, self.sampling, params,
+                                                   self.drafter.params, *rows_in, eos_t, **static)
         done_b, out_bo, n_out_b, counters, steps = jax.device_get(outputs)
         seconds_taken = time.perf_counter() - start
         steps = int(steps)
@@ -280,15 +295,22 @@ class SpeculativeDecoder:
         # a segment's time holds. The general path's opening (`warm.opening_seconds`, the policy's
         # choice and conditionals in it) is dearer than this program's prefill: taken off instead,
         # it left no time at all for the steps of a 10-token call of the tiny test pair, and the
-        # plain plan's corrected time went to zero. A call timed within the noise of that estimate
-        # says nothing of its steps and is not folded in.
-        segment_seconds = seconds_taken - (warm.lean_opening_seconds - warm.round_trip)
+        # plain plan's corrected time went to zero. A drafting plan's prefill adds the drafter's, at
+        # the rate the warm-up timed it (`Warm.position_seconds`). A call timed within the noise of
+        # that estimate says nothing of its steps and is not folded in.
+        opening = warm.lean_opening_seconds + (warm.position_seconds * rows_in[0].shape[1] if plan.k else 0.0)
+        segment_seconds = seconds_taken - (opening - warm.round_trip)
         if segment_seconds > warm.round_trip:
             tracker.observe(plan_index, steps, segment_seconds)
         table.harvest(done_b, out_bo, n_out_b, counters)
         self._goodput.lean_called(shape_key)
+        if plan.k:   # what its requests accepted seeds the next calls (per draft position: not counted)
+            accepted_r, tried_r = queue.counters["accepted"], queue.counters["tried"]
+            self._goodput.acceptance.remember(np.sum(accepted_r, keepdims=True), np.sum(tried_r, keepdims=True))
+            self._goodput.acceptance.remember_requests(accepted_r, tried_r)
         tokens = queue.results()
-        stats = _stats(Counters(**queue.counters), batch.num_prompts, steps, seconds_taken, [0] * steps, self.drafter)
+        stats = _stats(Counters(**queue.counters), batch.num_prompts, steps, seconds_taken, [plan.k] * steps,
+                       self.drafter)
         stats.extra.update(slots=slots, lean=True,
                            segments=segment_log(schedule, tracker),
                            acceptance_by_position=[None] * schedule.positions)

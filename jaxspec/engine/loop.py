@@ -3,7 +3,8 @@
 `start_on_device` prefills a batch (target and drafter) and, under the goodput policy, makes the
 opening choice; `run_on_device` runs steps in a `lax.while_loop` (a fixed policy's whole call, or
 one goodput segment of one plan); `refill_on_device` prefills new requests into finished rows;
-`plain_call_on_device` is a goodput call that decodes plainly throughout, in one program.
+`plain_call_on_device` is a goodput call that decodes plainly throughout, in one program, and
+`drafting_call_on_device` one that runs one standard drafting plan throughout.
 Statistics are counters in the loop state, read once a segment. Under the goodput policy each
 plan of a `Schedule` is a program of its own, and the policy chooses the next one on device at
 the end of a segment's steps. `time_steps` times one step in such a loop, for the profiler.
@@ -276,6 +277,33 @@ def plain_call_on_device(target_graphdef, sampling: SamplingConfig, target_param
     def step(state):
         return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
                           out_len)
+
+    state = jax.lax.while_loop(lambda state: ~jnp.all(state.done_b), step, state)
+    return state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps
+
+
+@functools.partial(jax.jit, static_argnames=("target_graphdef", "drafter", "plan", "sampling", "cache_len", "seq_len",
+                                             "out_len", "mesh"))
+def drafting_call_on_device(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
+                            target_params, draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
+                            *, cache_len: int, seq_len: int, out_len: int, mesh=None):
+    """Goodput: a whole call of one standard drafting plan in one program, the prefill (target and
+    drafter) and then `speculative_step` until every row is done, as a fixed-k decoder's call runs
+    (the same tokens as the general path's steps of that plan). Returns what the host reads (done
+    flags, outputs, counts, counters, steps), no caches.
+
+    The call a decoder makes when the calls before ran this plan throughout and the step times and
+    remembered acceptance still rank it first (`GoodputControl.lean_call`): none of the policy's
+    on-device choices, conditionals or reads, and the caches never cross a program boundary. Not
+    for TETRIS plans, whose selection reads the policy's calibration."""
+    schedule = Schedule(plans=(plan,))
+    state = _fresh_rows(target_graphdef, drafter, schedule, sampling, target_params, draft_params, tokens_bp,
+                        prompt_len_b, max_new_b, request_keys_b, eos_id, None, cache_len=cache_len, seq_len=seq_len,
+                        out_len=out_len, mesh=mesh)
+
+    def step(state):
+        return speculative_step(target_graphdef, drafter, plan, sampling, target_params, draft_params, state,
+                                request_keys_b, max_new_b, eos_id, out_len)
 
     state = jax.lax.while_loop(lambda state: ~jnp.all(state.done_b), step, state)
     return state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps
