@@ -5,7 +5,8 @@ gives it step times to choose by and corrects them. Per decoder and compiled sha
 `GoodputControl` keeps what the warm-up measured (each plan's step time at the shape, a
 segment's round trip, the acceptance on the call's own rows), the step times corrected by every
 segment since (`cost.StepTimeTracker`), the plan the last call opened on, and the streak of lean
-calls (whole calls of plain decoding in one program, `loop.plain_call_on_device`). Between
+calls (whole calls of one plan in one program: plain decoding, `loop.plain_call_on_device`, or a
+standard draft length, `loop.drafting_call_on_device`, compiled in the background). Between
 segments it proposes timing trials of plans whose times are in doubt and decides after them.
 """
 
