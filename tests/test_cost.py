@@ -487,6 +487,20 @@ def test_a_tied_plan_is_re_timed_every_few_segments_and_a_plan_behind_the_margin
     assert behind.tie_due(0, segments=4) and not behind.tie_due(1, segments=4)
 
 
+def test_a_segment_timed_at_zero_is_logged_but_times_nothing():
+    """A run's opening segment is timed as the call's time less the opening's estimated cost, which
+    can exceed it (clipped to zero): such a segment says nothing of its plan's steps. It is logged
+    (`history`, which lean calls read) but leaves every corrected time as it was; folded in, it
+    made its plan's corrected time zero."""
+    tracker = StepTimeTracker(np.array([1.0, 2.0]), kinds=[False, True], round_trip=0.5)
+    tracker.observe(0, 10, 12.0)
+    before = tracker.corrected().copy()
+    tracker.observe(1, 8, 0.0)
+    assert np.array_equal(tracker.corrected(), before) and np.all(before > 0)
+    assert tracker.segments == 1 and tracker.total_seconds == 12.0
+    assert [(plan, steps) for plan, steps, *_ in tracker.history] == [(0, 10), (1, 8)]
+
+
 def test_a_lone_surprising_segment_waits_for_the_next_to_confirm_it():
     """One-sided timing noise: a segment descheduled for 6 ms, 15x its steps, is held back; the
     plan's next segment, as timed, drops it. Two in a row count (a real slowdown costs one
