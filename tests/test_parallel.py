@@ -152,9 +152,11 @@ def test_draft_that_does_not_divide_its_slice_is_rejected(pair):
 ], ids=["tp2-shared", "dp2xtp2-shared"])
 def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompts, reference, mesh, monkeypatch):
     """The goodput policy with the draft on the target's mesh: drafting where the cost model
-    makes it free, plain decoding where it makes the draft dear, and then lean calls (one program
-    of plain decoding, `loop.plain_call_on_device`), each the single-device greedy output; on the
-    2 x 2 mesh, a sampled lean call draws the tokens the general path draws there."""
+    makes it free, then a lean drafting call (one program of k = 1, `loop.drafting_call_on_device`,
+    compiled in the background); plain decoding where the cost model makes the draft dear, and then
+    lean calls (one program of plain decoding, `loop.plain_call_on_device`); each the single-device
+    greedy output. On the 2 x 2 mesh, a sampled lean call draws the tokens the general path draws
+    there."""
     from jaxspec.engine import control
 
     target, draft = pair
@@ -164,8 +166,14 @@ def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompt
                                                target_per_token=1e-6)
     drafting = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
         k=1, policy="goodput", cost_model=free, measure_plans=False))
+    for _ in range(control.LEAN_DRAFTING_RUNS + 1):   # the first call's first segment is capped short
+        result = drafting.generate(prompts, max_new_tokens=BUDGETS)
+        assert result.tokens == reference and result.stats.accepted_tokens > 0
+        assert not result.stats.extra.get("lean", False)
+    (program,) = drafting._goodput.lean_programs.values()
+    program.result()
     result = drafting.generate(prompts, max_new_tokens=BUDGETS)
-    assert result.tokens == reference and result.stats.accepted_tokens > 0
+    assert result.stats.extra.get("lean") and result.tokens == reference and result.stats.accepted_tokens > 0
     spec = jaxspec.SpecConfig(k=1, policy="goodput", cost_model=dear, measure_plans=False)
     plain = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=spec)
     lean = [plain.generate(prompts, max_new_tokens=BUDGETS, seed=call) for call in range(3)]

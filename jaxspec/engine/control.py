@@ -227,8 +227,10 @@ class GoodputControl:
             return
         if self._compiler is None:
             self._compiler = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxspec-lean")
-        self.lean_programs[key] = self._compiler.submit(
-            lambda: loop.drafting_call_on_device.lower(*args, **static).compile())
+        def compile_it() -> None:   # the executable stays in jit's cache, where the call finds it
+            loop.drafting_call_on_device.lower(*args, **static).compile()
+
+        self.lean_programs[key] = self._compiler.submit(compile_it)
 
     def lean_call(self, shape_key, schedule: Schedule, plan_index: int, longest: int, ratio_j: np.ndarray,
                   tokens_j=None, seconds_j=None, program_key=None) -> bool:
