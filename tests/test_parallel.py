@@ -191,13 +191,121 @@ def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompt
     assert got.tokens == want.tokens
 
 
-def test_goodput_with_a_separate_slice_is_rejected(pair):
+MODES = pytest.mark.parametrize("pipeline", [False, True], ids=["draft-slice", "pipelined"])
+
+
+@MODES
+def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, prompts, reference, pipeline,
+                                                                           compile_counter):
+    """The goodput policy with the draft on its own slice, sequential or pipelined, with step
+    times corrected from the lane steps it times: the longest draft length where the cost model
+    makes drafting free (this pair accepts most drafts), plain decoding throughout where it makes
+    the draft dear; the target's greedy output either way, and a second call compiles nothing."""
+    target, draft = pair
+    mesh = jaxspec.MeshConfig(target_tp=2, draft_tp=1)
+    free = jaxspec.CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2,
+                                               target_per_token=1e-6)
+    dear = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-2,
+                                               target_per_token=1e-6)
+    for cost in (free, dear):
+        decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
+            k=3, policy="goodput", cost_model=cost, pipeline=pipeline))
+        decoder.generate(prompts, max_new_tokens=BUDGETS)
+        with compile_counter() as counter:
+            result = decoder.generate(prompts, max_new_tokens=BUDGETS)
+        assert counter.count == 0, counter.names
+        assert result.tokens == reference
+        assert result.stats.extra["lanes"] == (2 if pipeline else 1)
+        trace = result.stats.extra["k_trace"]
+        if cost is free:
+            assert result.stats.accepted_tokens > 0 and trace.count(3) >= 0.9 * len(trace), trace
+        else:
+            assert set(trace) == {0} and result.stats.drafted_tokens == 0, trace
+
+
+@MODES
+def test_goodput_on_two_slices_picks_the_longest_window_at_full_acceptance(pair, prompts, reference, pipeline):
+    """The drafter is the target itself (every draft accepted) and drafting is free: every lane
+    step verifies the longest window, k = 4, from the opening on."""
+    target, _ = pair
+    free = jaxspec.CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2,
+                                               target_per_token=1e-6)
+    decoder = jaxspec.SpeculativeDecoder(target, target, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=2), spec=(
+        jaxspec.SpecConfig(k=4, policy="goodput", cost_model=free, measure_plans=False, pipeline=pipeline)))
+    result = decoder.generate(prompts, max_new_tokens=BUDGETS)
+    assert set(result.stats.extra["k_trace"]) == {4}
+    assert result.stats.acceptance_rate == 1.0 and result.tokens == reference
+
+
+@pytest.mark.parametrize("pipeline", [pytest.param(False, marks=pytest.mark.slow), True],   # 18 s each
+                         ids=["draft-slice", "pipelined"])
+def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline):
+    """Exact distribution on a 6-token vocabulary: the opening's optimistic estimate drafts
+    (k = 1), then the measured acceptance (about 0.6) does not pay for the draft and the lanes
+    decode plainly; tokens from both plans are counted. Pipelined, drafting is hidden behind the
+    other lane's verification up to its time, so the draft is made dearer there."""
+    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    sampling = jaxspec.SamplingConfig(temperature=1.0)
+    cost = jaxspec.CostModel.from_coefficients(draft_fixed=8e-3 if pipeline else 3e-3, draft_per_token=0.0,
+                                               target_fixed=5e-3, target_per_token=0.0)
+    spec = jaxspec.SpecConfig(k=2, policy="goodput", cost_model=cost, measure_plans=False, pipeline=pipeline)
+    rows = 3000
+    result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling, mesh=jaxspec.MeshConfig(
+        target_tp=1, draft_tp=1)).generate([VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37, batch_size=1000)
+    assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    trace = result.stats.extra["k_trace"]
+    assert trace[0] == 1 and trace[-1] == 0, trace
+
+
+def test_goodput_on_two_slices_corrects_a_wrong_cost_model_from_timed_lane_steps(pair, prompts):
+    """A cost model a thousand times too slow: the times the policy plans with come within a
+    factor of 3 of the measured seconds per lane step, and are kept for the next call."""
+    target, draft = pair
+    slow = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=5.0,
+                                               target_per_token=0.5)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=1),
+                                         spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=slow,
+                                                                 pipeline=True))
+    decoder.generate(prompts, max_new_tokens=BUDGETS)   # compiles
+    result = decoder.generate(prompts, max_new_tokens=BUDGETS)
+    seconds = result.stats.extra["lane_step_seconds"]
+    trace = result.stats.extra["k_trace"]
+    per_step = result.stats.seconds / len(trace)
+    ran = max(set(trace), key=trace.count)
+    assert seconds["timed_steps"] >= len(trace) // 3
+    assert seconds["predicted"][ran] > 100 * per_step
+    assert per_step / 3 < seconds["corrected"][ran] < 3 * per_step, (seconds, per_step)
+
+
+def test_goodput_with_tetris_on_two_slices_is_rejected(pair):
     target, draft = pair
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0, target_fixed=1e-2,
-                                               target_per_token=0, target_per_context_token=0)
-    with pytest.raises(ValueError, match="policy='goodput'"):
-        jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=cost,
-                                                                          pipeline=True))
+                                               target_per_token=0)
+    with pytest.raises(ValueError, match="selection='tetris'"):
+        jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(
+            k=2, extra=1, selection="tetris", policy="goodput", cost_model=cost, pipeline=True))
+
+
+def test_lane_step_seconds_add_up_sequentially_and_overlap_when_pipelined():
+    """Sequential: a lane step is the cost model's whole step (`CostModel.step_seconds`).
+    Pipelined: the drafting and the verification it is split into run at once, so the longer one."""
+    from jaxspec.parallel.goodput import lane_step_seconds
+
+    cost = jaxspec.CostModel.from_coefficients(draft_fixed=2e-3, draft_per_token=1e-5, target_fixed=5e-3,
+                                               target_per_token=2e-5, target_per_context_token=1e-8,
+                                               target_per_attention=1e-9, speculation_fixed=1e-4,
+                                               speculation_per_row=1e-6)
+    ks = (0, 1, 2, 3, 4)
+    sequential = lane_step_seconds(cost, 8, ks, 256, pipelined=False)
+    pipelined = lane_step_seconds(cost, 8, ks, 256, pipelined=True)
+    np.testing.assert_allclose(sequential, [cost.step_seconds(8, k, 256) for k in ks])
+    for k, both, longer in zip(ks, sequential, pipelined):
+        verify = cost.step_seconds(8, 0, 256, window=k + 1, packed_tokens=8 * (k + 1))
+        assert longer == pytest.approx(max(verify, both - verify))
+    assert pipelined[0] == sequential[0] and pipelined[-1] > pipelined[1]   # the draft outgrows the verification
 
 
 @pytest.mark.slow  # two processes, 45 s

@@ -74,9 +74,9 @@ class SpeculativeDecoder:
             raise ValueError(f"mesh must be None or a jaxspec.MeshConfig, got {type(mesh).__name__}")
         self.mesh = mesh
         self._sliced = self.spec.pipeline or (mesh is not None and mesh.separate_draft)
-        if self._sliced and self.spec.policy != "fixed":
-            raise ValueError("policy='goodput' runs as one on-device program and cannot yet be combined with "
-                             "pipeline=True or a separate draft slice (MeshConfig.draft_tp > 0)")
+        if self._sliced and self.spec.policy != "fixed" and self.spec.selection == "tetris":
+            raise ValueError("policy='goodput' with selection='tetris' cannot yet be combined with pipeline=True or "
+                             "a separate draft slice (MeshConfig.draft_tp > 0); use selection='standard' there")
         if mesh is not None:
             if isinstance(draft, SpeculativeDecoder):
                 raise ValueError("a multi-level chain draft cannot be placed on a MeshConfig yet; pass mesh=None")
@@ -97,6 +97,8 @@ class SpeculativeDecoder:
         self.phase_timings: dict[str, list[float]] | None = None
         # Goodput: what the decoder measures and decides on the host, kept between calls.
         self._goodput = GoodputControl(self.target, self.drafter, self.sampling, self.spec, self._target_mesh)
+        # Goodput on two slices: step-time trackers per (lane rows, cache length, mode), kept between calls.
+        self._sliced_trackers: dict[tuple, StepTimeTracker] = {}
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -340,9 +342,11 @@ class SpeculativeDecoder:
         tables = [batching.SlotTable(queue, rows, multiple) for _ in groups]
         lane_batches = [t.first_batch(g) for t, g in zip(tables, groups)]
         # Both lanes run one program, compiled for the larger lane's TETRIS capacity; each selects
-        # its own budget inside it.
-        plan = self._schedule(rows, max(len(g) for g in groups), cache_len)[0].plans[0]
-        runner = SlicedRunner(self.target, self.drafter, plan, self.sampling, self._target_mesh, self._draft_mesh)
+        # its own budget inside it. Goodput: one program per draft length, each lane choosing its own.
+        schedule = self._schedule(rows, max(len(g) for g in groups), cache_len)[0]
+        control = self._sliced_goodput(schedule, rows, cache_len, len(groups) == 2)
+        runner = SlicedRunner(self.target, self.drafter, schedule.plans, self.sampling, self._target_mesh,
+                              self._draft_mesh, goodput=control)
         runner.timings = self.phase_timings
         start = time.perf_counter()
         lanes = [runner.start(t, lb, seed, eos, cache_len, self._schedule(rows, len(g), cache_len)[1])
@@ -351,10 +355,44 @@ class SpeculativeDecoder:
         steps = sum(int(s) for s in jax.device_get([ln.state.steps for ln in lanes]))
         seconds = time.perf_counter() - start
         tokens = queue.results()
-        stats = _stats(Counters(**queue.counters), n, steps, seconds, [plan.k] * steps, self.drafter)
+        step_ks = [schedule.plans[0].k] * steps if control is None else control.trace
+        stats = _stats(Counters(**queue.counters), n, steps, seconds, step_ks, self.drafter)
         stats.extra["lanes"] = len(lanes)
         stats.extra["slots"] = rows * len(lanes)
+        if control is not None:
+            # Seconds per lane step of each draft length: the cost model's, and as corrected by the
+            # lane steps timed in this and earlier calls (the mode the call ended in).
+            stats.extra["lane_step_seconds"] = {"predicted": control.predicted[control.mode].tolist(),
+                                                "corrected": control.seconds_j().tolist(),
+                                                "timed_steps": control.observed}
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+    def _sliced_goodput(self, schedule: Schedule, rows: int, cache_len: int, pipelined: bool):
+        """The goodput policy's host side for a two-slice call (None under a fixed policy): each
+        draft length's predicted seconds per lane step, in the call's modes (a pipelined call's
+        tail runs sequentially), and this decoder's trackers for them."""
+        from jaxspec.parallel import goodput as sliced
+
+        if schedule.predict_ks is None:
+            return None
+        ks = schedule.predict_ks
+        modes = ("pipelined", "sequential") if pipelined else ("sequential",)
+        predicted = {mode: sliced.lane_step_seconds(self.spec.cost_model, rows, ks, cache_len, mode == "pipelined")
+                     for mode in modes}
+        trackers = None
+        if self.spec.measure_plans:
+            trackers = {}
+            for mode in modes:
+                key = (rows, cache_len, mode)
+                tracker = self._sliced_trackers.get(key)
+                if tracker is None:
+                    tracker = self._sliced_trackers[key] = StepTimeTracker(
+                        predicted[mode], kinds=[k > 0 for k in ks])
+                else:
+                    tracker.new_call()
+                trackers[mode] = tracker
+        put = functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
+        return sliced.SlicedGoodput(ks, predicted, trackers, put)
 
     def _schedule(self, rows: int, num_prompts: int, cache_len: int) -> tuple[Schedule, int]:
         """The compiled step shapes and the TETRIS per-step budget C (0 for standard selection).

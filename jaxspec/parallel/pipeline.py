@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import engine
+from jaxspec import policy as policy_lib
+from jaxspec.parallel import goodput as goodput_lib
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.sampling import SamplingConfig
 
@@ -92,13 +94,24 @@ class Lane:
     cache_len: int = 0
     proposal: object = None
     finished: bool = False
+    k: int = 0                     # the draft length of the lane's next drafting
+    proposal_k: int = 0            # the draft length of `proposal`
+    verifying_k: int | None = None  # the draft length of the verification in flight
+    policy: object = None          # goodput: the lane's acceptance counts and choice, on the target slice
 
 
 class SlicedRunner:
-    """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`."""
+    """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`.
 
-    def __init__(self, target, drafter, plan, sampling: SamplingConfig, target_mesh, draft_mesh):
-        self.target, self.drafter, self.plan, self.sampling = target, drafter, plan, sampling
+    `plans`: the step shapes, one per draft length: one (a fixed policy), or k = 0..k under the
+    goodput policy, whose host side `goodput` (a `goodput.SlicedGoodput`) then picks each lane's.
+    """
+
+    def __init__(self, target, drafter, plans, sampling: SamplingConfig, target_mesh, draft_mesh, goodput=None):
+        self.target, self.drafter, self.sampling = target, drafter, sampling
+        self.plans = {plan.k: plan for plan in plans}
+        self.goodput = goodput
+        self.drafts = any(k > 0 for k in self.plans)
         self.target_mesh, self.draft_mesh = target_mesh, draft_mesh
         self._t_rep = sharding_lib.replicated(target_mesh)
         self._d_rep = sharding_lib.replicated(draft_mesh)
@@ -130,13 +143,25 @@ class SlicedRunner:
         state.done_b.copy_to_host_async()
         d_tokens, d_lengths, keys_d = sharding_lib.put((batch.tokens_bp, batch.lengths_b, keys_b), self._d_rep)
         draft_state = (_draft_start(self.drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
-                       if self.plan.k > 0 else ())
-        return Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
-                    max_new_t=t_in[2], keys_d=keys_d, budget_t=t_in[5], seed=seed, cache_len=cache_len)
+                       if self.drafts else ())
+        lane = Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
+                    max_new_t=t_in[2], keys_d=keys_d, budget_t=t_in[5], seed=seed, cache_len=cache_len,
+                    k=max(self.plans))
+        if self.goodput is not None:
+            control = self.goodput
+            policy = policy_lib.PolicyState.init(batch.tokens_bp.shape[0], 0)
+            lane.policy = self._to_target(policy)
+            lane.k = control.ks[int(goodput_lib.opening_choice(lane.policy, ~state.done_b, control.seconds_device,
+                                                               ks=control.ks))]
+        return lane
 
     def _draft(self, lane: Lane) -> None:
-        """Queues the lane's drafting on the draft slice, from its latest verified state."""
-        if self.plan.k == 0:
+        """Queues the lane's drafting (of `lane.k` tokens a row) on the draft slice, from its latest
+        verified state."""
+        k = lane.proposal_k = lane.k
+        if self.goodput is not None:
+            self.goodput.queued("draft", k, program=k > 0)
+        if k == 0:
             lane.proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
             return
         s = lane.state
@@ -144,7 +169,7 @@ class SlicedRunner:
             jax.block_until_ready(s)
         start = time.perf_counter()
         view = self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b))
-        proposal, lane.draft_state = _draft(self.drafter, self.plan.k, self.sampling, self.drafter.params,
+        proposal, lane.draft_state = _draft(self.drafter, k, self.sampling, self.drafter.params,
                                             lane.draft_state, *view, lane.keys_d)
         lane.proposal = self._to_target(proposal)
         self._timed("draft", start, lane.proposal)
@@ -158,6 +183,11 @@ class SlicedRunner:
         the lane drafts again (its drafts were made for the rows' previous occupants).
         """
         done_b = np.asarray(lane.state.done_b)
+        control = self.goodput
+        if control is not None and lane.verifying_k is not None:
+            # The choice made with that verification: the lane's next drafting after the one queued.
+            control.read(time.perf_counter(), lane.verifying_k)
+            lane.k = control.ks[int(np.asarray(lane.policy.choice))]
         if len(lane.table.queue) and np.any(done_b[:lane.table.slots] & (lane.table.request_at >= 0)):
             self._refill(lane, eos)
             done_b = np.asarray(lane.state.done_b)
@@ -168,14 +198,25 @@ class SlicedRunner:
                 return
             self._refill(lane, eos)
         start = time.perf_counter()
-        lane.state = _verify(self.target.graphdef, self.plan, self.sampling, self.target.params, lane.state,
-                             lane.proposal, lane.keys_t, lane.max_new_t, eos, lane.budget_t, out_len=lane.batch.out_len)
+        plan = self.plans[lane.proposal_k]
+        args = (self.target.graphdef, plan, self.sampling, self.target.params, lane.state, lane.proposal, lane.keys_t,
+                lane.max_new_t, eos, lane.budget_t)
+        if control is None:
+            lane.state = _verify(*args, out_len=lane.batch.out_len)
+        else:
+            control.queued("verify", plan.k)
+            lane.state, lane.policy = goodput_lib.verify_and_choose(
+                *args, lane.policy, control.seconds_device, out_len=lane.batch.out_len, ks=control.ks)
+            lane.policy.choice.copy_to_host_async()
+        lane.verifying_k = plan.k
         self._timed("verify", start, lane.state)
         lane.state.done_b.copy_to_host_async()
 
     def harvest(self, lane: Lane) -> list[int]:
         """Records the lane's finished requests (one host read of its outputs); returns freed slots."""
         s = lane.state
+        if self.goodput is not None:
+            self.goodput.event()
         return lane.table.harvest(*jax.device_get((s.done_b, s.out_bo, s.n_out_b, s.counters)))
 
     def _refill(self, lane: Lane, eos) -> None:
@@ -197,7 +238,9 @@ class SlicedRunner:
         lane.state.done_b.copy_to_host_async()
         lane.keys_t = engine.put_rows(lane.keys_t, t_slots, t_keys)
         lane.max_new_t = engine.put_rows(lane.max_new_t, t_slots, t_max_new)
-        if self.plan.k > 0:
+        if lane.policy is not None:
+            lane.policy = goodput_lib.reseed_rows(lane.policy, t_slots)
+        if self.drafts:
             d_slots, d_tokens, d_lengths, d_keys = sharding_lib.put((slots_r, sub.tokens_bp, sub.lengths_b, keys_r),
                                                                     self._d_rep)
             lane.draft_state = _draft_refill(self.drafter, self.drafter.params, lane.draft_state, d_slots, d_tokens,
@@ -230,6 +273,8 @@ class SlicedRunner:
             verifying, drafting = drafting, verifying
         # The tail: the batch left runs sequentially; `verifying` already holds fresh drafts.
         rest = b if a.finished else a
+        if self.goodput is not None:
+            self.goodput.to_sequential()
         if rest is not verifying:
             self._draft(rest)
         while not rest.finished:
