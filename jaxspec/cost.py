@@ -402,6 +402,16 @@ class StepTimeTracker:
         # (plan, steps, predicted and measured wall seconds per step, round trip included)
         self.history: list[tuple[int, int, float, float]] = []
 
+    def repredict(self, predicted_j) -> None:
+        """Replaces the step times the corrections multiply, where a model of them learns during
+        the run (a pipelined lane step's overlap, `parallel.goodput.SliceTiming`); the segments
+        folded in so far keep the times they were predicted at."""
+        predicted_j = np.asarray(predicted_j, np.float64)
+        if predicted_j.shape != self.predicted_j.shape or not np.all(predicted_j > 0):
+            raise ValueError(f"predicted_j must be {self.predicted_j.size} positive seconds, got {predicted_j!r}")
+        self.predicted_j = predicted_j
+        self._ratios = self._doubted = None
+
     def observe(self, plan: int, steps: int, seconds: float, trial: bool = False) -> None:
         """Folds in one segment: `steps` steps of `plan` took `seconds` of wall time (`trial`: it
         was run because `explore` proposed it).

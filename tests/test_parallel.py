@@ -197,10 +197,10 @@ MODES = pytest.mark.parametrize("pipeline", [False, True], ids=["draft-slice", "
 @MODES
 def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, prompts, reference, pipeline,
                                                                            compile_counter):
-    """The goodput policy with the draft on its own slice, sequential or pipelined, with step
-    times corrected from the lane steps it times: the longest draft length where the cost model
-    makes drafting free (this pair accepts most drafts), plain decoding throughout where it makes
-    the draft dear; the target's greedy output either way, and a second call compiles nothing."""
+    """The goodput policy with the draft on its own slice, sequential or pipelined, planning with
+    the cost model as given: the longest draft length where it makes drafting free (this pair
+    accepts most drafts), plain decoding throughout where it makes the draft dear; the target's
+    greedy output either way, and a second call compiles nothing."""
     target, draft = pair
     mesh = jaxspec.MeshConfig(target_tp=2, draft_tp=1)
     free = jaxspec.CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2,
@@ -209,7 +209,7 @@ def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, 
                                                target_per_token=1e-6)
     for cost in (free, dear):
         decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
-            k=3, policy="goodput", cost_model=cost, pipeline=pipeline))
+            k=3, policy="goodput", cost_model=cost, pipeline=pipeline, measure_plans=False))
         decoder.generate(prompts, max_new_tokens=BUDGETS)
         with compile_counter() as counter:
             result = decoder.generate(prompts, max_new_tokens=BUDGETS)
@@ -260,24 +260,50 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline):
     assert trace[0] == 1 and trace[-1] == 0, trace
 
 
-def test_goodput_on_two_slices_corrects_a_wrong_cost_model_from_timed_lane_steps(pair, prompts):
-    """A cost model a thousand times too slow: the times the policy plans with come within a
-    factor of 3 of the measured seconds per lane step, and are kept for the next call."""
+@MODES
+def test_goodput_on_two_slices_plans_with_times_measured_there(pair, prompts, reference, pipeline, compile_counter):
+    """A cost model a thousand times too slow: the decoder's first call times each draft length's
+    two halves on the slices and plans with those, corrected from the lane steps it then times,
+    within a factor of 3 of the measured seconds per lane step; its next call keeps them and
+    measures (compiles) nothing. The output is the target's."""
     target, draft = pair
     slow = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=5.0,
                                                target_per_token=0.5)
     decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=1),
                                          spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=slow,
-                                                                 pipeline=True))
-    decoder.generate(prompts, max_new_tokens=BUDGETS)   # compiles
-    result = decoder.generate(prompts, max_new_tokens=BUDGETS)
+                                                                 pipeline=pipeline))
+    first = decoder.generate(prompts, max_new_tokens=BUDGETS)
+    with compile_counter() as counter:
+        result = decoder.generate(prompts, max_new_tokens=BUDGETS)
+    assert counter.count == 0, counter.names
+    assert first.tokens == reference and result.tokens == reference
+    mode = "pipelined" if pipeline else "sequential"
     seconds = result.stats.extra["lane_step_seconds"]
+    halves = first.stats.extra["lane_step_seconds"]["halves"]
+    assert all(seconds["halves"][half] == halves[half] for half in ("draft", "verify"))   # not measured again
     trace = result.stats.extra["k_trace"]
     per_step = result.stats.seconds / len(trace)
     ran = max(set(trace), key=trace.count)
-    assert seconds["timed_steps"] >= len(trace) // 3
-    assert seconds["predicted"][ran] > 100 * per_step
-    assert per_step / 3 < seconds["corrected"][ran] < 3 * per_step, (seconds, per_step)
+    assert seconds[mode]["timed_steps"] >= len(trace) // 3
+    assert seconds[mode]["cost_model"][ran] > 100 * per_step
+    assert per_step / 3 < seconds[mode]["corrected"][ran] < 3 * per_step, (seconds, per_step)
+
+
+def test_pipelined_lane_steps_learn_how_much_the_slices_overlap():
+    """`SliceTiming`: lane steps timed at the sum of the two halves (slices that share cores) move
+    the overlap to 1 and the planned pipelined times to the sums; timed at the longer half, it
+    stays 0 and the plans at the longer halves."""
+    from jaxspec.parallel.goodput import SliceTiming
+
+    draft_j, verify_j = np.array([0.0, 1e-3, 2e-3, 3e-3]), np.array([4e-3, 4.5e-3, 5e-3, 5.5e-3])
+    for hidden in (False, True):
+        timing = SliceTiming(draft_j, verify_j, (0, 1, 2, 3), ("pipelined", "sequential"))
+        for _ in range(40):
+            timing.observe_overlap(2, 5e-3 if hidden else 7e-3)
+        want = np.maximum(draft_j, verify_j) if hidden else draft_j + verify_j
+        np.testing.assert_allclose(timing.trackers["pipelined"].predicted_j, want, rtol=1e-6)
+        np.testing.assert_allclose(timing.trackers["sequential"].predicted_j, draft_j + verify_j)
+        assert timing.overlap_miss == pytest.approx(0.0 if hidden else 1.0)
 
 
 def test_goodput_with_tetris_on_two_slices_is_rejected(pair):

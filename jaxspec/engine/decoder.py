@@ -97,8 +97,8 @@ class SpeculativeDecoder:
         self.phase_timings: dict[str, list[float]] | None = None
         # Goodput: what the decoder measures and decides on the host, kept between calls.
         self._goodput = GoodputControl(self.target, self.drafter, self.sampling, self.spec, self._target_mesh)
-        # Goodput on two slices: step-time trackers per (lane rows, cache length, mode), kept between calls.
-        self._sliced_trackers: dict[tuple, StepTimeTracker] = {}
+        # Goodput on two slices: what was measured per (lane rows, cache length, pipelined), kept between calls.
+        self._slice_timings: dict = {}
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -352,6 +352,8 @@ class SpeculativeDecoder:
         lanes = [runner.start(t, lb, seed, eos, cache_len, self._schedule(rows, len(g), cache_len)[1])
                  for t, lb, g in zip(tables, lane_batches, groups)]
         runner.run(lanes, eos)
+        if control is not None and control.timing is not None:   # measured at this shape: kept for its next calls
+            self._slice_timings[(rows, cache_len, len(groups) == 2)] = control.timing
         steps = sum(int(s) for s in jax.device_get([ln.state.steps for ln in lanes]))
         seconds = time.perf_counter() - start
         tokens = queue.results()
@@ -360,11 +362,14 @@ class SpeculativeDecoder:
         stats.extra["lanes"] = len(lanes)
         stats.extra["slots"] = rows * len(lanes)
         if control is not None:
-            # Seconds per lane step of each draft length: the cost model's, and as corrected by the
-            # lane steps timed in this and earlier calls (the mode the call ended in).
-            stats.extra["lane_step_seconds"] = {"predicted": control.predicted[control.mode].tolist(),
-                                                "corrected": control.seconds_j().tolist(),
-                                                "timed_steps": control.observed}
+            accepted_r, tried_r = queue.counters["accepted"], queue.counters["tried"]
+            if np.sum(tried_r):   # what its requests accepted seeds the next calls' rows
+                self._goodput.acceptance.remember(np.sum(accepted_r, keepdims=True), np.sum(tried_r, keepdims=True))
+                self._goodput.acceptance.remember_requests(accepted_r, tried_r)
+            # Per mode (a pipelined call's tail is sequential): seconds per lane step of each draft
+            # length, the cost model's and as corrected by the lane steps timed in this and earlier
+            # calls, and how many this call timed.
+            stats.extra["lane_step_seconds"] = control.report()
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _sliced_goodput(self, schedule: Schedule, rows: int, cache_len: int, pipelined: bool):
@@ -377,22 +382,14 @@ class SpeculativeDecoder:
             return None
         ks = schedule.predict_ks
         modes = ("pipelined", "sequential") if pipelined else ("sequential",)
-        predicted = {mode: sliced.lane_step_seconds(self.spec.cost_model, rows, ks, cache_len, mode == "pipelined")
-                     for mode in modes}
-        trackers = None
-        if self.spec.measure_plans:
-            trackers = {}
-            for mode in modes:
-                key = (rows, cache_len, mode)
-                tracker = self._sliced_trackers.get(key)
-                if tracker is None:
-                    tracker = self._sliced_trackers[key] = StepTimeTracker(
-                        predicted[mode], kinds=[k > 0 for k in ks])
-                else:
-                    tracker.new_call()
-                trackers[mode] = tracker
+        cost = {mode: sliced.lane_step_seconds(self.spec.cost_model, rows, ks, cache_len, mode == "pipelined")
+                for mode in modes}
+        timing = self._slice_timings.get((rows, cache_len, pipelined)) if self.spec.measure_plans else None
+        for tracker in (timing.trackers.values() if timing is not None else ()):
+            tracker.new_call()
         put = functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
-        return sliced.SlicedGoodput(ks, predicted, trackers, put)
+        return sliced.SlicedGoodput(ks, cost, put, timing=timing, measure=self.spec.measure_plans,
+                                    acceptance=self._goodput.acceptance.seed())
 
     def _schedule(self, rows: int, num_prompts: int, cache_len: int) -> tuple[Schedule, int]:
         """The compiled step shapes and the TETRIS per-step budget C (0 for standard selection).

@@ -25,6 +25,7 @@ refill or first compilation fell in the interval.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import jax
@@ -35,12 +36,18 @@ from jaxspec import engine
 from jaxspec import policy as policy_lib
 from jaxspec.sampling import SamplingConfig
 
-# How far the corrected step times may move before the device's copy is replaced (a host-to-device
-# copy per change; the choice is a ratio of goodputs and moves little below this).
+# How far the corrected step times may move before the device's copy is replaced, and the fewest
+# timed lane steps between two copies: each is a host-to-device copy (0.1-0.4 ms of host time on
+# XLA:CPU), and sent whenever a noisy lane step moved the times by 2%, they went out in 32 of 42
+# steps of a pipelined call at batch 8 of the tiny-8L pair.
 RESEND = 0.02
+RESEND_EVERY = 8
 # Observations skipped after a refill, a harvest or a program's first call: the interval then holds
 # host work or a compilation, not steps.
 SKIP_AFTER_EVENT = 2
+# Weight of each timed pipelined lane step in the moving average of the overlap (`SliceTiming`),
+# once 1 / OVERLAP_RATE of them have been averaged alike.
+OVERLAP_RATE = 0.1
 
 
 def lane_step_seconds(cost: cost_lib.CostModel, rows: int, ks, cache_len: int, pipelined: bool) -> np.ndarray:
@@ -59,10 +66,33 @@ def lane_step_seconds(cost: cost_lib.CostModel, rows: int, ks, cache_len: int, p
     return np.asarray(seconds, np.float64)
 
 
+@functools.lru_cache(maxsize=None)
+def fresh_policy(sharding):
+    """A jitted `PolicyState.init(rows, 0, seed=seed, live_b=live_b)` whose counts land with
+    `sharding` (the target slice, replicated; None: where the inputs are): one program instead of
+    a transfer per field."""
+    def init(seed, live_b, *, rows):
+        return policy_lib.PolicyState.init(rows, 0, seed=seed, live_b=live_b)
+    return jax.jit(init, static_argnames=("rows",), out_shardings=sharding)
+
+
 @functools.partial(jax.jit, static_argnames=("ks",))
-def opening_choice(policy: policy_lib.PolicyState, live_b, seconds_j, *, ks):
-    """The draft length a lane opens on: the best goodput at the prior's optimistic estimate."""
+def _opening(policy: policy_lib.PolicyState, live_b, seconds_j, *, ks):
     return policy_lib.choose_k(policy, live_b, ks, seconds_j, optimistic=True)
+
+
+def opening_choice(seed, live_b, seconds_j, ks: tuple[int, ...]) -> int:
+    """The index in `ks` of the draft length a lane opens on: the best goodput at the optimistic
+    estimate of rows seeded with `seed` (`policy.choose_k`).
+
+    Computed on the host's own device (the last CPU device: the host of a GPU or TPU machine, a
+    device the meshes leave free on a CPU-only one) so that reading it waits for nothing queued on
+    the slices: on the target slice it waited for the lanes' prefills."""
+    host = jax.devices("cpu")[-1]
+    seed, live_b, seconds_j = jax.device_put((np.asarray(seed, np.float32), np.asarray(live_b),
+                                              np.asarray(seconds_j, np.float32)), host)
+    policy = fresh_policy(None)(seed, live_b, rows=live_b.shape[0])
+    return int(_opening(policy, live_b, seconds_j, ks=tuple(ks)))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len", "ks"), donate_argnums=(4,))
@@ -89,22 +119,75 @@ def reseed_rows(policy: policy_lib.PolicyState, slots_r) -> policy_lib.PolicySta
                           seed_trials_b=policy.seed_trials_b.at[slots_r].set(weight, mode="drop"))
 
 
+@dataclasses.dataclass
+class SliceTiming:
+    """What a decoder measured of one shape on its slices, kept across its calls.
+
+    Attributes:
+      draft_j, verify_j: each draft length's drafting and verification, timed alone
+        (`SlicedRunner.measure_plans`), seconds.
+      overlap_miss: the part of the shorter half a pipelined lane step does not hide behind the
+        longer, learnt from timed lane steps: 0 where the slices really run at once (disjoint
+        accelerators), near 1 where they share the host's cores. A moving average.
+      trackers: per mode, the corrections of the planned lane-step times (`cost.StepTimeTracker`).
+    """
+
+    draft_j: np.ndarray
+    verify_j: np.ndarray
+    ks: tuple[int, ...]
+    modes: tuple[str, ...]
+    overlap_miss: float = 0.0
+    overlap_steps: int = 0
+    trackers: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        kinds = [k > 0 for k in self.ks]
+        self.trackers = {mode: cost_lib.StepTimeTracker(self.planned(mode), kinds=kinds, measured=[True] * len(kinds))
+                         for mode in self.modes}
+
+    def planned(self, mode: str) -> np.ndarray:
+        """Seconds per lane step of each draft length before the trackers' corrections: the two
+        halves' sum sequentially; pipelined, the longer plus the unhidden part of the shorter."""
+        if mode == "sequential":
+            return self.draft_j + self.verify_j
+        longer, shorter = np.maximum(self.draft_j, self.verify_j), np.minimum(self.draft_j, self.verify_j)
+        return longer + self.overlap_miss * shorter
+
+    def observe_overlap(self, k: int, seconds: float) -> None:
+        """A pipelined lane step of draft length k took `seconds`: moves `overlap_miss` toward what
+        it shows, and re-plans the pipelined times with it (the tracker keeps what it measured)."""
+        j = self.ks.index(k)
+        longer, shorter = max(self.draft_j[j], self.verify_j[j]), min(self.draft_j[j], self.verify_j[j])
+        if shorter <= 0:
+            return
+        sample = float(np.clip((seconds - longer) / shorter, 0.0, 1.0))
+        self.overlap_steps += 1
+        self.overlap_miss += max(OVERLAP_RATE, 1.0 / self.overlap_steps) * (sample - self.overlap_miss)
+        self.trackers["pipelined"].repredict(self.planned("pipelined"))
+
+
 class SlicedGoodput:
     """The host's side of the goodput policy on two slices, for one decode call.
 
     Args:
       ks: the candidate draft lengths (0..k).
-      predicted: per mode ("pipelined", "sequential"), `lane_step_seconds` of each draft length.
-        A pipelined call runs its tail (one lane left) sequentially (`to_sequential`).
-      trackers: per mode, the decoder's `cost.StepTimeTracker` for this shape (kept across calls),
-        or None to plan with the cost model alone (`SpecConfig.measure_plans=False`).
+      cost: per mode ("pipelined", "sequential"), the cost model's `lane_step_seconds` of each
+        draft length. A pipelined call runs its tail (one lane left) sequentially (`to_sequential`).
       put: places a host value on the target slice (replicated).
+      timing: what the decoder measured of this shape at an earlier call (`SliceTiming`), or None.
+      measure: with no timing, time each draft length's two halves on the slices before the first
+        step (`SlicedRunner.measure_plans`, then `measured`) and correct the lane-step times from
+        the lane steps timed during the run. False: the cost model alone, as given
+        (`SpecConfig.measure_plans=False`).
+      acceptance: the seed of the lanes' rows (`policy.AcceptanceMemory.seed`; None: the prior).
     """
 
-    def __init__(self, ks: tuple[int, ...], predicted: dict[str, np.ndarray],
-                 trackers: dict[str, cost_lib.StepTimeTracker] | None, put):
-        self.ks, self.predicted, self.trackers, self._put = tuple(ks), predicted, trackers, put
-        self.mode = "pipelined" if "pipelined" in predicted else "sequential"
+    def __init__(self, ks: tuple[int, ...], cost: dict[str, np.ndarray], put, *, timing: SliceTiming | None = None,
+                 measure: bool = True, acceptance=None):
+        self.ks, self.cost, self.timing, self._put = tuple(ks), cost, timing, put
+        self.needs_measuring = measure and timing is None
+        self.acceptance = acceptance
+        self.mode = "pipelined" if "pipelined" in cost else "sequential"
         self.trace: list[int] = []                  # the draft length of each queued verification
         # Draft lengths of the last calls queued, drafts and verifies: a read's interval is one
         # lane step of plan k where all of them ran k (pipelined, the other lane's drafting ran
@@ -113,19 +196,45 @@ class SlicedGoodput:
         self._last_read: float | None = None
         self._skip = SKIP_AFTER_EVENT
         self._used: set[tuple[str, int]] = set()
-        self.observed = 0
+        self.observed = dict.fromkeys(cost, 0)   # lane steps timed per mode
+        self._send(self.seconds_j())
+
+    def measured(self, draft_j, verify_j) -> None:
+        """Plans with the two halves' measured seconds (`SlicedRunner.measure_plans`) instead of the
+        cost model's, from now on corrected from timed lane steps (a `SliceTiming`, which the
+        decoder keeps for this shape's next calls)."""
+        self.timing = SliceTiming(np.asarray(draft_j, np.float64), np.asarray(verify_j, np.float64), self.ks,
+                                  tuple(self.cost))
+        self.needs_measuring = False
         self._send(self.seconds_j())
 
     @property
     def tracker(self) -> cost_lib.StepTimeTracker | None:
-        return None if self.trackers is None else self.trackers[self.mode]
+        return None if self.timing is None else self.timing.trackers[self.mode]
 
     def seconds_j(self) -> np.ndarray:
         """Seconds per lane step of each draft length the policy plans with now."""
-        return self.tracker.corrected() if self.tracker is not None else self.predicted[self.mode]
+        return self.tracker.corrected() if self.tracker is not None else self.cost[self.mode]
+
+    def report(self) -> dict[str, dict]:
+        """Per mode: the cost model's seconds per lane step of each draft length, those planned
+        before corrections (from the halves measured on the slices at this shape's first call,
+        where measured), the corrected ones, and how many lane steps this call timed; and the
+        halves and the learnt overlap."""
+        report = {}
+        for mode, cost in self.cost.items():
+            tracker = None if self.timing is None else self.timing.trackers[mode]
+            report[mode] = {"cost_model": cost.tolist(),
+                            "planned": (cost if tracker is None else tracker.predicted_j).tolist(),
+                            "corrected": (cost if tracker is None else tracker.corrected()).tolist(),
+                            "timed_steps": self.observed[mode]}
+        if self.timing is not None:
+            report["halves"] = {"draft": self.timing.draft_j.tolist(), "verify": self.timing.verify_j.tolist(),
+                                "overlap_miss": self.timing.overlap_miss}
+        return report
 
     def _send(self, seconds_j: np.ndarray) -> None:
-        self._sent_j = seconds_j
+        self._sent_j, self._since_sent = seconds_j, 0
         self.seconds_device = self._put(np.asarray(seconds_j, np.float32))
 
     def to_sequential(self) -> None:
@@ -158,8 +267,12 @@ class SlicedGoodput:
             return
         if self.tracker is None or last is None or any(r != k for r in self._recent):
             return
+        if self.mode == "pipelined":
+            self.timing.observe_overlap(k, now - last)
         self.tracker.observe(self.ks.index(k), 1, now - last)
-        self.observed += 1
-        seconds_j = self.tracker.corrected()
-        if np.max(np.abs(seconds_j / self._sent_j - 1.0)) > RESEND:
-            self._send(seconds_j)
+        self.observed[self.mode] += 1
+        self._since_sent += 1
+        if self._since_sent >= RESEND_EVERY:
+            seconds_j = self.tracker.corrected()
+            if np.max(np.abs(seconds_j / self._sent_j - 1.0)) > RESEND:
+                self._send(seconds_j)

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import engine
-from jaxspec import policy as policy_lib
 from jaxspec.parallel import goodput as goodput_lib
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.sampling import SamplingConfig
@@ -148,12 +147,51 @@ class SlicedRunner:
                     max_new_t=t_in[2], keys_d=keys_d, budget_t=t_in[5], seed=seed, cache_len=cache_len,
                     k=max(self.plans))
         if self.goodput is not None:
-            control = self.goodput
-            policy = policy_lib.PolicyState.init(batch.tokens_bp.shape[0], 0)
-            lane.policy = self._to_target(policy)
-            lane.k = control.ks[int(goodput_lib.opening_choice(lane.policy, ~state.done_b, control.seconds_device,
-                                                               ks=control.ks))]
+            # Rows start from the acceptance the decoder's earlier calls measured, if any.
+            lane.policy = goodput_lib.fresh_policy(self._t_rep)(self.goodput.acceptance, batch.max_new_b > 0,
+                                                                rows=batch.tokens_bp.shape[0])
         return lane
+
+    def measure_plans(self, lane: Lane, eos, passes: int = 3) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds of each draft length's drafting (with the proposal's transfer to the target
+        slice) and verification at this lane's shape, on copies of its state, each call timed
+        alone and blocking: a first pass over the draft lengths compiles, then the median over
+        `passes` passes, each in another order (the machine's speed drifts)."""
+        control = self.goodput
+        times = np.zeros((passes, len(control.ks), 2))
+        for p in range(passes + 1):
+            order = np.roll(np.arange(len(control.ks)), p) if p % 2 else np.roll(np.arange(len(control.ks)), -p)[::-1]
+            for j in order:
+                times[max(p - 1, 0), j] = self._time_halves(lane, eos, control.ks[j])
+        draft_j, verify_j = np.median(times, axis=0).T
+        return draft_j, verify_j
+
+    def _time_halves(self, lane: Lane, eos, k: int) -> tuple[float, float]:
+        """One drafting and verification of draft length k from a copy of the lane's state, timed."""
+        control = self.goodput
+        state, draft_state = jax.block_until_ready(jax.tree.map(jnp.copy, (lane.state, lane.draft_state)))
+        start = time.perf_counter()
+        proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
+        if k:
+            view = self._to_draft((state.seq_bl, state.target_cache.lengths, state.n_out_b))
+            proposal, _ = _draft(self.drafter, k, self.sampling, self.drafter.params, draft_state, *view, lane.keys_d)
+            proposal = jax.block_until_ready(self._to_target(proposal))
+        middle = time.perf_counter()
+        jax.block_until_ready(goodput_lib.verify_and_choose(
+            self.target.graphdef, self.plans[k], self.sampling, self.target.params, state, proposal, lane.keys_t,
+            lane.max_new_t, eos, lane.budget_t, lane.policy, control.seconds_device, out_len=lane.batch.out_len,
+            ks=control.ks))
+        return middle - start, time.perf_counter() - middle
+
+    def _open(self, lanes: list[Lane], eos) -> None:
+        """Goodput: times the plans where this shape has not been timed, then each lane's opening
+        draft length (the best at the optimistic estimate of its rows' seeded acceptance)."""
+        control = self.goodput
+        if control.needs_measuring:
+            control.measured(*self.measure_plans(lanes[0], eos))
+        for lane in lanes:
+            lane.k = control.ks[goodput_lib.opening_choice(control.acceptance, lane.batch.max_new_b > 0,
+                                                           control.seconds_j(), control.ks)]
 
     def _draft(self, lane: Lane) -> None:
         """Queues the lane's drafting (of `lane.k` tokens a row) on the draft slice, from its latest
@@ -251,6 +289,8 @@ class SlicedRunner:
     def run(self, lanes: list[Lane], eos: int) -> list[Lane]:
         """Decodes one lane sequentially, or two pipelined, until every row is done."""
         eos_t = self._to_target(jnp.int32(eos))
+        if self.goodput is not None:
+            self._open(lanes, eos_t)
         if len(lanes) == 1:
             self._sequential(lanes[0], eos_t)
         else:
