@@ -27,7 +27,10 @@ class SpecConfig:
         steps of each compiled plan there and plan with those times instead of the cost model's
         (which then only prices TETRIS budgets against each other and plans that ran no step);
         measured times are corrected during the run either way. False: the cost model alone, as
-        given (what-if studies, tests of the policy).
+        given (what-if studies, tests of the policy). On two slices (a separate draft slice or
+        pipeline=True) each draft length's drafting and verification are timed there, and the
+        lane-step times corrected during the run; False plans with the cost model alone,
+        uncorrected (`jaxspec.parallel.goodput`).
       pipeline: pipelined two-batch drafting on a separate device slice.
       greedy_draft: draft with argmax even when sampling (q is then one-hot; still lossless).
       threshold: confidence-threshold drafting: a row's window ends at the first draft whose

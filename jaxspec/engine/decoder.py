@@ -366,6 +366,10 @@ class SpeculativeDecoder:
             if np.sum(tried_r):   # what its requests accepted seeds the next calls' rows
                 self._goodput.acceptance.remember(np.sum(accepted_r, keepdims=True), np.sum(tried_r, keepdims=True))
                 self._goodput.acceptance.remember_requests(accepted_r, tried_r)
+                if schedule.positions:   # and the acceptance along the window, pooled over the lanes
+                    for policy in jax.device_get([lane.policy for lane in lanes]):
+                        self._goodput.acceptance.remember_positions(policy.pos_total_accepted_p,
+                                                                    policy.pos_total_tried_p)
             # Per mode (a pipelined call's tail is sequential): seconds per lane step of each draft
             # length, the cost model's and as corrected by the lane steps timed in this and earlier
             # calls, and how many this call timed.
@@ -389,7 +393,8 @@ class SpeculativeDecoder:
             tracker.new_call()
         put = functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
         return sliced.SlicedGoodput(ks, cost, put, timing=timing, measure=self.spec.measure_plans,
-                                    acceptance=self._goodput.acceptance.seed())
+                                    acceptance=self._goodput.acceptance.seed(schedule.positions),
+                                    positions=schedule.positions)
 
     def _schedule(self, rows: int, num_prompts: int, cache_len: int) -> tuple[Schedule, int]:
         """The compiled step shapes and the TETRIS per-step budget C (0 for standard selection).

@@ -68,12 +68,12 @@ def lane_step_seconds(cost: cost_lib.CostModel, rows: int, ks, cache_len: int, p
 
 @functools.lru_cache(maxsize=None)
 def fresh_policy(sharding):
-    """A jitted `PolicyState.init(rows, 0, seed=seed, live_b=live_b)` whose counts land with
-    `sharding` (the target slice, replicated; None: where the inputs are): one program instead of
-    a transfer per field."""
-    def init(seed, live_b, *, rows):
-        return policy_lib.PolicyState.init(rows, 0, seed=seed, live_b=live_b)
-    return jax.jit(init, static_argnames=("rows",), out_shardings=sharding)
+    """A jitted `PolicyState.init(rows, 0, seed=seed, live_b=live_b, positions=positions)` whose
+    counts land with `sharding` (the target slice, replicated; None: where the inputs are): one
+    program instead of a transfer per field."""
+    def init(seed, live_b, *, rows, positions):
+        return policy_lib.PolicyState.init(rows, 0, seed=seed, live_b=live_b, positions=positions)
+    return jax.jit(init, static_argnames=("rows", "positions"), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("ks",))
@@ -81,9 +81,9 @@ def _opening(policy: policy_lib.PolicyState, live_b, seconds_j, *, ks):
     return policy_lib.choose_k(policy, live_b, ks, seconds_j, optimistic=True)
 
 
-def opening_choice(seed, live_b, seconds_j, ks: tuple[int, ...]) -> int:
+def opening_choice(seed, live_b, seconds_j, ks: tuple[int, ...], positions: int = 0) -> int:
     """The index in `ks` of the draft length a lane opens on: the best goodput at the optimistic
-    estimate of rows seeded with `seed` (`policy.choose_k`).
+    estimate of rows seeded with `seed` (`policy.choose_k`; `positions`: as in `PolicyState.init`).
 
     Computed on the host's own device (the last CPU device: the host of a GPU or TPU machine, a
     device the meshes leave free on a CPU-only one) so that reading it waits for nothing queued on
@@ -91,7 +91,7 @@ def opening_choice(seed, live_b, seconds_j, ks: tuple[int, ...]) -> int:
     host = jax.devices("cpu")[-1]
     seed, live_b, seconds_j = jax.device_put((np.asarray(seed, np.float32), np.asarray(live_b),
                                               np.asarray(seconds_j, np.float32)), host)
-    policy = fresh_policy(None)(seed, live_b, rows=live_b.shape[0])
+    policy = fresh_policy(None)(seed, live_b, rows=live_b.shape[0], positions=positions)
     return int(_opening(policy, live_b, seconds_j, ks=tuple(ks)))
 
 
@@ -179,12 +179,15 @@ class SlicedGoodput:
         step (`SlicedRunner.measure_plans`, then `measured`) and correct the lane-step times from
         the lane steps timed during the run. False: the cost model alone, as given
         (`SpecConfig.measure_plans=False`).
-      acceptance: the seed of the lanes' rows (`policy.AcceptanceMemory.seed`; None: the prior).
+      acceptance: the seed of the lanes' rows (`policy.AcceptanceMemory.seed(positions)`).
+      positions: draft positions whose acceptance is tracked (`Schedule.positions`; 0: none, the
+        geometric model).
     """
 
     def __init__(self, ks: tuple[int, ...], cost: dict[str, np.ndarray], put, *, timing: SliceTiming | None = None,
-                 measure: bool = True, acceptance=None):
+                 measure: bool = True, acceptance=None, positions: int = 0):
         self.ks, self.cost, self.timing, self._put = tuple(ks), cost, timing, put
+        self.positions = positions
         self.needs_measuring = measure and timing is None
         self.acceptance = acceptance
         self.mode = "pipelined" if "pipelined" in cost else "sequential"

@@ -149,7 +149,8 @@ class SlicedRunner:
         if self.goodput is not None:
             # Rows start from the acceptance the decoder's earlier calls measured, if any.
             lane.policy = goodput_lib.fresh_policy(self._t_rep)(self.goodput.acceptance, batch.max_new_b > 0,
-                                                                rows=batch.tokens_bp.shape[0])
+                                                                rows=batch.tokens_bp.shape[0],
+                                                                positions=self.goodput.positions)
         return lane
 
     def measure_plans(self, lane: Lane, eos, passes: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +192,7 @@ class SlicedRunner:
             control.measured(*self.measure_plans(lanes[0], eos))
         for lane in lanes:
             lane.k = control.ks[goodput_lib.opening_choice(control.acceptance, lane.batch.max_new_b > 0,
-                                                           control.seconds_j(), control.ks)]
+                                                           control.seconds_j(), control.ks, control.positions)]
 
     def _draft(self, lane: Lane) -> None:
         """Queues the lane's drafting (of `lane.k` tokens a row) on the draft slice, from its latest
