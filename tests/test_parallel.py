@@ -353,3 +353,20 @@ def test_two_processes_on_localhost_share_one_mesh(tmp_path):
     assert run.returncode == 0, summary.get("output_tails")
     assert [r["global_devices"] for r in summary["reports"]] == [4, 4]
     assert all(r["same_as_single_device"] for r in summary["reports"])
+
+
+def test_nondecreasing_fit_equals_brute_force_least_squares():
+    """`goodput.nondecreasing` against an exhaustive search over non-decreasing sequences drawn
+    from a fine grid (the least-squares fit's values are means of runs, so a grid of the inputs'
+    run means contains it)."""
+    import itertools
+
+    from jaxspec.parallel.goodput import nondecreasing
+
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        x = rng.normal(size=5).round(1)
+        means = sorted({float(np.mean(x[i:j])) for i in range(5) for j in range(i + 1, 6)})
+        best = min((c for c in itertools.combinations_with_replacement(means, 5)),
+                   key=lambda c: float(np.sum((np.asarray(c) - x) ** 2)))
+        np.testing.assert_allclose(nondecreasing(x), best, atol=1e-9)
