@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu policy-overhead goodput-warmups step-kernels mesh-sweep multilevel distill-smollm2 clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu policy-overhead goodput-warmups bench-goodput-sliced step-kernels mesh-sweep multilevel distill-smollm2 clean
 
 .venv: $(STAMP)
 
@@ -68,6 +68,10 @@ step-kernels: $(STAMP)
 
 mesh-sweep: $(STAMP)
 	$(BIN)/python scripts/mesh_sweep.py
+
+# The goodput policy with the draft on its own (virtual CPU) device, sequential and pipelined, against fixed k.
+bench-goodput-sliced: $(STAMP)
+	$(BIN)/python scripts/bench_goodput_sliced.py --batches 8 32 --rounds 8
 
 multilevel: $(STAMP)
 	$(BIN)/python scripts/multilevel_analysis.py

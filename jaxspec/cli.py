@@ -236,6 +236,8 @@ BENCHES: dict[str, tuple[str, list[str]]] = {
                                      "--name", "bench_goodput_quick"]),
     "mesh": ("mesh_sweep.py", ["--threads", "multi", "--new-tokens", "16", "--repeats", "1", "--name",
                                "mesh_sweep_quick"]),
+    "goodput-sliced": ("bench_goodput_sliced.py", ["--batches", "8", "--ks", "1", "2", "--new-tokens", "16",
+                                                   "--rounds", "2", "--name", "bench_goodput_sliced_quick"]),
 }
 
 

@@ -132,8 +132,10 @@ def write(args, pair_text, cost, rows, details) -> None:
             "`lane_step_ms`, the measured seconds per verification (median over rounds of call time over "
             "verifications, prefill included), against the lane-step time of the draft length it ran most: "
             "`cost_model_ms` by the cost model, `warmup_ms` as its two halves were timed alone on the slices "
-            "at the decoder's first call (their sum, or pipelined the longer), and `corrected_ms` as the "
-            f"policy planned with at the end of the last call (corrected from timed lane steps). `same_output`: every call's tokens equal the target's own greedy output. "
+            "at the decoder's first call (their sum; pipelined, the longer plus the learnt unhidden part of "
+            "the shorter), and `corrected_ms` as the policy planned with at the end of the last call "
+            "(corrected from timed lane steps). `same_output`: every call's tokens equal the target's own "
+            "greedy output. "
             f"Machine: {machine()['platform']}, {machine().get('cpu_count', '?')} cores. Cost model: "
             f"`{args.cost_model}` (one device).\n\n")
     columns = ["batch", "mode", "method", "best_fixed", "tok_s", "vs_best_fixed", "vs_best_fixed_90",

@@ -80,13 +80,18 @@ def test_generate_subprocess_matches_python_api(tiny_path, tmp_path):
 @pytest.mark.parametrize("draft_args", [["--draft", "none"],
                                         ["--draft", "ngram", "--k", "2", "--selection", "tetris", "--extra", "1"],
                                         ["--draft", "SELF", "--k", "2", "--target-tp", "2", "--draft-tp", "1",
-                                         "--pipeline"]])
+                                         "--pipeline"],
+                                        ["--draft", "SELF", "--k", "2", "--draft-tp", "1", "--pipeline",
+                                         "--policy", "goodput", "--cost-model", "COST"]])
 def test_generate_in_process_is_lossless(tiny_path, tiny_model, tmp_path, draft_args, capsys):
     """Plain decoding (--draft none), TETRIS, and a draft model on its own device slice, pipelined,
-    all give the greedy tokens."""
+    with a fixed k and under the goodput policy, all give the greedy tokens."""
     records = token_jobs(6, seed=1)
     prompts = write_jobs(tmp_path / "in.jsonl", records)
-    draft_args = [tiny_path if a == "SELF" else a for a in draft_args]
+    cost = tmp_path / "cost.json"
+    jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0.0, target_fixed=5e-3,
+                                        target_per_token=1e-4).save(cost)
+    draft_args = [{"SELF": tiny_path, "COST": str(cost)}.get(a, a) for a in draft_args]
     out = tmp_path / "out.jsonl"
     assert cli.main(generate_args(tiny_path, prompts, out, "--max-new-tokens", "8", "--batch-size", "2",
                                   *draft_args)) == 0
@@ -339,7 +344,8 @@ def test_bench_runs_the_chosen_script(capsys):
     assert "scripts/bench_tetris.py --part tiny" in printed and printed.rstrip().endswith("--batches 8")
     assert cli.main(["bench", "--dry-run"]) == 0
     printed = capsys.readouterr().out
-    assert all(name in printed for name in ("bench_speculative.py", "bench_goodput.py", "mesh_sweep.py"))
+    assert all(name in printed for name in ("bench_speculative.py", "bench_goodput.py", "mesh_sweep.py",
+                                            "bench_goodput_sliced.py"))
 
 
 def test_profile_writes_a_loadable_cost_model(tmp_path, capsys):
