@@ -98,10 +98,10 @@ def opening_choice(seed, live_b, seconds_j, ks: tuple[int, ...], positions: int 
     """The index in `ks` of the draft length a lane opens on: the best goodput at the optimistic
     estimate of rows seeded with `seed` (`policy.choose_k`; `positions`: as in `PolicyState.init`).
 
-    Computed on the host's own device (the last CPU device: the host of a GPU or TPU machine, a
-    device the meshes leave free on a CPU-only one) so that reading it waits for nothing queued on
-    the slices: on the target slice it waited for the lanes' prefills."""
-    host = jax.devices("cpu")[-1]
+    Computed on the host's own device (this process's last CPU device: the host of a GPU or TPU
+    machine, a device the meshes leave free on a CPU-only one) so that reading it waits for nothing
+    queued on the slices: on the target slice it waited for the lanes' prefills."""
+    host = jax.local_devices(backend="cpu")[-1]
     seed, live_b, seconds_j = jax.device_put((np.asarray(seed, np.float32), np.asarray(live_b),
                                               np.asarray(seconds_j, np.float32)), host)
     policy = fresh_policy(None)(seed, live_b, rows=live_b.shape[0], positions=positions)
