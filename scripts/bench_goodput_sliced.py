@@ -108,6 +108,9 @@ def main() -> None:
                     planned = stats[-1].extra["lane_step_seconds"]["pipelined" if pipeline else "sequential"]
                     measured = float(np.median([s.seconds / len(s.extra["k_trace"]) for s in stats]))
                     ran = max(set(trace), key=trace.count)
+                    mode_key = "pipelined" if pipeline else "sequential"
+                    errors = [s.extra["lane_step_seconds"][mode_key]["step_error"] for s in stats]
+                    row["step_error"] = float(np.median([e for e in errors if e is not None]))
                     row.update(k_shares=" ".join(f"{k}:{trace.count(k) / len(trace):.2f}" for k in sorted(set(trace))),
                                lane_step_ms=1e3 * measured, warmup_ms=1e3 * planned["planned"][ran],
                                corrected_ms=1e3 * planned["corrected"][ran],
@@ -134,13 +137,15 @@ def write(args, pair_text, cost, rows, details) -> None:
             "`cost_model_ms` by the cost model, `warmup_ms` as its two halves were timed alone on the slices "
             "at the decoder's first call (their sum; pipelined, the longer plus the learnt unhidden part of "
             "the shorter), and `corrected_ms` as the policy planned with at the end of the last call "
-            "(corrected from timed lane steps). `same_output`: every call's tokens equal the target's own "
+            "(corrected from timed lane steps); `step_error`: the median over rounds of each call's median "
+            "relative error of the lane-step time the policy planned each timed lane step at (measured / "
+            "planned - 1). `same_output`: every call's tokens equal the target's own "
             "greedy output. "
             f"Machine: {machine()['platform']}, {machine().get('cpu_count', '?')} cores. Cost model: "
             f"`{args.cost_model}` (one device).\n\n")
     columns = ["batch", "mode", "method", "best_fixed", "tok_s", "vs_best_fixed", "vs_best_fixed_90",
                "vs_heldout_best", "vs_heldout_best_90", "mean_k", "k_shares", "acceptance", "lane_step_ms",
-               "cost_model_ms", "warmup_ms", "corrected_ms", "same_output"]
+               "cost_model_ms", "warmup_ms", "corrected_ms", "step_error", "same_output"]
     full = [{c: row.get(c, "") for c in columns} for row in rows]
     write_results(args.name, dict(machine=machine(), args=vars(args), cost_model=cost.to_dict(), rows=rows,
                                   details=details), text + table(full, columns) + "\n")

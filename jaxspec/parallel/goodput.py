@@ -247,15 +247,18 @@ class SlicedGoodput:
     def report(self) -> dict[str, dict]:
         """Per mode: the cost model's seconds per lane step of each draft length, those planned
         before corrections (from the halves measured on the slices at this shape's first call,
-        where measured), the corrected ones, and how many lane steps this call timed; and the
-        halves and the learnt overlap."""
+        where measured), the corrected ones, how many lane steps this call timed and the median
+        relative error of the time the policy planned each of them at (measured / planned - 1);
+        and the halves and the learnt overlap."""
         report = {}
         for mode, cost in self.cost.items():
             tracker = None if self.timing is None else self.timing.trackers[mode]
+            errors = [measured / planned - 1.0 for _, _, planned, measured in (tracker.history if tracker else ())]
             report[mode] = {"cost_model": cost.tolist(),
                             "planned": (cost if tracker is None else tracker.predicted_j).tolist(),
                             "corrected": (cost if tracker is None else tracker.corrected()).tolist(),
-                            "timed_steps": self.observed[mode]}
+                            "timed_steps": self.observed[mode],
+                            "step_error": float(np.median(errors)) if errors else None}
         if self.timing is not None:
             report["halves"] = {"draft": self.timing.draft_j.tolist(), "verify": self.timing.verify_j.tolist(),
                                 "overlap_miss": self.timing.overlap_miss}
@@ -295,9 +298,9 @@ class SlicedGoodput:
             return
         if self.tracker is None or last is None or any(r != k for r in self._recent):
             return
+        self.tracker.observe(self.ks.index(k), 1, now - last)   # judged by the times planned with until now
         if self.mode == "pipelined":
             self.timing.observe_overlap(k, now - last)
-        self.tracker.observe(self.ks.index(k), 1, now - last)
         self.observed[self.mode] += 1
         self._since_sent += 1
         if self._since_sent >= RESEND_EVERY:
