@@ -195,21 +195,25 @@ MODES = pytest.mark.parametrize("pipeline", [False, True], ids=["draft-slice", "
 
 
 @MODES
+@pytest.mark.parametrize("selection", ["standard", "tetris"])
 def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, prompts, reference, pipeline,
-                                                                           compile_counter):
+                                                                           selection, compile_counter):
     """The goodput policy with the draft on its own slice, sequential or pipelined, planning with
     the cost model as given: the longest draft length where it makes drafting free (this pair
-    accepts most drafts), plain decoding throughout where it makes the draft dear; the target's
-    greedy output either way, and a second call compiles nothing."""
+    accepts most drafts; with TETRIS, its plan of k + extra drafts), plain decoding throughout
+    where it makes the draft dear; the target's greedy output either way, and a second call
+    compiles nothing."""
     target, draft = pair
     mesh = jaxspec.MeshConfig(target_tp=2, draft_tp=1)
     free = jaxspec.CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2,
                                                target_per_token=1e-6)
     dear = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-2,
                                                target_per_token=1e-6)
+    longest = 4 if selection == "tetris" else 3
     for cost in (free, dear):
         decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
-            k=3, policy="goodput", cost_model=cost, pipeline=pipeline, measure_plans=False))
+            k=3 if selection == "standard" else 2, extra=2 if selection == "tetris" else 0, selection=selection,
+            policy="goodput", cost_model=cost, pipeline=pipeline, measure_plans=False))
         decoder.generate(prompts, max_new_tokens=BUDGETS, batch_size=4)
         with compile_counter() as counter:   # four slots for nine requests: refills on both slices
             result = decoder.generate(prompts, max_new_tokens=BUDGETS, batch_size=4)
@@ -218,7 +222,7 @@ def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, 
         assert result.stats.extra["lanes"] == (2 if pipeline else 1)
         trace = result.stats.extra["k_trace"]
         if cost is free:
-            assert result.stats.accepted_tokens > 0 and trace.count(3) >= 0.9 * len(trace), trace
+            assert result.stats.accepted_tokens > 0 and trace.count(longest) >= 0.9 * len(trace), trace
         else:
             assert set(trace) == {0} and result.stats.drafted_tokens == 0, trace
 
@@ -237,42 +241,51 @@ def test_goodput_on_two_slices_picks_the_longest_window_at_full_acceptance(pair,
     assert result.stats.acceptance_rate == 1.0 and result.tokens == reference
 
 
-@pytest.mark.parametrize("pipeline", [pytest.param(False, marks=pytest.mark.slow), True],   # 18 s each
-                         ids=["draft-slice", "pipelined"])
-def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline):
+@pytest.mark.parametrize("pipeline,selection", [pytest.param(False, "standard", marks=pytest.mark.slow),   # 18 s each
+                                                (True, "standard"),
+                                                pytest.param(True, "tetris", marks=pytest.mark.slow)],
+                         ids=["draft-slice", "pipelined", "pipelined-tetris"])
+def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
     """Exact distribution on a 6-token vocabulary: the opening's optimistic estimate drafts
     (k = 1), then the measured acceptance (about 0.6) does not pay for the draft and the lanes
     decode plainly; tokens from both plans are counted. Pipelined, drafting is hidden behind the
-    other lane's verification up to its time, so the draft is made dearer there."""
+    other lane's verification up to its time, so the draft is made dearer there. With TETRIS
+    (k = 1, extra = 1) the run opens on TETRIS's plan (two drafts a row, a budget chosen by
+    goodput) and moves to standard k = 1."""
     from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
     cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
     target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
     sampling = jaxspec.SamplingConfig(temperature=1.0)
-    cost = jaxspec.CostModel.from_coefficients(draft_fixed=8e-3 if pipeline else 3e-3, draft_per_token=0.0,
-                                               target_fixed=5e-3, target_per_token=0.0)
-    spec = jaxspec.SpecConfig(k=2, policy="goodput", cost_model=cost, measure_plans=False, pipeline=pipeline)
+    cost = jaxspec.CostModel.from_coefficients(draft_fixed=8e-3 if pipeline and selection == "standard" else 3e-3,
+                                               draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
+    spec = jaxspec.SpecConfig(k=2 if selection == "standard" else 1, extra=1 if selection == "tetris" else 0,
+                              selection=selection, policy="goodput", cost_model=cost, measure_plans=False,
+                              pipeline=pipeline)
     rows = 2000
     result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling, mesh=jaxspec.MeshConfig(
         target_tp=1, draft_tp=1)).generate([VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37, batch_size=1000)
     assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
     trace = result.stats.extra["k_trace"]
-    assert trace[0] == 1 and trace[-1] == 0, trace
+    assert trace[0] == (1 if selection == "standard" else 2) and trace[-1] == trace[0] - 1, trace
 
 
-@MODES
-def test_goodput_on_two_slices_plans_with_times_measured_there(pair, prompts, reference, pipeline, compile_counter):
-    """A cost model a thousand times too slow: the decoder's first call times each draft length's
-    two halves on the slices and plans with those, corrected from the lane steps it then times,
-    within a factor of 3 of the measured seconds per lane step (and each timed lane step within
-    50% of its planned time at the median); its next call keeps them and measures (compiles)
-    nothing. The output is the target's."""
+@pytest.mark.parametrize("pipeline,selection", [(False, "standard"), (True, "standard"), (True, "tetris")],
+                         ids=["draft-slice", "pipelined", "pipelined-tetris"])
+def test_goodput_on_two_slices_plans_with_times_measured_there(pair, prompts, reference, pipeline, selection,
+                                                                compile_counter):
+    """A cost model a thousand times too slow: the decoder's first call times each plan's two
+    halves on the slices (with TETRIS, its verification at each budget too) and plans with those,
+    corrected from the lane steps it then times, within a factor of 3 of the measured seconds per
+    lane step (and each timed lane step within 50% of its planned time at the median); its next
+    call keeps them and measures (compiles) nothing. The output is the target's."""
     target, draft = pair
     slow = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=5.0,
                                                target_per_token=0.5)
     decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=1),
-                                         spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=slow,
-                                                                 pipeline=pipeline))
+                                         spec=jaxspec.SpecConfig(k=2, extra=1 if selection == "tetris" else 0,
+                                                                 selection=selection, policy="goodput",
+                                                                 cost_model=slow, pipeline=pipeline))
     first = decoder.generate(prompts, max_new_tokens=BUDGETS)
     with compile_counter() as counter:
         result = decoder.generate(prompts, max_new_tokens=BUDGETS)
@@ -289,6 +302,9 @@ def test_goodput_on_two_slices_plans_with_times_measured_there(pair, prompts, re
     assert seconds[mode]["cost_model"][ran] > 100 * per_step
     assert per_step / 3 < seconds[mode]["corrected"][ran] < 3 * per_step, (seconds, per_step)
     assert abs(seconds[mode]["step_error"]) < 0.5, seconds   # each timed lane step against its planned time
+    if selection == "tetris":   # one time per budget, larger budgets no cheaper
+        by_budget = seconds["halves"]["verify_capacities"]
+        assert len(by_budget) == len(seconds[mode]["capacities"]) > 1 and by_budget == sorted(by_budget)
 
 
 def test_pipelined_lane_steps_learn_how_much_the_slices_overlap():
@@ -299,22 +315,13 @@ def test_pipelined_lane_steps_learn_how_much_the_slices_overlap():
 
     draft_j, verify_j = np.array([0.0, 1e-3, 2e-3, 3e-3]), np.array([4e-3, 4.5e-3, 5e-3, 5.5e-3])
     for hidden in (False, True):
-        timing = SliceTiming(draft_j, verify_j, (0, 1, 2, 3), ("pipelined", "sequential"))
+        timing = SliceTiming(draft_j, verify_j, np.zeros((0,)), (False, True, True, True), ("pipelined", "sequential"))
         for _ in range(40):
             timing.observe_overlap(2, 5e-3 if hidden else 7e-3)
         want = np.maximum(draft_j, verify_j) if hidden else draft_j + verify_j
         np.testing.assert_allclose(timing.trackers["pipelined"].predicted_j, want, rtol=1e-6)
         np.testing.assert_allclose(timing.trackers["sequential"].predicted_j, draft_j + verify_j)
         assert timing.overlap_miss == pytest.approx(0.0 if hidden else 1.0)
-
-
-def test_goodput_with_tetris_on_two_slices_is_rejected(pair):
-    target, draft = pair
-    cost = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0, target_fixed=1e-2,
-                                               target_per_token=0)
-    with pytest.raises(ValueError, match="selection='tetris'"):
-        jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(
-            k=2, extra=1, selection="tetris", policy="goodput", cost_model=cost, pipeline=True))
 
 
 def test_lane_step_seconds_add_up_sequentially_and_overlap_when_pipelined():

@@ -74,9 +74,6 @@ class SpeculativeDecoder:
             raise ValueError(f"mesh must be None or a jaxspec.MeshConfig, got {type(mesh).__name__}")
         self.mesh = mesh
         self._sliced = self.spec.pipeline or (mesh is not None and mesh.separate_draft)
-        if self._sliced and self.spec.policy != "fixed" and self.spec.selection == "tetris":
-            raise ValueError("policy='goodput' with selection='tetris' cannot yet be combined with pipeline=True or "
-                             "a separate draft slice (MeshConfig.draft_tp > 0); use selection='standard' there")
         if mesh is not None:
             if isinstance(draft, SpeculativeDecoder):
                 raise ValueError("a multi-level chain draft cannot be placed on a MeshConfig yet; pass mesh=None")
@@ -378,21 +375,26 @@ class SpeculativeDecoder:
 
     def _sliced_goodput(self, schedule: Schedule, rows: int, cache_len: int, pipelined: bool):
         """The goodput policy's host side for a two-slice call (None under a fixed policy): each
-        draft length's predicted seconds per lane step, in the call's modes (a pipelined call's
-        tail runs sequentially), and this decoder's trackers for them."""
+        plan's predicted seconds per lane step (the TETRIS plan's at its standard budget N * k, and
+        at each of its budgets), in the call's modes (a pipelined call's tail runs sequentially),
+        and what this decoder measured of the shape before."""
         from jaxspec.parallel import goodput as sliced
 
         if schedule.predict_ks is None:
             return None
-        ks = schedule.predict_ks
+        ks, plans, model = schedule.predict_ks, schedule.plans, self.spec.cost_model
         modes = ("pipelined", "sequential") if pipelined else ("sequential",)
-        cost = {mode: sliced.lane_step_seconds(self.spec.cost_model, rows, ks, cache_len, mode == "pipelined")
-                for mode in modes}
+        packed = [None if plan.capacities is None else rows * (k + 1) for plan, k in zip(plans, ks)]
+        cost = {mode: sliced.lane_step_seconds(model, rows, [plan.k for plan in plans], cache_len,
+                                               mode == "pipelined", packed) for mode in modes}
+        caps = () if schedule.tetris_index is None else plans[schedule.tetris_index].capacities
+        cost_c = {mode: sliced.lane_step_seconds(model, rows, [self.spec.draft_len] * len(caps), cache_len,
+                                                 mode == "pipelined", [rows + c for c in caps]) for mode in modes}
         timing = self._slice_timings.get((rows, cache_len, pipelined)) if self.spec.measure_plans else None
         for tracker in (timing.trackers.values() if timing is not None else ()):
             tracker.new_call()
         put = functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
-        return sliced.SlicedGoodput(ks, cost, put, timing=timing, measure=self.spec.measure_plans,
+        return sliced.SlicedGoodput(plans, ks, cost, cost_c, put, timing=timing, measure=self.spec.measure_plans,
                                     acceptance=self._goodput.acceptance.seed(schedule.positions),
                                     positions=schedule.positions)
 

@@ -93,24 +93,24 @@ class Lane:
     cache_len: int = 0
     proposal: object = None
     finished: bool = False
-    k: int = 0                     # the draft length of the lane's next drafting
-    proposal_k: int = 0            # the draft length of `proposal`
-    verifying_k: int | None = None  # the draft length of the verification in flight
+    plan: int = 0                  # the plan (index into the runner's plans) of the lane's next drafting
+    proposal_plan: int = 0         # the plan `proposal` was drafted for
+    verifying_plan: int | None = None  # the plan of the verification in flight
     policy: object = None          # goodput: the lane's acceptance counts and choice, on the target slice
 
 
 class SlicedRunner:
     """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`.
 
-    `plans`: the step shapes, one per draft length: one (a fixed policy), or k = 0..k under the
-    goodput policy, whose host side `goodput` (a `goodput.SlicedGoodput`) then picks each lane's.
+    `plans`: the step shapes: one (a fixed policy), or the goodput policy's (draft lengths, and
+    with TETRIS its plan), whose host side `goodput` (a `goodput.SlicedGoodput`) picks each lane's.
     """
 
     def __init__(self, target, drafter, plans, sampling: SamplingConfig, target_mesh, draft_mesh, goodput=None):
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.plans = {plan.k: plan for plan in plans}
+        self.plans = tuple(plans)
         self.goodput = goodput
-        self.drafts = any(k > 0 for k in self.plans)
+        self.drafts = any(plan.k > 0 for plan in self.plans)
         self.target_mesh, self.draft_mesh = target_mesh, draft_mesh
         self._t_rep = sharding_lib.replicated(target_mesh)
         self._d_rep = sharding_lib.replicated(draft_mesh)
@@ -145,7 +145,7 @@ class SlicedRunner:
                        if self.drafts else ())
         lane = Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
                     max_new_t=t_in[2], keys_d=keys_d, budget_t=t_in[5], seed=seed, cache_len=cache_len,
-                    k=max(self.plans))
+                    plan=0)
         if self.goodput is not None:
             # Rows start from the acceptance the decoder's earlier calls measured, if any.
             lane.policy = goodput_lib.fresh_policy(self._t_rep)(self.goodput.acceptance, batch.max_new_b > 0,
@@ -153,27 +153,45 @@ class SlicedRunner:
                                                                 positions=self.goodput.positions)
         return lane
 
-    def measure_plans(self, lane: Lane, eos, passes: int = 7) -> tuple[np.ndarray, np.ndarray]:
-        """Seconds of each draft length's drafting (with the proposal's transfer to the target
-        slice) and verification at this lane's shape, on copies of its state, each call timed
-        alone and blocking: a first pass over the draft lengths compiles, then the median over
-        `passes` passes, each in another order (the machine's speed drifts), made non-decreasing
-        in the draft length (`goodput.nondecreasing`: a longer window is no less work; over 3
-        passes at batch 8 on this CPU k = 4's verification came out below k = 3's, and the policy
-        drafted 4 where 3 was best)."""
-        control = self.goodput
-        times = np.zeros((passes, len(control.ks), 2))
+    def measure_plans(self, lane: Lane, eos, passes: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Seconds of each plan's drafting (with the proposal's transfer to the target slice) and
+        verification at this lane's shape, and of the TETRIS plan's verification at each of its
+        budgets (forced by the budgets' seconds), on copies of the lane's state, each call timed
+        alone and blocking: a first pass compiles, then the median over `passes` passes, each in
+        another order (the machine's speed drifts), made non-decreasing in the draft length and
+        the budget (`goodput.nondecreasing`: a longer window is no less work; over 3 passes at
+        batch 8 on this CPU k = 4's verification came out below k = 3's, and the policy drafted 4
+        where 3 was best). The TETRIS plan's own verification is its budget nearest N * k."""
+        control, tetris = self.goodput, self.goodput.tetris
+        jobs = [(j, None) for j in range(len(self.plans))]
+        if tetris is not None:
+            jobs += [(tetris.index, c) for c in range(len(tetris.capacities))]
+        times = np.zeros((passes, len(jobs), 2))
         for p in range(passes + 1):
-            order = np.roll(np.arange(len(control.ks)), p) if p % 2 else np.roll(np.arange(len(control.ks)), -p)[::-1]
-            for j in order:
-                times[max(p - 1, 0), j] = self._time_halves(lane, eos, control.ks[j])
-        draft_j, verify_j = np.median(times, axis=0).T
-        return goodput_lib.nondecreasing(draft_j), goodput_lib.nondecreasing(verify_j)
+            order = np.roll(np.arange(len(jobs)), p) if p % 2 else np.roll(np.arange(len(jobs)), -p)[::-1]
+            for i in order:
+                times[max(p - 1, 0), i] = self._time_halves(lane, eos, *jobs[i])
+        medians = np.median(times, axis=0)
+        plans = len(self.plans)
+        draft_j = goodput_lib.nondecreasing(medians[:plans, 0])
+        verify_j, verify_c = medians[:plans, 1].copy(), goodput_lib.nondecreasing(medians[plans:, 1])
+        standard = [j for j in range(plans) if tetris is None or j != tetris.index]
+        verify_j[standard] = goodput_lib.nondecreasing(verify_j[standard])
+        if tetris is not None:
+            budget = lane.batch.tokens_bp.shape[0] * control.ks[tetris.index]
+            verify_j[tetris.index] = verify_c[np.argmin(np.abs(np.asarray(tetris.capacities) - budget))]
+        return draft_j, verify_j, verify_c
 
-    def _time_halves(self, lane: Lane, eos, k: int) -> tuple[float, float]:
-        """One drafting and verification of draft length k from a copy of the lane's state, timed."""
+    def _time_halves(self, lane: Lane, eos, j: int, capacity: int | None) -> tuple[float, float]:
+        """One drafting and verification of plan j (at its `capacity`-th budget, for TETRIS) from a
+        copy of the lane's state, timed."""
         control = self.goodput
+        seconds_c = control.capacity_seconds_device
+        if capacity is not None:   # the budget the plan picks by goodput: make this one the only cheap one
+            seconds_c = self._to_target(np.where(np.arange(len(control.tetris.capacities)) == capacity, 1e-6,
+                                                 1e6).astype(np.float32))
         state, draft_state = jax.block_until_ready(jax.tree.map(jnp.copy, (lane.state, lane.draft_state)))
+        k = self.plans[j].k
         start = time.perf_counter()
         proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
         if k:
@@ -182,28 +200,28 @@ class SlicedRunner:
             proposal = jax.block_until_ready(self._to_target(proposal))
         middle = time.perf_counter()
         jax.block_until_ready(goodput_lib.verify_and_choose(
-            self.target.graphdef, self.plans[k], self.sampling, self.target.params, state, proposal, lane.keys_t,
-            lane.max_new_t, eos, lane.budget_t, lane.policy, control.seconds_device, control.draining_device,
-            out_len=lane.batch.out_len,
-            ks=control.ks))
+            self.target.graphdef, self.plans[j], self.sampling, self.target.params, state, proposal, lane.keys_t,
+            lane.max_new_t, eos, lane.budget_t, lane.policy, control.seconds_device, seconds_c,
+            control.draining_device, out_len=lane.batch.out_len, ks=control.ks, current=j, tetris=control.tetris))
         return middle - start, time.perf_counter() - middle
 
     def _open(self, lanes: list[Lane], eos) -> None:
         """Goodput: times the plans where this shape has not been timed, then each lane's opening
-        draft length (the best at the optimistic estimate of its rows' seeded acceptance)."""
+        plan (the best at the optimistic estimate of its rows' seeded acceptance)."""
         control = self.goodput
         if control.needs_measuring:
             control.measured(*self.measure_plans(lanes[0], eos))
         for lane in lanes:
-            lane.k = control.ks[goodput_lib.opening_choice(control.acceptance, lane.batch.max_new_b > 0,
-                                                           control.seconds_j(), control.ks, control.positions)]
+            lane.plan = goodput_lib.opening_choice(control.acceptance, lane.batch.max_new_b > 0, control.seconds_j(),
+                                                   control.seconds_c(), control.ks, control.positions, control.tetris)
 
     def _draft(self, lane: Lane) -> None:
-        """Queues the lane's drafting (of `lane.k` tokens a row) on the draft slice, from its latest
+        """Queues the lane's drafting (for plan `lane.plan`) on the draft slice, from its latest
         verified state."""
-        k = lane.proposal_k = lane.k
+        lane.proposal_plan = lane.plan
+        k = self.plans[lane.plan].k
         if self.goodput is not None:
-            self.goodput.queued("draft", k, program=k > 0)
+            self.goodput.queued("draft", lane.plan, program=k > 0)
         if k == 0:
             lane.proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
             return
@@ -227,10 +245,10 @@ class SlicedRunner:
         """
         done_b = np.asarray(lane.state.done_b)
         control = self.goodput
-        if control is not None and lane.verifying_k is not None:
+        if control is not None and lane.verifying_plan is not None:
             # The choice made with that verification: the lane's next drafting after the one queued.
-            control.read(time.perf_counter(), lane.verifying_k)
-            lane.k = control.ks[int(np.asarray(lane.policy.choice))]
+            control.read(time.perf_counter(), lane.verifying_plan)
+            lane.plan = int(np.asarray(lane.policy.choice))
         if len(lane.table.queue) and np.any(done_b[:lane.table.slots] & (lane.table.request_at >= 0)):
             self._refill(lane, eos)
             done_b = np.asarray(lane.state.done_b)
@@ -241,19 +259,19 @@ class SlicedRunner:
                 return
             self._refill(lane, eos)
         start = time.perf_counter()
-        plan = self.plans[lane.proposal_k]
-        args = (self.target.graphdef, plan, self.sampling, self.target.params, lane.state, lane.proposal, lane.keys_t,
-                lane.max_new_t, eos, lane.budget_t)
+        j = lane.proposal_plan
+        args = (self.target.graphdef, self.plans[j], self.sampling, self.target.params, lane.state, lane.proposal,
+                lane.keys_t, lane.max_new_t, eos, lane.budget_t)
         if control is None:
             lane.state = _verify(*args, out_len=lane.batch.out_len)
         else:
-            control.queued("verify", plan.k)
+            control.queued("verify", j)
             control.set_draining(not len(lane.table.queue))
             lane.state, lane.policy = goodput_lib.verify_and_choose(
-                *args, lane.policy, control.seconds_device, control.draining_device, out_len=lane.batch.out_len,
-                ks=control.ks)
+                *args, lane.policy, control.seconds_device, control.capacity_seconds_device, control.draining_device,
+                out_len=lane.batch.out_len, ks=control.ks, current=j, tetris=control.tetris)
             lane.policy.choice.copy_to_host_async()
-        lane.verifying_k = plan.k
+        lane.verifying_plan = j
         self._timed("verify", start, lane.state)
         lane.state.done_b.copy_to_host_async()
 
