@@ -1,8 +1,8 @@
 """Goodput policy on two device slices (draft on its own slice, sequential or pipelined) against fixed k.
 
 For each mode and batch size, on 8 virtual CPU devices (target on device 0, draft on device 1):
-fixed k = 1..K and the goodput policy (k chosen per lane step among 0..K), each as a two-slice
-`SpeculativeDecoder`, and plain decoding on one device for scale. Configurations are warmed up and
+fixed k = 1..K, the goodput policy (k chosen per lane step among 0..K) and goodput + TETRIS, each
+as a two-slice `SpeculativeDecoder`. Configurations are warmed up and
 timed round-robin on a different prompt set each round; ratios are medians over rounds of ratios
 within a round, with 90% bootstrap intervals (`benchmarking.median_interval`) and the held-out
 pick (`benchmarking.heldout_best_ratios`). Greedy outputs are checked against the target's own.
@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", choices=["single", "multi"], default="single")
+    parser.add_argument("--no-tetris", action="store_true", help="skip goodput + TETRIS (k = K - 1, extra = 1)")
     parser.add_argument("--cost-model", default=str(RESULTS_DIR / "bench_goodput_sets_warmacc_cost_model.json"),
                         help="a CostModel JSON of the pair on this machine (one device)")
     parser.add_argument("--name", default="bench_goodput_sliced")
@@ -73,6 +74,11 @@ def main() -> None:
                 target, draft, spec=jaxspec.SpecConfig(k=k, pipeline=pipeline), mesh=mesh) for k in args.ks}
             decoders["goodput"] = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
                 k=max(args.ks), policy="goodput", cost_model=cost, pipeline=pipeline))
+            if not args.no_tetris:   # the same longest window: standard k < K, or TETRIS's K drafts a row
+                decoders["goodput + tetris"] = jaxspec.SpeculativeDecoder(
+                    target, draft, mesh=mesh, spec=jaxspec.SpecConfig(k=max(args.ks) - 1, extra=1, selection="tetris",
+                                                                      policy="goodput", cost_model=cost,
+                                                                      pipeline=pipeline))
             calls = {label: 0 for label in decoders}
             checks: dict[str, bool] = {label: True for label in decoders}
             extras: dict[str, list] = {label: [] for label in decoders}
@@ -89,7 +95,7 @@ def main() -> None:
 
             print(f"batch {batch}, {mode}: warm-up and {args.rounds} rounds", flush=True)
             _, seconds, _ = round_robin({label: run(label, d) for label, d in decoders.items()}, args.rounds)
-            fixed = [label for label in decoders if label != "goodput"]
+            fixed = [label for label in decoders if not label.startswith("goodput")]
             best = min(fixed, key=lambda label: float(np.median(seconds[label])))
             for label in decoders:
                 ratio = seconds[best] / seconds[label]
@@ -104,7 +110,7 @@ def main() -> None:
                            vs_heldout_best_90="%.3f-%.3f" % median_interval(held),
                            mean_k=float(np.mean(trace)), acceptance=float(np.mean([s.acceptance_rate for s in stats])),
                            same_output=checks[label])
-                if label == "goodput":
+                if label.startswith("goodput"):
                     planned = stats[-1].extra["lane_step_seconds"]["pipelined" if pipeline else "sequential"]
                     measured = float(np.median([s.seconds / len(s.extra["k_trace"]) for s in stats]))
                     ran = max(set(trace), key=trace.count)
@@ -115,7 +121,7 @@ def main() -> None:
                                lane_step_ms=1e3 * measured, warmup_ms=1e3 * planned["planned"][ran],
                                corrected_ms=1e3 * planned["corrected"][ran],
                                cost_model_ms=1e3 * planned["cost_model"][ran])
-                    details[f"{batch} {mode}"] = dict(seconds=stats[-1].extra["lane_step_seconds"],
+                    details[f"{batch} {mode} {label}"] = dict(seconds=stats[-1].extra["lane_step_seconds"],
                                                       trace=stats[-1].extra["k_trace"])
                 rows.append(row)
                 print(row, flush=True)
@@ -131,7 +137,9 @@ def write(args, pair_text, cost, rows, details) -> None:
             "`vs_best_fixed`: the median over rounds of the best fixed k's time over the method's, in the "
             "same round (`_90`: a 90% bootstrap interval of that median); `vs_heldout_best`: each round "
             "against the fixed k with the best median over the other rounds. `mean_k`: the mean draft "
-            "length of the verifications over the timed rounds (`k_shares`: how often each ran). For goodput: "
+            "length of the verifications over the timed rounds (`k_shares`: how often each ran). `goodput + tetris`: "
+            "k = K - 1, extra = 1 (standard windows up to K - 1, or TETRIS's K drafts a row and a budget chosen "
+            "by goodput; `mean_k` counts its drafts). For the goodput rows: "
             "`lane_step_ms`, the measured seconds per verification (median over rounds of call time over "
             "verifications, prefill included), against the lane-step time of the draft length it ran most: "
             "`cost_model_ms` by the cost model, `warmup_ms` as its two halves were timed alone on the slices "
