@@ -150,7 +150,7 @@ def write(args, pair_text, cost, rows, details) -> None:
             "planned - 1). `same_output`: every call's tokens equal the target's own "
             "greedy output. "
             f"Machine: {machine()['platform']}, {machine().get('cpu_count', '?')} cores. Cost model: "
-            f"`{args.cost_model}` (one device).\n\n")
+            f"`{os.path.relpath(args.cost_model, RESULTS_DIR.parents[1])}` (one device).\n\n")
     columns = ["batch", "mode", "method", "best_fixed", "tok_s", "vs_best_fixed", "vs_best_fixed_90",
                "vs_heldout_best", "vs_heldout_best_90", "mean_k", "k_shares", "acceptance", "lane_step_ms",
                "cost_model_ms", "warmup_ms", "corrected_ms", "step_error", "same_output"]
