@@ -21,6 +21,10 @@ slice; they depend on nothing of each other, so they run at the same time; then 
 When one batch has finished, the other continues alone with the plain sequential order (the
 tail). Per-request RNG keys make each request's output independent of its batch, so pipelined,
 sequential and single-device runs produce the same tokens.
+
+Under the goodput policy each verification also chooses its lane's next plan on the target slice;
+the choice reaches the host with the done flags and sets the lane's next-but-one drafting
+(`jaxspec.parallel.goodput`).
 """
 
 from __future__ import annotations
