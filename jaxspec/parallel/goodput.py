@@ -107,26 +107,29 @@ class Tetris(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("ks", "tetris"))
-def _opening(policy: policy_lib.PolicyState, live_b, seconds_j, seconds_c, *, ks, tetris):
-    return policy_lib.choose_k(policy, live_b, ks, seconds_j, optimistic=True,
+def _opening(policy: policy_lib.PolicyState, live_b, seconds_j, seconds_c, remaining_b, draining, *, ks, tetris):
+    return policy_lib.choose_k(policy, live_b, ks, seconds_j, optimistic=True, drain=(remaining_b, draining),
                                tetris=None if tetris is None else tetris.plan(seconds_c))
 
 
-def opening_choice(seed, live_b, seconds_j, seconds_c, ks: tuple[int, ...], positions: int = 0,
+def opening_choice(seed, remaining_b, draining: bool, seconds_j, seconds_c, ks: tuple[int, ...], positions: int = 0,
                    tetris: Tetris | None = None) -> int:
     """The index of the plan a lane opens on (`ks`: the draft length each stands for): the best
     goodput at the optimistic estimate of rows seeded with `seed` (`policy.choose_k`; `positions`:
-    as in `PolicyState.init`; `tetris`, with its budgets' seconds `seconds_c`, as in `choose_k`).
+    as in `PolicyState.init`; `tetris`, with its budgets' seconds `seconds_c`, as in `choose_k`),
+    judged, when `draining` (no request waits), by the rows' `remaining_b` tokens as the steps
+    after it are (the drain rule; padding rows have none and are not live).
 
     Computed on the host's own device (this process's last CPU device: the host of a GPU or TPU
     machine, a device the meshes leave free on a CPU-only one) so that reading it waits for nothing
     queued on the slices: on the target slice it waited for the lanes' prefills."""
     host = jax.local_devices(backend="cpu")[-1]
-    seed, live_b, seconds_j, seconds_c = jax.device_put((np.asarray(seed, np.float32), np.asarray(live_b),
-                                                         np.asarray(seconds_j, np.float32),
-                                                         np.asarray(seconds_c, np.float32)), host)
+    remaining_b = np.asarray(remaining_b, np.int32)
+    seed, live_b, seconds_j, seconds_c, remaining_b, draining = jax.device_put(
+        (np.asarray(seed, np.float32), remaining_b > 0, np.asarray(seconds_j, np.float32),
+         np.asarray(seconds_c, np.float32), remaining_b, np.bool_(draining)), host)
     policy = fresh_policy(None)(seed, live_b, rows=live_b.shape[0], positions=positions)
-    return int(_opening(policy, live_b, seconds_j, seconds_c, ks=tuple(ks), tetris=tetris))
+    return int(_opening(policy, live_b, seconds_j, seconds_c, remaining_b, draining, ks=tuple(ks), tetris=tetris))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len", "ks", "current", "tetris"),

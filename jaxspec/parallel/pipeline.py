@@ -216,8 +216,9 @@ class SlicedRunner:
         if control.needs_measuring:
             control.measured(*self.measure_plans(lanes[0], eos))
         for lane in lanes:
-            lane.plan = goodput_lib.opening_choice(control.acceptance, lane.batch.max_new_b > 0, control.seconds_j(),
-                                                   control.seconds_c(), control.ks, control.positions, control.tetris)
+            lane.plan = goodput_lib.opening_choice(control.acceptance, lane.batch.max_new_b,
+                                                   not len(lane.table.queue), control.seconds_j(), control.seconds_c(),
+                                                   control.ks, control.positions, control.tetris)
 
     def _draft(self, lane: Lane) -> None:
         """Queues the lane's drafting (for plan `lane.plan`) on the draft slice, from its latest
