@@ -194,8 +194,9 @@ def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompt
 MODES = pytest.mark.parametrize("pipeline", [False, True], ids=["draft-slice", "pipelined"])
 
 
-@MODES
-@pytest.mark.parametrize("selection", ["standard", "tetris"])
+@pytest.mark.parametrize("pipeline,selection", [(False, "standard"), (True, "standard"), (True, "tetris"),
+                                                pytest.param(False, "tetris", marks=pytest.mark.slow)],   # 9 s
+                         ids=["draft-slice", "pipelined", "pipelined-tetris", "draft-slice-tetris"])
 def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, prompts, reference, pipeline,
                                                                            selection, compile_counter):
     """The goodput policy with the draft on its own slice, sequential or pipelined, planning with
@@ -227,7 +228,8 @@ def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, 
             assert set(trace) == {0} and result.stats.drafted_tokens == 0, trace
 
 
-@MODES
+@pytest.mark.parametrize("pipeline", [pytest.param(False, marks=pytest.mark.slow), True],   # 4 s each
+                         ids=["draft-slice", "pipelined"])
 def test_goodput_on_two_slices_picks_the_longest_window_at_full_acceptance(pair, prompts, reference, pipeline):
     """The drafter is the target itself (every draft accepted) and drafting is free: every lane
     step verifies the longest window, k = 4, from the opening on."""

@@ -1,25 +1,28 @@
-"""The goodput policy on two device slices: each lane step's draft length, chosen on the target slice.
+"""The goodput policy on two device slices: each lane step's plan, chosen on the target slice.
 
-Shape key: b rows, j candidate plans (draft lengths 0..k).
+Shape key: b rows, j candidate plans (draft lengths 0..k, or with TETRIS 0..k + extra - 1 and
+the TETRIS plan), c TETRIS budgets.
 
 On one device the goodput policy runs segments of one plan each and chooses the next on device
 (`jaxspec.engine.control`). On two slices every step is already stepped from the host
 (`pipeline.SlicedRunner`), which reads each lane's done flags once a step, asynchronously. The
 policy rides along: the lane's acceptance counts (`policy.PolicyState`) live on the target slice,
-each verification updates them and, in the same program, chooses the lane's next draft length
-(`policy.choose_k`); the choice is copied to the host with the done flags and decides the draft
-length of the lane's next-but-one drafting, which is queued before that verification ends. So no
-step waits for a host round trip, and the statistics behind a choice are one step older than on
-one device. A plain step observes nothing and ages the counts (`policy.age`), so the optimism that
-re-probes drafting grows back as on one device.
+each verification updates them and, in the same program, chooses the lane's next plan
+(`policy.choose_k`); the choice is copied to the host with the done flags and decides the plan of
+the lane's next-but-one drafting, which is queued before that verification ends. So no step waits
+for a host round trip, and the statistics behind a choice are one step older than on one device.
+A plain step observes nothing and ages the counts (`policy.age`), so the optimism that re-probes
+drafting grows back as on one device.
 
-Step time per plan, per lane step (`lane_step_seconds`): sequentially, a lane drafts and then
-verifies, so its step is the sum of the two; pipelined, one lane's verification runs while the
-other lane drafts, so a half-step (one lane's step) takes the longer of the two, and drafting is
-free up to the verification's time. The cost model's predictions are corrected online from the
-wall time between the host's reads of consecutive verifications (`cost.StepTimeTracker`, one
-correction per kind: drafting or not), taken only where every call in flight ran one plan and no
-refill or first compilation fell in the interval.
+Step time per plan, per lane step: sequentially, a lane drafts and then verifies, so its step is
+the sum of the two; pipelined, one lane's verification runs while the other lane drafts, so a
+half-step (one lane's step) takes the longer of the two, plus whatever part of the shorter the
+slices fail to overlap (`SliceTiming.overlap_miss`, learnt). The halves come from the cost model
+(`lane_step_seconds`) or, by default, are timed on the slices at a shape's first call
+(`SlicedRunner.measure_plans`), and then corrected online from the wall time between the host's
+reads of consecutive verifications (`cost.StepTimeTracker`, one correction
+per kind: drafting or not), taken only where every call in flight ran one plan and no refill or
+first compilation fell in the interval.
 """
 
 from __future__ import annotations
