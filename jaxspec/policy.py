@@ -276,6 +276,17 @@ class AcceptanceMemory:
         self.trials += float(trials_b.sum())
         self.weight = max(self.weight, float(seed_acceptance(accepted_b, trials_b, xp=np)[1]))
 
+    def remember_requests_of_call(self, accepted_r, tried_r) -> bool:
+        """A call whose only counts are its requests' own (`Counters.accepted` / `Counters.tried`:
+        a lean call, a two-slice call): their sum seeds the next calls' rows (`remember`) and each
+        measures the spread (`remember_requests`). Returns whether any draft was tried."""
+        accepted_r, tried_r = np.asarray(accepted_r), np.asarray(tried_r)
+        if not np.sum(tried_r):
+            return False
+        self.remember(np.sum(accepted_r, keepdims=True), np.sum(tried_r, keepdims=True))
+        self.remember_requests(accepted_r, tried_r)
+        return True
+
     def remember_positions(self, accepted_p, tried_p) -> None:
         """A call's per-position counts (`PolicyState.pos_total_accepted_p` / `pos_total_tried_p`,
         undecayed), pooled over calls for the profile a run starts from (`seed`)."""

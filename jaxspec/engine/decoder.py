@@ -304,9 +304,7 @@ class SpeculativeDecoder:
         table.harvest(done_b, out_bo, n_out_b, counters)
         self._goodput.lean_called(shape_key)
         if plan.k:   # what its requests accepted seeds the next calls (per draft position: not counted)
-            accepted_r, tried_r = queue.counters["accepted"], queue.counters["tried"]
-            self._goodput.acceptance.remember(np.sum(accepted_r, keepdims=True), np.sum(tried_r, keepdims=True))
-            self._goodput.acceptance.remember_requests(accepted_r, tried_r)
+            self._goodput.acceptance.remember_requests_of_call(queue.counters["accepted"], queue.counters["tried"])
         tokens = queue.results()
         stats = _stats(Counters(**queue.counters), batch.num_prompts, steps, seconds_taken, [plan.k] * steps,
                        self.drafter)
@@ -339,7 +337,7 @@ class SpeculativeDecoder:
         tables = [batching.SlotTable(queue, rows, multiple) for _ in groups]
         lane_batches = [t.first_batch(g) for t, g in zip(tables, groups)]
         # Both lanes run one program, compiled for the larger lane's TETRIS capacity; each selects
-        # its own budget inside it. Goodput: one program per draft length, each lane choosing its own.
+        # its own budget inside it. Goodput: one program per plan, each lane choosing its own.
         schedule = self._schedule(rows, max(len(g) for g in groups), cache_len)[0]
         control = self._sliced_goodput(schedule, rows, cache_len, len(groups) == 2)
         runner = SlicedRunner(self.target, self.drafter, schedule.plans, self.sampling, self._target_mesh,
@@ -359,18 +357,14 @@ class SpeculativeDecoder:
         stats.extra["lanes"] = len(lanes)
         stats.extra["slots"] = rows * len(lanes)
         if control is not None:
-            accepted_r, tried_r = queue.counters["accepted"], queue.counters["tried"]
-            if np.sum(tried_r):   # what its requests accepted seeds the next calls' rows
-                self._goodput.acceptance.remember(np.sum(accepted_r, keepdims=True), np.sum(tried_r, keepdims=True))
-                self._goodput.acceptance.remember_requests(accepted_r, tried_r)
-                if schedule.positions:   # and the acceptance along the window, pooled over the lanes
-                    for policy in jax.device_get([lane.policy for lane in lanes]):
-                        self._goodput.acceptance.remember_positions(policy.pos_total_accepted_p,
-                                                                    policy.pos_total_tried_p)
-            # Per mode (a pipelined call's tail is sequential): seconds per lane step of each draft
-            # length, the cost model's and as corrected by the lane steps timed in this and earlier
-            # calls, and how many this call timed.
-            stats.extra["lane_step_seconds"] = control.report()
+            # What its requests accepted seeds the next calls' rows, and (one read of the lanes'
+            # counts, after the run) the acceptance along the window.
+            memory = self._goodput.acceptance
+            drafted = memory.remember_requests_of_call(queue.counters["accepted"], queue.counters["tried"])
+            if drafted and schedule.positions:
+                for policy in jax.device_get([lane.policy for lane in lanes]):
+                    memory.remember_positions(policy.pos_total_accepted_p, policy.pos_total_tried_p)
+            stats.extra["lane_step_seconds"] = control.report()   # per mode: planned, corrected, errors
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _sliced_goodput(self, schedule: Schedule, rows: int, cache_len: int, pipelined: bool):
