@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu policy-overhead goodput-warmups bench-goodput-sliced step-kernels mesh-sweep multilevel distill-smollm2 clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced mesh-sweep multilevel policy-sim distill-smollm2 clean
 
 .venv: $(STAMP)
 
@@ -44,27 +44,15 @@ bench-tetris: $(STAMP)
 	$(BIN)/python scripts/bench_tetris.py --part packed --repeats 5 --name bench_tetris_packed
 	$(BIN)/python scripts/bench_tetris.py --part qwen --name bench_tetris_qwen
 
+# The goodput policy against every fixed k and AR: tiny-8L pair at batch 1..64, SmolLM2 shapes at batch 1 and 4.
 bench-goodput: $(STAMP)
-	$(BIN)/python scripts/bench_goodput.py --rounds 30
-	$(BIN)/python scripts/bench_goodput.py --rounds 16 --prompt-sets 16 --cost-model docs/results/bench_goodput_cost_model.json \
-		--name bench_goodput_sets
-	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 --rounds 30 --name bench_goodput_smollm2
-	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 16 --rounds 10 --name bench_goodput_smollm2_b16
-	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 64 --rounds 5 --profile-per-batch \
-		--cost-model docs/results/bench_goodput_smollm2_b16_cost_model.json --name bench_goodput_smollm2_b64
+	$(BIN)/python scripts/bench_goodput.py --rounds 16 --prompt-sets 16 --cost-model docs/results/bench_goodput_sets_warmacc_cost_model.json
+	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 --rounds 8 --prompt-sets 8 \
+		--cost-model docs/results/bench_goodput_smollm2_cost_model.json --name bench_goodput_smollm2
 
 # On a GPU machine: qwen2.5-1.5b / 0.5b shapes in bfloat16, with the machine's own python3 and JAX.
 bench-goodput-gpu:
 	scripts/bench_goodput_gpu.sh docs/results/gpu
-
-policy-overhead: $(STAMP)
-	$(BIN)/python scripts/policy_overhead.py --name policy_overhead_cpu
-
-goodput-warmups: $(STAMP)
-	$(BIN)/python scripts/goodput_warmups.py --decoders 8 --rounds 20
-
-step-kernels: $(STAMP)
-	$(BIN)/python scripts/step_kernels.py
 
 mesh-sweep: $(STAMP)
 	$(BIN)/python scripts/mesh_sweep.py
@@ -75,6 +63,10 @@ bench-goodput-sliced: $(STAMP)
 
 multilevel: $(STAMP)
 	$(BIN)/python scripts/multilevel_analysis.py
+
+# The goodput policy's rules against simulated acceptance, a cost model as the clock (deterministic, no timing).
+policy-sim: $(STAMP)
+	$(BIN)/python scripts/policy_sim.py
 
 # A distilled SmolLM2 draft in models/smollm2-draft (fixed seed; resumes from models/smollm2-draft-work).
 distill-smollm2: $(STAMP)

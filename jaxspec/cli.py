@@ -56,7 +56,7 @@ def profile(args) -> int:
     print(f"profiling {target.config.name} (target) and {draft.config.name if draft else 'no draft model'} "
           f"on {jax.devices()[0].device_kind} ...", flush=True)
     cost = CostModel.profile(target, draft, batches=args.batches, ks=args.ks,
-                             cache_lens=args.cache_lens, repeats=args.repeats, passes=args.passes)
+                             cache_lens=args.cache_lens, passes=args.passes)
     cost.save(args.output)
     rows = [{"part": part, **{k: v for k, v in fit.items() if k != "points_seconds"}}
             for part, fit in cost.fit.items() if fit]
@@ -82,14 +82,12 @@ def _build_spec(args) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxsp
         raise ValueError("--policy goodput needs --cost-model FILE (written by `jaxspec profile`)")
     if args.cost_model is not None and args.policy != "goodput":
         raise ValueError("--cost-model is only used with --policy goodput")
-    if args.no_measure_plans and args.policy != "goodput":
-        raise ValueError("--no-measure-plans is only used with --policy goodput")
     cost = CostModel.load(args.cost_model) if args.cost_model is not None else None
     # --draft none: plain decoding through the speculative engine (k = 0), so continuous batching
     # and the per-request callback work the same way.
     spec = jaxspec.SpecConfig(k=0 if plain else args.k, extra=0 if plain else args.extra,
                               selection="standard" if plain else args.selection, capacity=args.capacity,
-                              policy=args.policy, cost_model=cost, measure_plans=not args.no_measure_plans,
+                              policy=args.policy, cost_model=cost,
                               pipeline=args.pipeline)
     sampling = jaxspec.SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     mesh = None
@@ -308,9 +306,6 @@ def _add_generate(sub) -> None:
     dec.add_argument("--policy", default="fixed", choices=["fixed", "goodput"],
                      help="goodput: pick the draft length each step from a cost model and observed acceptance")
     dec.add_argument("--cost-model", metavar="FILE", help="cost model JSON for --policy goodput (jaxspec profile)")
-    dec.add_argument("--no-measure-plans", action="store_true",
-                     help="--policy goodput: plan with the cost model's step times as given (default: the first "
-                          "batch also times each draft length's step at its shape and plans with those times)")
     dec.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     dec.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     dec.add_argument("--top-p", type=float, default=1.0)
@@ -470,7 +465,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ks", type=_draft_lengths, default=(0, 1, 2, 4),
                    help="draft lengths timed (0 and at least two values >= 1)")
     p.add_argument("--cache-lens", type=_ints, default=(128, 512), help="cache sizes")
-    p.add_argument("--repeats", type=int, default=1, help="timings of each shape per pass")
     p.add_argument("--passes", type=int, default=3,
                    help="passes over all the shapes, each in a shuffled order; a shape's time is the median over "
                         "passes (a drift of the machine's speed then does not bend the fit)")

@@ -7,9 +7,7 @@ Every drafter answers the same two calls inside the compiled step:
 - `init(params, tokens_bp, prompt_len_b, cache_len)` -> state, once after the prompts are known;
 - `propose(params, state, seq_bl, pending_b, k, key_b, sampling)` -> (Proposal, state);
 
-and, for the goodput policy's cost of starting to draft, `backlog(state, pending_b)` -> int [b]:
-the positions each row's next `propose` must feed before it can draft (after steps that skipped
-drafting, or from `init_deferred`).
+and `init_deferred`, the state for rows that may not draft for a while (plain decoding first).
 
 `seq_bl` holds each row's whole sequence so far; `pending_b` is the position of the last emitted
 token (the one the target has not processed yet), so the committed sequence of row b is
@@ -97,11 +95,6 @@ class Drafter:
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         raise NotImplementedError
 
-    def backlog(self, state, pending_b):
-        """Positions of each row the next `propose` feeds to catch up (none by default: a drafter
-        that reads `seq_bl` directly, such as n-gram lookup, has nothing to catch up on)."""
-        return jnp.zeros_like(pending_b)
-
 
 def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> KVCache:
     """A drafter model's cache after the prompts, committed to all but the last prompt token
@@ -133,11 +126,6 @@ def catch_up(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATC
         return written.commit(cache.lengths + n_b)
 
     return jax.lax.while_loop(lambda c: jnp.any(c.lengths < upto_b), feed, cache)
-
-
-def cache_backlog(cache: KVCache, pending_b):
-    """How many positions `catch_up(..., upto_b=pending_b - 1)` feeds a drafter model's cache."""
-    return jnp.maximum(pending_b - 1 - cache.lengths, 0)
 
 
 @struct.dataclass
@@ -185,9 +173,6 @@ class ModelDrafter(Drafter):
         # An empty cache: the first propose feeds the prompt through `catch_up`. Where speculation
         # never starts (large batches) this saves the draft's prefill, 3-4% of a 96-token run.
         return _ModelDraftState(cache=init_cache(self.model.graphdef, params, tokens_bp.shape[0], cache_len))
-
-    def backlog(self, state, pending_b):
-        return cache_backlog(state.cache, pending_b)
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef = self.model.graphdef

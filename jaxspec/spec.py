@@ -20,31 +20,15 @@ class SpecConfig:
       extra: additional draft tokens per row for TETRIS selection.
       selection: "standard" (every row verifies k drafts) or "tetris".
       capacity: TETRIS verification budget C per step (None = batch * k).
-      policy: "fixed", or "goodput": every step picks the draft length in 0..k (standard) or
-        drafting on/off and the TETRIS budget (up to 2 * capacity) maximising predicted goodput.
+      policy: "fixed", or "goodput": the policy (`jaxspec.policy`) picks, every few steps, the
+        draft length in 0..k (standard), or with TETRIS a draft length below k + extra or the
+        TETRIS window at a budget of C / 2, C or 2C, maximising predicted goodput.
       cost_model: a CostModel for policy="goodput".
-      measure_plans: policy="goodput": when the decoder first meets a batch shape, time a few
-        steps of each compiled plan there and plan with those times instead of the cost model's
-        (which then only prices TETRIS budgets against each other and plans that ran no step);
-        measured times are corrected during the run either way. False: the cost model alone, as
-        given (what-if studies, tests of the policy). On two slices (a separate draft slice or
-        pipeline=True) each draft length's drafting and verification are timed there, and the
-        lane-step times corrected during the run; False plans with the cost model alone,
-        uncorrected (`jaxspec.parallel.goodput`).
       pipeline: pipelined two-batch drafting on a separate device slice.
       greedy_draft: draft with argmax even when sampling (q is then one-hot; still lossless).
       threshold: confidence-threshold drafting: a row's window ends at the first draft whose
         cumulative confidence (product of the drafter's per-token estimates) falls below this;
         k is then the most a row drafts. None: fixed-length windows.
-      choose_every: policy="goodput": a drafting segment re-chooses its plan on device every this
-        many steps (after its first few). Each choice is a few hundred small operations: cheap
-        where the device runs small operations quickly (XLA:CPU), dearer where each is a kernel
-        launch (a GPU); a larger value makes them rarer, and a switch the acceptance asks for
-        comes up to choose_every - 1 steps later. `scripts/policy_overhead.py` measures it.
-      position_profile: policy="goodput": track acceptance per draft position and predict each
-        draft length's tokens with it (`policy.PolicyState.profile_p`: a draft that got this far is
-        usually on easier text, so acceptance tends to rise along the window). False: one rate per
-        row for every position (the geometric model of `policy.expected_tokens_per_step`).
     """
 
     k: int = 4
@@ -53,12 +37,9 @@ class SpecConfig:
     capacity: int | None = None
     policy: str = "fixed"
     cost_model: Any = None
-    measure_plans: bool = True
     pipeline: bool = False
     greedy_draft: bool = False
     threshold: float | None = None
-    choose_every: int = 4
-    position_profile: bool = True
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -80,12 +61,6 @@ class SpecConfig:
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                       or not 0.0 < threshold <= 1.0):
             raise ValueError(f"threshold must be None or a number in (0, 1], got {self.threshold!r}")
-        if isinstance(self.choose_every, bool) or not isinstance(self.choose_every, int) or self.choose_every < 1:
-            raise ValueError(f"choose_every must be an int >= 1, got {self.choose_every!r}")
-        if not isinstance(self.position_profile, bool):
-            raise ValueError(f"position_profile must be a bool, got {self.position_profile!r}")
-        if not isinstance(self.measure_plans, bool):
-            raise ValueError(f"measure_plans must be a bool, got {self.measure_plans!r}")
         if self.policy == "goodput" and not isinstance(self.cost_model, CostModel):
             raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...) (CostModel.profile or "
                              f"CostModel.load), got {type(self.cost_model).__name__}")

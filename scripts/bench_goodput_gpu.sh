@@ -7,8 +7,7 @@
 # by --deadline seconds; results are written after every batch. Extra arguments go to
 # scripts/bench_goodput.py (later ones win). Runs with the machine's own python3 (PYTHON=...); if
 # jaxspec does not import there, wheels in .whl/ (e.g. flax at this repo's version) are installed
-# to /tmp/site and it retries. With POLICY_OVERHEAD="4" (batch sizes) it first runs
-# scripts/policy_overhead.py there (the goodput machinery's own cost per call and per step).
+# to /tmp/site and it retries.
 #
 #     scripts/bench_goodput_gpu.sh OUTDIR [--batches 1 64 16 4] [--deadline 540] ...
 set -u -o pipefail
@@ -29,10 +28,6 @@ if ! "$py" -c "$smoke"; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     "$py" -c "$smoke" || exit 1
-fi
-if [ -n "${POLICY_OVERHEAD:-}" ]; then   # first, the policy's own cost on the tiny-8L pair (about a minute)
-    "$py" scripts/policy_overhead.py --batches $POLICY_OVERHEAD --name "$(realpath "$out")/policy_overhead_gpu" 2>&1 \
-        | grep -v "^WARNING: All log messages" | tee "$out/policy_overhead_gpu.log"
 fi
 "$py" scripts/bench_goodput.py --pair qwen2.5-shape --dtype bfloat16 --no-tetris --ks 1 2 4 --profile-per-batch \
     --profile-ks 0 1 2 4 --batches 1 64 16 4 --rounds 8 --prompt-sets 8 --deadline 540 --name "$(realpath "$out")/bench_goodput_qwen" \

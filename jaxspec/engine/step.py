@@ -19,7 +19,6 @@ One step, for every row at its own length:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -106,29 +105,19 @@ def emit_and_commit(state: DecodeState, window_bk1, emit_count_b, max_new_b, eos
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """The static shape of one speculative step (a compiled branch).
+    """The static shape of one speculative step (a compiled program).
 
     Attributes:
       k: draft tokens proposed per row (k + extra under TETRIS; 0 = a plain decoding step).
       capacity: None for standard selection (every row verifies all its drafts in a padded
-        [b, k + 1] pass); else TETRIS, compiled for this many selected drafts at most.
-      capacities: goodput policy with TETRIS: candidate budgets searched every step, each with its
-        own packed verification size (capacity is then their maximum).
-      cache_len: the cache size, for cost predictions.
+        [b, k + 1] pass); else TETRIS, compiled for a packed pass of b + capacity tokens (the
+        step selects the traced `budget` <= capacity drafts).
       threshold: confidence-threshold drafting (SpecConfig.threshold).
-      calibrate: goodput policy: whether the step counts draft confidence against acceptance (the
-        calibration that TETRIS and threshold drafting read, `policy.calibrated_logprobs`). A
-        schedule with neither skips it: the count and the drafter's log-probabilities it reads
-        were 23 of the 33 kernels a goodput step at batch 1 ran more than a fixed-k step
-        (`scripts/step_kernels.py`), each a few microseconds on XLA:CPU.
     """
 
     k: int
     capacity: int | None = None
-    capacities: tuple[int, ...] | None = None
-    cache_len: int = 0
     threshold: float | None = None
-    calibrate: bool = True
 
 
 def empty_proposal(b: int) -> Proposal:
@@ -153,16 +142,13 @@ def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params
 
 
 def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
-                 proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None,
-                 capacity_seconds_j=None) -> DecodeState:
+                 proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None) -> DecodeState:
     """Step part 2, the target's side: select -> verify -> accept -> commit, for every row.
 
     Args:
       plan: the step's static shape (StepPlan); plan.k must equal the proposal's length.
       proposal: what `draft_phase` proposed from this same state.
       budget: traced number of drafts TETRIS may select (<= plan.capacity; default all of it).
-      capacity_seconds_j: predicted step time of each of plan.capacities, when the step searches
-        TETRIS budgets by goodput.
     """
     b, k = state.seq_bl.shape[0], plan.k
     if k == 0 and state.probs_bov is None:
@@ -175,10 +161,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     if plan.threshold is not None and k > 0:
         # Threshold drafting: each row's window ends where its cumulative confidence drops below
         # the threshold (a prefix: the cumulative estimate never increases along a row).
-        estimate_bk = proposal.logprob_bk
-        if state.policy is not None:
-            estimate_bk = policy_lib.calibrated_logprobs(state.policy, estimate_bk)
-        above_b = jnp.sum(tetris.cumulative_logprobs(estimate_bk) >= jnp.log(plan.threshold), axis=1)
+        above_b = jnp.sum(tetris.cumulative_logprobs(proposal.logprob_bk) >= jnp.log(plan.threshold), axis=1)
         proposal = proposal.replace(num_drafts_b=jnp.minimum(proposal.num_drafts_b, above_b).astype(jnp.int32))
     drafts_bk = proposal.tokens_bk
     window_bk1 = jnp.concatenate([pending_tok_b[:, None], drafts_bk], axis=1)
@@ -189,7 +172,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
         verified_b = jnp.full((b,), k, jnp.int32)
     else:
         verify_b, logits_bk1v, target_cache = _tetris_verify(target_graphdef, target_params, plan, state, proposal,
-                                                             window_bk1, max_new_b, budget, capacity_seconds_j)
+                                                             window_bk1, max_new_b, budget)
         verified_b = verify_b
     accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
     accepted_b, next_b = accept(accept_key_b, drafts_bk, proposal.q_bkv, logits_bk1v, verify_b, sampling)
@@ -199,8 +182,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
     state = state.replace(target_cache=target_cache)
     if state.policy is not None and k > 0:   # a plain step observes nothing (see `policy.age`)
-        state = state.replace(policy=policy_lib.observe(state.policy, proposal.logprob_bk, verify_b, accepted_b,
-                                                        live_b, calibrate=plan.calibrate))
+        state = state.replace(policy=policy_lib.observe(state.policy, verify_b, accepted_b, live_b))
     record = _record_for_level_above(logits_bk1v, emitted_bk1, sampling) if state.probs_bov is not None else None
     state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len, record)
     live = live_b.astype(jnp.int32)
@@ -249,7 +231,7 @@ def plain_step(target_graphdef, sampling: SamplingConfig, target_params, state: 
 
 def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling: SamplingConfig,
                      target_params, draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id,
-                     out_len: int, budget=None, capacity_seconds_j=None) -> DecodeState:
+                     out_len: int, budget=None) -> DecodeState:
     """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
 
     The composition of `draft_phase` and `verify_phase`; the pipelined engine runs the same two
@@ -258,11 +240,11 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
     proposal, draft_state = draft_phase(drafter, plan.k, sampling, draft_params, state.draft_state, state.seq_bl,
                                         state.target_cache.lengths, state.n_out_b, request_keys_b)
     return verify_phase(target_graphdef, plan, sampling, target_params, state.replace(draft_state=draft_state),
-                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget, capacity_seconds_j)
+                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget)
 
 
 def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: DecodeState, proposal: Proposal,
-                   window_bk1, max_new_b, budget, capacity_seconds_j):
+                   window_bk1, max_new_b, budget):
     """TETRIS: choose each row's window across the batch, then verify exactly those tokens, packed.
 
     A slot is usable if it is a real proposal, its row is live, and what it could emit fits in the
@@ -272,28 +254,10 @@ def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: Decode
     j = jnp.arange(k)[None, :]
     remaining_b = max_new_b - state.n_out_b
     usable_bk = (j < proposal.num_drafts_b[:, None]) & ~state.done_b[:, None] & (j + 2 <= remaining_b[:, None])
-    logprob_bk = tetris.acceptance_logprobs(proposal, usable_bk)
-    if state.policy is not None:
-        logprob_bk = policy_lib.calibrated_logprobs(state.policy, logprob_bk)
-    if plan.capacities is None:
-        verify_b = tetris.select(logprob_bk, plan.capacity, budget)
-        logits_bk1v, cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1,
-                                            state.target_cache, b + plan.capacity)
-        return verify_b, logits_bk1v, cache
-    # Goodput: the budget with the most expected tokens per predicted second; each candidate has
-    # its own compiled packed size.
-    goodput_j = policy_lib.goodput_of_capacities(tetris.cumulative_logprobs(logprob_bk).reshape(-1),
-                                                 jnp.sum(~state.done_b), plan.capacities, capacity_seconds_j)
-    choice = jnp.argmax(goodput_j)
-    verify_b = tetris.select(logprob_bk, plan.capacity, jnp.asarray(plan.capacities)[choice])
-    branches = [functools.partial(_packed_branch, packed_len=b + c) for c in plan.capacities]
-    logits_bk1v, cache = jax.lax.switch(choice, branches, target_graphdef, target_params, window_bk1, verify_b + 1,
-                                        state.target_cache)
+    verify_b = tetris.select(tetris.acceptance_logprobs(proposal, usable_bk), plan.capacity, budget)
+    logits_bk1v, cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1, state.target_cache,
+                                        b + plan.capacity)
     return verify_b, logits_bk1v, cache
-
-
-def _packed_branch(graphdef, params, window_bw, counts_b, cache, *, packed_len: int):
-    return forward_packed(graphdef, params, window_bw, counts_b, cache, packed_len)
 
 
 def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):

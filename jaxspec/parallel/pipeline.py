@@ -3,7 +3,7 @@
 Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary.
 
 The draft and the target live on disjoint meshes, so one step is two compiled programs, the same
-two halves the single-program loop composes (`engine.draft_phase`, `engine.verify_phase`):
+two halves the single-program loop composes (`step.draft_phase`, `step.verify_phase`):
 
     draft(state) on the draft slice  ->  Proposal  ->  verify(state, Proposal) on the target slice
 
@@ -22,9 +22,9 @@ When one batch has finished, the other continues alone with the plain sequential
 tail). Per-request RNG keys make each request's output independent of its batch, so pipelined,
 sequential and single-device runs produce the same tokens.
 
-Under the goodput policy each verification also chooses its lane's next plan on the target slice;
-the choice reaches the host with the done flags and sets the lane's next-but-one drafting
-(`jaxspec.parallel.goodput`).
+Under the goodput policy each verification also chooses its lane's next plan on the target slice
+(`policy.choose`, with each plan's lane-step seconds from the cost model: `lane_step_seconds`);
+the choice reaches the host with the done flags and sets the lane's next-but-one drafting.
 """
 
 from __future__ import annotations
@@ -37,16 +37,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import engine
-from jaxspec.parallel import goodput as goodput_lib
+from jaxspec import policy as policy_lib
+from jaxspec.cost import CostModel
+from jaxspec.engine import loop, step
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.sampling import SamplingConfig
+
+
+def lane_step_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelined: bool) -> np.ndarray:
+    """Predicted seconds of one lane step of each plan (`step.StepPlan`s): its drafting on the
+    draft slice plus its verification on the target slice, or pipelined the longer of the two
+    (the other lane's half runs meanwhile)."""
+    out = []
+    for plan in plans:
+        tokens = rows * (plan.k + 1) if plan.capacity is None else rows + plan.capacity
+        draft = cost.draft_seconds(rows, plan.k)
+        verify = (cost.step_seconds(rows, plan.k, cache_len, packed_tokens=tokens) - draft)
+        out.append(max(draft, verify) if pipelined else draft + verify)
+    return np.asarray(out, np.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "seq_len", "out_len", "mesh"))
 def _target_start(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id, *,
                   cache_len, seq_len, out_len, mesh):
-    return engine.initial_state(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id,
+    return step.initial_state(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id,
                                 cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
 
 
@@ -57,7 +71,7 @@ def _draft_start(drafter, params, tokens_bp, prompt_len_b, *, cache_len):
 
 @functools.partial(jax.jit, static_argnames=("drafter", "k", "sampling"), donate_argnums=(4,))
 def _draft(drafter, k, sampling: SamplingConfig, params, draft_state, seq_bl, pending_b, n_out_b, keys_b):
-    proposal, draft_state = engine.draft_phase(drafter, k, sampling, params, draft_state, seq_bl, pending_b,
+    proposal, draft_state = step.draft_phase(drafter, k, sampling, params, draft_state, seq_bl, pending_b,
                                                n_out_b, keys_b)
     if sampling.greedy:
         # Greedy acceptance never reads q: do not ship [b, k, v] floats across slices.
@@ -72,13 +86,30 @@ def _draft_refill(drafter, params, draft_state, slots_r, tokens_rp, prompt_len_r
 
 
 # The target slice's refill prefills only the target's rows (the drafter's live on the other slice).
-_TARGET_ONLY = engine.Schedule(plans=(engine.StepPlan(k=0),))
+_TARGET_ONLY = loop.Schedule(plans=(step.StepPlan(k=0),))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len"), donate_argnums=(4,))
-def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, budget, *, out_len):
-    return engine.verify_phase(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id,
-                               out_len, budget)
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len", "plans", "current"),
+                   donate_argnums=(4,))
+def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, budget, seconds_j=None,
+            draining=None, *, out_len, plans=None, current=0):
+    """Verification on the target slice; under the goodput policy (`plans` given) followed by the
+    lane's next choice."""
+    state = step.verify_phase(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, out_len,
+                              budget)
+    if plans is None:
+        return state
+    choice = policy_lib.choose(state.policy, ~state.done_b, plans, seconds_j, current, max_new_b - state.n_out_b,
+                               draining)
+    return state.replace(policy=state.policy.replace(choice=choice))
+
+
+@functools.partial(jax.jit, static_argnames=("plans",))
+def _open(state, prior, seconds_j, max_new_b, draining, *, plans):
+    """The goodput policy's state and opening choice for a lane's fresh rows."""
+    policy = policy_lib.PolicyState.init(state.done_b.shape[0], prior)
+    choice = policy_lib.choose(policy, ~state.done_b, plans, seconds_j, None, max_new_b - state.n_out_b, draining)
+    return state.replace(policy=policy.replace(choice=choice))
 
 
 @dataclasses.dataclass
@@ -87,12 +118,12 @@ class Lane:
 
     batch: object                  # its first PromptBatch (rows = slots)
     table: object                  # its batching.SlotTable: which request each row holds
-    state: engine.DecodeState
+    state: step.DecodeState
     draft_state: object
     keys_t: jax.Array              # request keys and budgets, on the target slice
     max_new_t: jax.Array
     keys_d: jax.Array              # request keys, on the draft slice
-    budget_t: jax.Array            # its TETRIS budget C per step, on the target slice
+    budgets_t: tuple               # each plan's TETRIS budget C per step, on the target slice
     seed: int = 0
     cache_len: int = 0
     proposal: object = None
@@ -100,24 +131,28 @@ class Lane:
     plan: int = 0                  # the plan (index into the runner's plans) of the lane's next drafting
     proposal_plan: int = 0         # the plan `proposal` was drafted for
     verifying_plan: int | None = None  # the plan of the verification in flight
-    policy: object = None          # goodput: the lane's acceptance counts and choice, on the target slice
 
 
 class SlicedRunner:
     """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`.
 
-    `plans`: the step shapes: one (a fixed policy), or the goodput policy's (draft lengths, and
-    with TETRIS its plan), whose host side `goodput` (a `goodput.SlicedGoodput`) picks each lane's.
+    `schedule`: the step shapes (`loop.Schedule`): one plan (a fixed policy), or the goodput
+    policy's candidates, with `seconds` = {"pipelined": [j], "sequential": [j]} their predicted
+    lane-step seconds (`lane_step_seconds`).
     """
 
-    def __init__(self, target, drafter, plans, sampling: SamplingConfig, target_mesh, draft_mesh, goodput=None):
+    def __init__(self, target, drafter, schedule: loop.Schedule, sampling: SamplingConfig, target_mesh, draft_mesh,
+                 seconds=None):
         self.target, self.drafter, self.sampling = target, drafter, sampling
-        self.plans = tuple(plans)
-        self.goodput = goodput
-        self.drafts = any(plan.k > 0 for plan in self.plans)
+        self.plans = schedule.plans
+        self.goodput = schedule.policy_plans if schedule.goodput else None
+        self.drafts = schedule.drafts
         self.target_mesh, self.draft_mesh = target_mesh, draft_mesh
         self._t_rep = sharding_lib.replicated(target_mesh)
         self._d_rep = sharding_lib.replicated(draft_mesh)
+        self._seconds = seconds
+        self._mode = "sequential"
+        self.trace: list[int] = []   # goodput: the draft length of each verification
         # Set to {"draft": [], "verify": []} to time each call alone (blocking after it: no
         # overlap); the mesh sweep uses it to measure the two halves of a step.
         self.timings: dict[str, list[float]] | None = None
@@ -133,102 +168,39 @@ class SlicedRunner:
     def _to_draft(self, tree):
         return jax.device_put(tree, self._d_rep)
 
-    def start(self, table, batch, seed: int, eos: int, cache_len: int, budget: int) -> Lane:
-        """Prefills one batch on both slices; `budget` is its TETRIS budget C (0 for standard);
-        `table` (a batching.SlotTable) refills its finished rows from the shared queue."""
+    def start(self, table, batch, seed: int, eos: int, cache_len: int, budgets: tuple[int, ...]) -> Lane:
+        """Prefills one batch on both slices; `budgets`: each plan's TETRIS budget C (0 for
+        standard); `table` (a batching.SlotTable) refills its finished rows from the shared queue."""
         from jaxspec.generate import request_keys
 
         keys_b = request_keys(seed, batch.request_ids_b)
         t_in = sharding_lib.put((batch.tokens_bp, batch.lengths_b, batch.max_new_b, keys_b, np.int32(eos),
-                                 np.int32(budget)), self._t_rep)
+                                 tuple(np.int32(c) for c in budgets)), self._t_rep)
         state = _target_start(self.target.graphdef, self.sampling, self.target.params, *t_in[:5], cache_len=cache_len,
                               seq_len=cache_len, out_len=batch.out_len, mesh=self.target_mesh)
+        plan = 0
+        if self.goodput is not None:
+            state = _open(state, *self._to_target((np.float32(policy_lib.PRIOR_ALPHA), self._seconds_j(),
+                                                   batch.max_new_b, np.bool_(not len(table.queue)))),
+                          plans=self.goodput)
+            plan = int(state.policy.choice)
         state.done_b.copy_to_host_async()
         d_tokens, d_lengths, keys_d = sharding_lib.put((batch.tokens_bp, batch.lengths_b, keys_b), self._d_rep)
         draft_state = (_draft_start(self.drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
                        if self.drafts else ())
-        lane = Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
-                    max_new_t=t_in[2], keys_d=keys_d, budget_t=t_in[5], seed=seed, cache_len=cache_len,
-                    plan=0)
-        if self.goodput is not None:
-            # Rows start from the acceptance the decoder's earlier calls measured, if any.
-            lane.policy = goodput_lib.fresh_policy(self._t_rep)(self.goodput.acceptance, batch.max_new_b > 0,
-                                                                rows=batch.tokens_bp.shape[0],
-                                                                positions=self.goodput.positions)
-        return lane
+        return Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
+                    max_new_t=t_in[2], keys_d=keys_d, budgets_t=t_in[5], seed=seed, cache_len=cache_len, plan=plan)
 
-    def measure_plans(self, lane: Lane, eos, passes: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Seconds of each plan's drafting (with the proposal's transfer to the target slice) and
-        verification at this lane's shape, and of the TETRIS plan's verification at each of its
-        budgets (forced by the budgets' seconds), on copies of the lane's state, each call timed
-        alone and blocking: a first pass compiles, then the median over `passes` passes, each in
-        another order (the machine's speed drifts), made non-decreasing in the draft length and
-        the budget (`goodput.nondecreasing`: a longer window is no less work; over 3 passes at
-        batch 8 on this CPU k = 4's verification came out below k = 3's, and the policy drafted 4
-        where 3 was best). The TETRIS plan's own verification is its budget nearest N * k."""
-        control, tetris = self.goodput, self.goodput.tetris
-        jobs = [(j, None) for j in range(len(self.plans))]
-        if tetris is not None:
-            jobs += [(tetris.index, c) for c in range(len(tetris.capacities))]
-        times = np.zeros((passes, len(jobs), 2))
-        for p in range(passes + 1):
-            order = np.roll(np.arange(len(jobs)), p) if p % 2 else np.roll(np.arange(len(jobs)), -p)[::-1]
-            for i in order:
-                times[max(p - 1, 0), i] = self._time_halves(lane, eos, *jobs[i])
-        medians = np.median(times, axis=0)
-        plans = len(self.plans)
-        draft_j = goodput_lib.nondecreasing(medians[:plans, 0])
-        verify_j, verify_c = medians[:plans, 1].copy(), goodput_lib.nondecreasing(medians[plans:, 1])
-        standard = [j for j in range(plans) if tetris is None or j != tetris.index]
-        verify_j[standard] = goodput_lib.nondecreasing(verify_j[standard])
-        if tetris is not None:
-            budget = lane.batch.tokens_bp.shape[0] * control.ks[tetris.index]
-            verify_j[tetris.index] = verify_c[np.argmin(np.abs(np.asarray(tetris.capacities) - budget))]
-        return draft_j, verify_j, verify_c
-
-    def _time_halves(self, lane: Lane, eos, j: int, capacity: int | None) -> tuple[float, float]:
-        """One drafting and verification of plan j (at its `capacity`-th budget, for TETRIS) from a
-        copy of the lane's state, timed."""
-        control = self.goodput
-        seconds_c = control.capacity_seconds_device
-        if capacity is not None:   # the budget the plan picks by goodput: make this one the only cheap one
-            seconds_c = self._to_target(np.where(np.arange(len(control.tetris.capacities)) == capacity, 1e-6,
-                                                 1e6).astype(np.float32))
-        state, draft_state = jax.block_until_ready(jax.tree.map(jnp.copy, (lane.state, lane.draft_state)))
-        k = self.plans[j].k
-        start = time.perf_counter()
-        proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
-        if k:
-            view = self._to_draft((state.seq_bl, state.target_cache.lengths, state.n_out_b))
-            proposal, _ = _draft(self.drafter, k, self.sampling, self.drafter.params, draft_state, *view, lane.keys_d)
-            proposal = jax.block_until_ready(self._to_target(proposal))
-        middle = time.perf_counter()
-        jax.block_until_ready(goodput_lib.verify_and_choose(
-            self.target.graphdef, self.plans[j], self.sampling, self.target.params, state, proposal, lane.keys_t,
-            lane.max_new_t, eos, lane.budget_t, lane.policy, control.seconds_device, seconds_c,
-            control.draining_device, out_len=lane.batch.out_len, ks=control.ks, current=j, tetris=control.tetris))
-        return middle - start, time.perf_counter() - middle
-
-    def _open(self, lanes: list[Lane], eos) -> None:
-        """Goodput: times the plans where this shape has not been timed, then each lane's opening
-        plan (the best at the optimistic estimate of its rows' seeded acceptance)."""
-        control = self.goodput
-        if control.needs_measuring:
-            control.measured(*self.measure_plans(lanes[0], eos))
-        for lane in lanes:
-            lane.plan = goodput_lib.opening_choice(control.acceptance, lane.batch.max_new_b,
-                                                   not len(lane.table.queue), control.seconds_j(), control.seconds_c(),
-                                                   control.ks, control.positions, control.tetris)
+    def _seconds_j(self) -> np.ndarray:
+        return self._seconds[self._mode]
 
     def _draft(self, lane: Lane) -> None:
         """Queues the lane's drafting (for plan `lane.plan`) on the draft slice, from its latest
         verified state."""
         lane.proposal_plan = lane.plan
         k = self.plans[lane.plan].k
-        if self.goodput is not None:
-            self.goodput.queued("draft", lane.plan, program=k > 0)
         if k == 0:
-            lane.proposal = engine.empty_proposal(lane.batch.tokens_bp.shape[0])
+            lane.proposal = step.empty_proposal(lane.batch.tokens_bp.shape[0])
             return
         s = lane.state
         if self.timings is not None:
@@ -249,11 +221,9 @@ class SlicedRunner:
         the lane drafts again (its drafts were made for the rows' previous occupants).
         """
         done_b = np.asarray(lane.state.done_b)
-        control = self.goodput
-        if control is not None and lane.verifying_plan is not None:
+        if self.goodput is not None and lane.verifying_plan is not None:
             # The choice made with that verification: the lane's next drafting after the one queued.
-            control.read(time.perf_counter(), lane.verifying_plan)
-            lane.plan = int(np.asarray(lane.policy.choice))
+            lane.plan = int(np.asarray(lane.state.policy.choice))
         if len(lane.table.queue) and np.any(done_b[:lane.table.slots] & (lane.table.request_at >= 0)):
             self._refill(lane, eos)
             done_b = np.asarray(lane.state.done_b)
@@ -266,16 +236,14 @@ class SlicedRunner:
         start = time.perf_counter()
         j = lane.proposal_plan
         args = (self.target.graphdef, self.plans[j], self.sampling, self.target.params, lane.state, lane.proposal,
-                lane.keys_t, lane.max_new_t, eos, lane.budget_t)
-        if control is None:
+                lane.keys_t, lane.max_new_t, eos, lane.budgets_t[j])
+        if self.goodput is None:
             lane.state = _verify(*args, out_len=lane.batch.out_len)
         else:
-            control.queued("verify", j)
-            control.set_draining(not len(lane.table.queue))
-            lane.state, lane.policy = goodput_lib.verify_and_choose(
-                *args, lane.policy, control.seconds_device, control.capacity_seconds_device, control.draining_device,
-                out_len=lane.batch.out_len, ks=control.ks, current=j, tetris=control.tetris)
-            lane.policy.choice.copy_to_host_async()
+            self.trace.append(self.plans[j].k)
+            lane.state = _verify(*args, *self._to_target((self._seconds_j(), np.bool_(not len(lane.table.queue)))),
+                                 out_len=lane.batch.out_len, plans=self.goodput, current=j)
+            lane.state.policy.choice.copy_to_host_async()
         lane.verifying_plan = j
         self._timed("verify", start, lane.state)
         lane.state.done_b.copy_to_host_async()
@@ -283,8 +251,6 @@ class SlicedRunner:
     def harvest(self, lane: Lane) -> list[int]:
         """Records the lane's finished requests (one host read of its outputs); returns freed slots."""
         s = lane.state
-        if self.goodput is not None:
-            self.goodput.event()
         return lane.table.harvest(*jax.device_get((s.done_b, s.out_bo, s.n_out_b, s.counters)))
 
     def _refill(self, lane: Lane, eos) -> None:
@@ -299,28 +265,24 @@ class SlicedRunner:
         keys_r = request_keys(lane.seed, sub.request_ids_b)
         rows = (slots_r, sub.tokens_bp, sub.lengths_b, sub.max_new_b, keys_r)
         t_slots, t_tokens, t_lengths, t_max_new, t_keys = sharding_lib.put(rows, self._t_rep)
-        lane.state = engine.refill_on_device(
+        lane.state = loop.refill_on_device(
             self.target.graphdef, self.drafter, _TARGET_ONLY, self.sampling, self.target.params, (), lane.state,
-            t_slots, t_tokens, t_lengths, t_max_new, t_keys, eos, {"plans": None, "capacities": None},
-            cache_len=lane.cache_len, seq_len=lane.cache_len, out_len=lane.batch.out_len, mesh=self.target_mesh)
+            t_slots, t_tokens, t_lengths, t_max_new, t_keys, eos, cache_len=lane.cache_len, seq_len=lane.cache_len, out_len=lane.batch.out_len, mesh=self.target_mesh)
         lane.state.done_b.copy_to_host_async()
-        lane.keys_t = engine.put_rows(lane.keys_t, t_slots, t_keys)
-        lane.max_new_t = engine.put_rows(lane.max_new_t, t_slots, t_max_new)
-        if lane.policy is not None:
-            lane.policy = goodput_lib.reseed_rows(lane.policy, t_slots)
+        lane.keys_t = loop.put_rows(lane.keys_t, t_slots, t_keys)
+        lane.max_new_t = loop.put_rows(lane.max_new_t, t_slots, t_max_new)
         if self.drafts:
             d_slots, d_tokens, d_lengths, d_keys = sharding_lib.put((slots_r, sub.tokens_bp, sub.lengths_b, keys_r),
                                                                     self._d_rep)
             lane.draft_state = _draft_refill(self.drafter, self.drafter.params, lane.draft_state, d_slots, d_tokens,
                                              d_lengths, cache_len=lane.cache_len)
-            lane.keys_d = engine.put_rows(lane.keys_d, d_slots, d_keys)
+            lane.keys_d = loop.put_rows(lane.keys_d, d_slots, d_keys)
         self._draft(lane)
 
     def run(self, lanes: list[Lane], eos: int) -> list[Lane]:
         """Decodes one lane sequentially, or two pipelined, until every row is done."""
         eos_t = self._to_target(jnp.int32(eos))
-        if self.goodput is not None:
-            self._open(lanes, eos_t)
+        self._mode = "pipelined" if len(lanes) == 2 else "sequential"
         if len(lanes) == 1:
             self._sequential(lanes[0], eos_t)
         else:
@@ -343,8 +305,7 @@ class SlicedRunner:
             verifying, drafting = drafting, verifying
         # The tail: the batch left runs sequentially; `verifying` already holds fresh drafts.
         rest = b if a.finished else a
-        if self.goodput is not None:
-            self.goodput.to_sequential()
+        self._mode = "sequential"
         if rest is not verifying:
             self._draft(rest)
         while not rest.finished:

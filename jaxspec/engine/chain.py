@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import tetris
-from jaxspec.drafters import Drafter, Proposal, cache_backlog, catch_up, prefill_cache
+from jaxspec.drafters import Drafter, Proposal, catch_up, prefill_cache
+from jaxspec.engine.step import Counters, DecodeState, StepPlan, speculative_step
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward
 from jaxspec.sampling import SamplingConfig
@@ -77,13 +78,7 @@ class ChainDrafter(Drafter):
         inner_state = self.inner.init(inner_params, tokens_bp, prompt_len_b, cache_len)
         return _ChainState(cache=cache, inner_state=inner_state)
 
-    def backlog(self, state, pending_b):
-        # The middle model's; its own drafter catches up on about as many positions.
-        return cache_backlog(state.cache, pending_b)
-
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
-        from jaxspec.engine import Counters, DecodeState, StepPlan, speculative_step
-
         model_params, inner_params = params
         graphdef = self.model.graphdef
         b = seq_bl.shape[0]

@@ -1,0 +1,115 @@
+"""Timing of real decode steps, for the cost model's profiler (`CostModel.profile`).
+
+A step is timed as the decode loop runs it (`loop.run_on_device` with a step cap): over `batch`
+rows with a cache of `cache_len` slots, after warm-up, with `block_until_ready`, as the
+difference between a loop of 1 + `iterations` steps and one of 1 step, so that a call's own cost
+besides its steps (dispatch, the round trip) is not counted as a step's. `time_points` times a
+grid of shapes in shuffled passes and registers itself with `jaxspec.cost`, which only fits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import cost as cost_lib
+from jaxspec import prompts as prompts_lib
+from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
+from jaxspec.engine.loop import Schedule, prefill_schedule, run_on_device, start_on_device
+from jaxspec.engine.step import StepPlan
+from jaxspec.generate import request_keys
+from jaxspec.models.model import Model
+from jaxspec.sampling import SamplingConfig
+
+
+def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, repeats: int = 3,
+               iterations: int = 6, seed: int = 0) -> float:
+    """Median seconds of one step with k drafts per row (k = 0: a plain decoding step). Where a
+    stall makes the difference of the two loops implausibly small, a tenth of the long loop's
+    average step stands in."""
+    run = _step_timer(target, drafter, k, batch, cache_len, iterations, seed)
+
+    def step() -> tuple[float, float]:
+        long = run(1 + iterations)
+        return (long - run(1)) / iterations, long / (1 + iterations)
+
+    step()
+    times, averages = zip(*(step() for _ in range(repeats)), strict=True)
+    return max(float(np.median(times)), 0.1 * float(np.median(averages)), 1e-9)
+
+
+def _step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int):
+    """Prefills `batch` rows and returns a function timing `steps` steps from them."""
+    sampling = SamplingConfig()
+    out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
+    prompt_len = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
+    if prompt_len < 1:
+        raise ValueError(f"cache_len={cache_len} is too small to time {iterations} steps with k={k}; "
+                         f"it needs more than {cache_len - prompt_len} slots")
+    rng = np.random.default_rng(seed)
+    tokens_bp = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, prompt_len)), jnp.int32)
+    lengths_b = jnp.full((batch,), prompt_len, jnp.int32)
+    max_new_b = jnp.full((batch,), out_len, jnp.int32)   # no row finishes within the timed steps
+    keys_b = request_keys(seed, np.arange(batch))
+    schedule = Schedule(plans=(StepPlan(k=k),))
+    eos = jnp.int32(-1)   # never emitted
+    static = dict(cache_len=cache_len, seq_len=cache_len, out_len=out_len)
+    # One prefill serves every timed run: each run gets a copy, as the loop donates its state.
+    prefilled = start_on_device(target.graphdef, drafter, prefill_schedule(schedule), sampling, target.params,
+                                drafter.params, tokens_bp, lengths_b, max_new_b, keys_b, eos, **static)
+
+    def run(steps: int) -> float:
+        state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
+        start = time.perf_counter()
+        jax.block_until_ready(run_on_device(target.graphdef, drafter, schedule, sampling, target.params,
+                                            drafter.params, state, keys_b, max_new_b, eos, np.int32(0), np.int32(0),
+                                            np.int32(steps), **static))
+        return time.perf_counter() - start
+
+    return run
+
+
+def time_points(target: Model, draft: Model | None, shapes, *, passes: int = 3, seed: int = 0) -> list[tuple]:
+    """Times the decode step at each `(batch, k, cache_len)` shape in `passes` passes over all the
+    shapes, each pass in a fresh shuffled order, and returns `(batch, k, cache_len, seconds)` with
+    the median over passes. Timed one shape after another, a machine's drift lands on whole
+    stretches of the grid; shuffled passes spread it as noise, and the median drops a stalled pass.
+    `draft` None: drafts come from n-gram lookup."""
+    if not isinstance(target, Model):
+        raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
+    if draft is not None and not isinstance(draft, Model):
+        raise ValueError(f"draft must be a jaxspec.Model or None, got {type(draft).__name__}")
+    drafter = ModelDrafter(draft) if draft is not None else NgramDrafter().bind_vocab(target.config.vocab_size)
+    shapes = [tuple(int(v) for v in shape) for shape in shapes]
+    # Every shape's programs are compiled (and run once) side by side first, a thread per core:
+    # at the qwen2.5 shapes a program takes about 18 s to compile on an H200's host.
+    side_by_side([functools.partial(lambda b, k, s: _step_timer(target, drafter, k, b, s, 6, seed)(1), *shape)
+                  for shape in shapes])
+    rng = np.random.default_rng(seed)
+    seconds = [[] for _ in shapes]
+    for _ in range(passes):
+        for i in rng.permutation(len(shapes)):
+            batch, k, cache_len = shapes[i]
+            seconds[i].append(time_steps(target, drafter, k, batch, cache_len, repeats=1))
+    return [(*shape, float(np.median(times))) for shape, times in zip(shapes, seconds, strict=True)]
+
+
+def side_by_side(jobs) -> list:
+    """Runs zero-argument callables in threads, one per core this process may use, and returns
+    their results in order (JAX's compilation and dispatch are thread-safe; one compilation
+    leaves cores idle)."""
+    jobs = list(jobs)
+    if len(jobs) < 2:
+        return [job() for job in jobs]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), cores)) as pool:
+        return [future.result() for future in [pool.submit(job) for job in jobs]]
+
+
+cost_lib.register_step_timer(time_points)

@@ -1,0 +1,220 @@
+"""A deterministic testbed for the goodput policy: the clock is a cost model, acceptance is set.
+
+The policy (`jaxspec.policy`) runs as the engine runs it (`jaxspec.engine.loop.run_on_device`):
+it opens with a choice, runs its plan in chunks of `CHOOSE_EVERY` steps, observes each verified
+window, ages its evidence after plain chunks, and chooses again after each chunk; a change of plan
+costs a host round trip, and drafting after plain steps first feeds the drafter the tokens it
+missed. The host corrects its predicted step times after each segment (`policy.StepTimes`). Nothing
+is timed: a step of plan (k, budget) at batch b takes `CostModel.step_seconds` of the scenario's
+true cost model, which may differ from the one the policy believes.
+
+Acceptance is a property of the text: row r's draft at output position p and window slot j is
+accepted iff u[r, p] < alpha(r, p, j), with one uniform u per (row, position) shared by every plan
+(common random numbers), so the policy and every fixed plan decode the same text.
+
+`simulate(scenario, plans)` runs one policy or fixed plan; `compare` runs the policy against
+every fixed plan and reports tokens per simulated second against the best fixed plan in hindsight
+and against plain decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import policy
+from jaxspec.cost import CostModel
+
+CATCH_UP_CHUNK = 8   # tokens a drafter feeds per forward when it catches up (`drafters.catch_up`)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """Attributes:
+      name: label.
+      batch: rows (the compiled batch; finished rows still cost their share).
+      tokens: output budget of each row.
+      alphas: acceptance per row (cycled over the rows).
+      drift: (fraction of the budget, alphas after it) or None: acceptance changes mid-run.
+      falloff: acceptance at window slot j is alpha * falloff ** j (1: flat).
+      cost: the true cost model (the clock).
+      believed: the cost model the policy plans with (None: the true one).
+      round_trip: seconds a change of plan costs (the host reads the choice and dispatches).
+    """
+
+    name: str
+    batch: int
+    tokens: int = 128
+    alphas: tuple[float, ...] = (0.8,)
+    drift: tuple[float, tuple[float, ...]] | None = None
+    falloff: float = 1.0
+    cost: CostModel
+    believed: CostModel | None = None
+    round_trip: float = 0.0
+
+    def alpha_rp(self) -> np.ndarray:
+        """Acceptance of each row at each output position (before the per-slot falloff)."""
+        rows = np.arange(self.batch)
+        before = np.asarray(self.alphas)[rows % len(self.alphas)]
+        alpha_rp = np.repeat(before[:, None], self.tokens, axis=1)
+        if self.drift is not None:
+            at, after = self.drift
+            alpha_rp[:, int(at * self.tokens):] = np.asarray(after)[rows % len(after)][:, None]
+        return alpha_rp
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Which of the policy's rules run (each can be switched off to measure its worth)."""
+
+    margin: float = policy.MARGIN        # hysteresis
+    off_decay: float = policy.OFF_DECAY  # probing after plain steps (1.0: never)
+    per_row: bool = True                 # per-row acceptance (False: one pooled rate)
+    correct_times: bool = True           # measured / predicted step-time ratios
+    drain: bool = True                   # a draining batch is judged by its slowest row
+    prior: float = policy.PRIOR_ALPHA    # acceptance assumed before any is observed
+
+
+@functools.partial(jax.jit, static_argnames=("plans", "margin", "has_current"))
+def _choose(state, live_b, seconds_j, current, remaining_b, draining, *, plans, margin, has_current):
+    return policy.choose(state, live_b, plans, seconds_j, current if has_current else None, remaining_b, draining,
+                         margin)
+
+
+_observe = jax.jit(policy.observe)
+_age = jax.jit(policy.age)
+
+
+def plan_seconds(cost: CostModel, batch: int, plans, cache_len: int = 0) -> np.ndarray:
+    """Seconds of one step of each (k, budget) plan at `batch` rows."""
+    return np.array([cost.step_seconds(batch, k, cache_len) if budget is None else
+                     cost.step_seconds(batch, k, cache_len, packed_tokens=batch + budget) for k, budget in plans])
+
+
+def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(), seed: int = 0) -> dict:
+    """Decodes the scenario's batch with the policy over `plans` (or plan `fixed` throughout).
+
+    Returns tokens, seconds, tokens_per_second, steps and the plan of each step.
+    """
+    rng = np.random.default_rng(seed)
+    u_rp = rng.random((s.batch, s.tokens))
+    alpha_rp = s.alpha_rp()
+    slot_factor = s.falloff ** np.arange(max(k for k, _ in plans) + 1)
+    true_j = plan_seconds(s.cost, s.batch, plans)
+    times = policy.StepTimes(plan_seconds(s.believed or s.cost, s.batch, plans))
+    n_r = np.zeros(s.batch, np.int64)
+    state = policy.PolicyState.init(s.batch, rules.prior)
+    live = n_r < s.tokens
+
+    def choose(state, current):
+        return int(_choose(state, jnp.asarray(live), times.seconds_j(), current or 0,
+                           jnp.asarray(s.tokens - n_r, jnp.int32), rules.drain, plans=plans,
+                           margin=rules.margin, has_current=current is not None))
+
+    current = fixed if fixed is not None else choose(state, None)
+    seconds, trace, backlog = 0.0, [], 0
+    segment = [0, 0.0]   # steps and seconds of the running segment
+    while live.any():
+        k, budget = plans[current]
+        steps_before = len(trace)
+        for _ in range(policy.CHOOSE_EVERY):
+            accepted_r, verified_r = _one_step(s, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, state)
+            n_r = np.minimum(n_r + np.where(live, accepted_r + 1, 0), s.tokens)
+            if k:
+                state = _observe(state, jnp.asarray(verified_r, jnp.int32), jnp.asarray(accepted_r, jnp.int32),
+                                 jnp.asarray(live))
+            seconds += true_j[current]
+            segment[0] += 1
+            segment[1] += true_j[current]
+            trace.append(current)
+            live = n_r < s.tokens
+            if not live.any():
+                break
+        backlog = backlog + len(trace) - steps_before if k == 0 else 0
+        if fixed is not None or not live.any():
+            continue
+        if k == 0:
+            state = _age(state, len(trace) - steps_before, rules.off_decay)
+        seen = state if rules.per_row else _pooled(state, live)
+        choice = choose(seen, current)
+        if choice != current:
+            # The segment ends: the host reads the choice, times the segment, dispatches the next.
+            switch = s.round_trip
+            if plans[choice][0] > 0 and backlog:   # the drafter catches up on the plain steps' tokens
+                switch += math.ceil(backlog / CATCH_UP_CHUNK) * s.cost.draft_seconds(s.batch)
+                backlog = 0
+            seconds += switch
+            if rules.correct_times:
+                times.observe(current, segment[0], segment[1] + s.round_trip)
+            segment = [0, 0.0]
+            current = choice
+    tokens = int(n_r.sum())
+    return dict(tokens=tokens, seconds=seconds, tokens_per_second=tokens / seconds, steps=len(trace), trace=trace)
+
+
+def _one_step(s: Scenario, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, state):
+    """Accepted drafts and verified drafts per row in one step of plan (k, budget)."""
+    verified_r = np.where(live, k, 0)
+    if budget is not None:
+        # TETRIS selects by the drafter's confidence: here the policy's own estimate stands for it.
+        alpha_b = np.asarray(state.alpha_b())
+        reach = np.where(live[:, None], alpha_b[:, None] ** np.arange(1, k + 1)[None, :], -1.0)
+        order = np.argsort(-reach.ravel(), kind="stable")[:budget]
+        chosen = np.zeros(reach.size, bool)
+        chosen[order] = reach.ravel()[order] >= 0
+        verified_r = chosen.reshape(reach.shape).sum(axis=1)
+    accepted_r = np.zeros(s.batch, np.int64)
+    for r in np.flatnonzero(live & (verified_r > 0)):
+        for j in range(verified_r[r]):
+            p = n_r[r] + j
+            if p >= s.tokens or u_rp[r, p] >= alpha_rp[r, p] * slot_factor[j]:
+                break
+            accepted_r[r] += 1
+    return accepted_r, verified_r
+
+
+def _pooled(state: policy.PolicyState, live) -> policy.PolicyState:
+    """Every row's counts replaced by the live rows' mean (one rate for the batch)."""
+    live = jnp.asarray(live)
+    n = jnp.maximum(jnp.sum(live), 1)
+    mean = lambda x: jnp.full_like(x, jnp.sum(jnp.where(live, x, 0.0)) / n)  # noqa: E731
+    return state.replace(accepted_b=mean(state.accepted_b), tried_b=mean(state.tried_b))
+
+
+def compare(s: Scenario, plans, rules: Rules = Rules(), seeds: int = 4) -> dict:
+    """The policy against every fixed plan on the same texts (`seeds` of them): tokens per
+    simulated second, summed over the texts, and their ratios."""
+    def rate(runs):
+        return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
+
+    fixed_tps = [rate([simulate(s, plans, fixed=j, seed=seed) for seed in range(seeds)]) for j in range(len(plans))]
+    runs = [simulate(s, plans, rules=rules, seed=seed) for seed in range(seeds)]
+    best = int(np.argmax(fixed_tps))
+    plain = next(j for j, (k, _) in enumerate(plans) if k == 0)
+    trace = np.concatenate([r["trace"] for r in runs])
+    return dict(scenario=s.name, batch=s.batch, best_fixed=_label(plans[best]),
+                best_vs_plain=fixed_tps[best] / fixed_tps[plain], vs_best=rate(runs) / fixed_tps[best],
+                vs_plain=rate(runs) / fixed_tps[plain], plain_is_best=best == plain,
+                most_run=_label(plans[int(np.argmax(np.bincount(trace, minlength=len(plans))))]),
+                switches=sum(int(np.count_nonzero(np.diff(r["trace"]))) for r in runs) / seeds)
+
+
+def _label(plan) -> str:
+    k, budget = plan
+    return f"k={k}" if budget is None else f"tetris k={k} C={budget}"
+
+
+def machine_cost(machine: str, draft_ratio: float) -> CostModel:
+    """A clock in units of a batch-1 plain step, and a draft position costing `draft_ratio` of it.
+
+    "gpu": memory-bound steps: a step's cost grows by its fixed cost over 256 batched tokens.
+    "cpu": compute-bound small matrices: a 4-token verification costs two plain steps (XLA:CPU).
+    """
+    per_token = {"gpu": 1.0 / 256, "cpu": 1.0 / 3}[machine]
+    return CostModel.from_coefficients(draft_fixed=draft_ratio, draft_per_token=draft_ratio * per_token,
+                                       target_fixed=1.0, target_per_token=per_token)
