@@ -248,6 +248,18 @@ def _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_st
     return [float(t) for t in temperatures]
 
 
+def _encode_prompts(target: Model, draft: Model, prompts, max_new_tokens: int) -> tuple[list, int]:
+    """The prompts as token ids, each leaving room for a continuation in both models' contexts."""
+    prompt_ids = prompts_lib.encode_prompts(prompts, target.tokenizer, target.config.vocab_size)
+    max_len = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    prompts_lib.check_max_new_tokens(max_new_tokens, len(prompt_ids))
+    for i, p in enumerate(prompt_ids):
+        if len(p) >= max_len:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens, leaving no room for a continuation within "
+                             f"max_position_embeddings={max_len}")
+    return prompt_ids, max_len
+
+
 def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: float, seed: int = 0, *,
             loss: str = "tvd", batch_size: int = 8, max_new_tokens: int = 64, temperature=0.0,
             eos_token_id: int | None = None, warmup_steps: int = 0, weight_decay: float = 0.0,
@@ -297,72 +309,85 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
       ValueError: naming the argument, for a vocabulary mismatch, steps < 1, empty prompts, an
         unknown loss, learning_rate <= 0, or a checkpoint made with different settings.
     """
-    from tqdm.auto import tqdm
 
     temperatures = _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_steps, weight_decay,
                                clip_norm, checkpoint_every, eval_every, temperature)
-    prompt_ids = prompts_lib.encode_prompts(prompts, target.tokenizer, target.config.vocab_size)
-    max_len = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
-    prompts_lib.check_max_new_tokens(max_new_tokens, len(prompt_ids))
-    for i, p in enumerate(prompt_ids):
-        if len(p) >= max_len:
-            raise ValueError(f"prompts[{i}] has {len(p)} tokens, leaving no room for a continuation within "
-                             f"max_position_embeddings={max_len}")
-    heldout_ids = None
-    if heldout_prompts is not None:
-        heldout_ids = prompts_lib.encode_prompts(heldout_prompts, target.tokenizer, target.config.vocab_size)
+    prompt_ids, max_len = _encode_prompts(target, draft, prompts, max_new_tokens)
+    heldout_ids = (None if heldout_prompts is None else
+                   prompts_lib.encode_prompts(heldout_prompts, target.tokenizer, target.config.vocab_size))
     eval_new = max_new_tokens if eval_max_new_tokens is None else eval_max_new_tokens
-
     tokens_nt, mask_nt, data_digest = load_or_generate_data(
         target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=temperatures, seed=seed,
         eos_token_id=eos_token_id, max_len=max_len, data_cache=data_cache, progress=progress)
-    num_sequences = tokens_nt.shape[0]
 
-    hparams = (float(learning_rate), int(steps), int(warmup_steps), float(weight_decay),
-               None if clip_norm is None else float(clip_norm))
+    settings = {"steps": steps, "learning_rate": learning_rate, "seed": seed, "loss": loss,
+                "batch_size": batch_size, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
+                "clip_norm": clip_norm, "data": data_digest, "draft": draft.config.to_dict()}
+    manager = _checkpoint_manager(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
+    hparams, schedule, params, opt_state, start, history = _start(draft, settings, manager, checkpoint_dir)
+
+    def evaluate(step, p):
+        r = heldout_acceptance(target, _as_draft(draft, p), heldout_ids, k=eval_k, max_new_tokens=eval_new, seed=seed)
+        history["eval_step"].append(step)
+        history["acceptance_rate"].append(r["acceptance_rate"])
+        history["mean_accepted_length"].append(r["mean_accepted_length"])
+
+    if heldout_ids is not None and start == 0:
+        evaluate(0, params)
+    run = dict(target_params=target.params, tokens_nt=tokens_nt, mask_nt=mask_nt, seed=seed, batch_size=batch_size,
+               schedule=schedule, settings=settings, checkpoint_every=checkpoint_every,
+               static=dict(draft_graphdef=draft.graphdef, target_graphdef=target.graphdef, hparams=hparams, loss=loss))
+    evaluate_at = heldout_ids and (lambda done: (eval_every and done % eval_every == 0) or done == steps)
+    params = _train(params, opt_state, start, steps, history, run, evaluate, evaluate_at, manager, progress, callback)
+    return _as_draft(draft, params), history
+
+
+def _as_draft(draft: Model, params) -> Model:
+    """The draft with trained float32 `params`, cast to the draft's own dtypes."""
+    cast = jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, draft.params)
+    return Model(draft.config, cast, dtype=draft.dtype, tokenizer=draft.tokenizer)
+
+
+def _start(draft: Model, settings: dict, manager, checkpoint_dir):
+    """The optimizer and the float32 params and optimizer state to train from: fresh, or restored
+    from the latest checkpoint in `manager` (made with the same `settings`)."""
+    hparams = (float(settings["learning_rate"]), int(settings["steps"]), int(settings["warmup_steps"]),
+               float(settings["weight_decay"]), None if settings["clip_norm"] is None else float(settings["clip_norm"]))
     optimizer, schedule = make_optimizer(*hparams)
     # Train in float32 whatever the draft's dtype: Adam's small updates vanish in bfloat16.
     params = jax.tree.map(lambda x: jnp.array(x, dtype=_F32), draft.params)
     opt_state = optimizer.init(params)
     history = {"step": [], "loss": [], "learning_rate": [], "grad_norm": [], "eval_step": [],
                "acceptance_rate": [], "mean_accepted_length": []}
-    settings = {"steps": steps, "learning_rate": learning_rate, "seed": seed, "loss": loss,
-                "batch_size": batch_size, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
-                "clip_norm": clip_norm, "data": data_digest, "draft": draft.config.to_dict()}
     start = 0
-    manager = _checkpoint_manager(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
     if manager is not None and manager.latest_step() is not None:
         params, opt_state, start, history = _restore(manager, params, opt_state, settings, checkpoint_dir)
+    return hparams, schedule, params, opt_state, start, history
 
-    def as_model(p):
-        cast = jax.tree.map(lambda x, ref: x.astype(ref.dtype), p, draft.params)
-        return Model(draft.config, cast, dtype=draft.dtype, tokenizer=draft.tokenizer)
 
-    def evaluate(step, p):
-        result = heldout_acceptance(target, as_model(p), heldout_ids, k=eval_k, max_new_tokens=eval_new, seed=seed)
-        history["eval_step"].append(step)
-        history["acceptance_rate"].append(result["acceptance_rate"])
-        history["mean_accepted_length"].append(result["mean_accepted_length"])
+def _train(params, opt_state, start: int, steps: int, history: dict, run: dict, evaluate, evaluate_at, manager,
+           progress: bool, callback):
+    """The optimizer steps `start` .. `steps` of `distill`, with evaluations, checkpoints and the
+    progress bar; returns the trained float32 params."""
+    from tqdm.auto import tqdm
 
-    static = dict(draft_graphdef=draft.graphdef, target_graphdef=target.graphdef, hparams=hparams, loss=loss)
-    if heldout_ids is not None and start == 0:
-        evaluate(0, params)
     bar = tqdm(total=steps, initial=start, desc="distill", disable=not progress)
     try:
         for step in range(start, steps):
-            rows = batch_indices(seed, step, batch_size, num_sequences)
-            params, opt_state, metrics = _train_step(params, opt_state, target.params, jnp.asarray(tokens_nt[rows]),
-                                                     jnp.asarray(mask_nt[rows]), **static)
+            rows = batch_indices(run["seed"], step, run["batch_size"], len(run["tokens_nt"]))
+            params, opt_state, metrics = _train_step(params, opt_state, run["target_params"],
+                                                     jnp.asarray(run["tokens_nt"][rows]),
+                                                     jnp.asarray(run["mask_nt"][rows]), **run["static"])
             metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
             done = step + 1
             history["step"].append(done)
             history["loss"].append(metrics["loss"])
             history["grad_norm"].append(metrics["grad_norm"])
-            history["learning_rate"].append(float(schedule(step)))
-            if heldout_ids is not None and ((eval_every and done % eval_every == 0) or done == steps):
+            history["learning_rate"].append(float(run["schedule"](step)))
+            if evaluate_at and evaluate_at(done):
                 evaluate(done, params)
-            if manager is not None and (done % checkpoint_every == 0 or done == steps):
-                _save(manager, done, params, opt_state, history, settings, batch_size)
+            if manager is not None and (done % run["checkpoint_every"] == 0 or done == steps):
+                _save(manager, done, params, opt_state, history, run["settings"], run["batch_size"])
             postfix = {"loss": f"{metrics['loss']:.4f}"}
             if history["acceptance_rate"]:
                 postfix["heldout_acc"] = f"{history['acceptance_rate'][-1]:.3f}"
@@ -375,7 +400,7 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
         if manager is not None:
             manager.wait_until_finished()
             manager.close()
-    return as_model(params), history
+    return params
 
 
 # --- checkpoints ---

@@ -48,8 +48,8 @@ def alone(pair, requests):
     (jaxspec.SpecConfig(k=2, extra=2, selection="tetris"), 4),
     # The synthetic cost model as given (measured, speculation would not pay for these tiny models
     # on a CPU, and the drafting paths under refills would go untested).
-    (jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_COST, measure_plans=False), 3),
-    (jaxspec.SpecConfig(k=2, extra=1, selection="tetris", policy="goodput", cost_model=_COST, measure_plans=False),
+    (jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_COST), 3),
+    (jaxspec.SpecConfig(k=2, extra=1, selection="tetris", policy="goodput", cost_model=_COST),
      2),
     (jaxspec.SpecConfig(k=0), 4),
 ], ids=["standard-1", "standard-3", "tetris-4", "goodput-3", "tetris-goodput-2", "k0-4"])

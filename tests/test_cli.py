@@ -287,7 +287,6 @@ def test_skip_bad_lines_warns_and_runs_the_rest(tiny_path, tiny_model, tmp_path,
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--draft", "none", "--policy", "goodput", "--cost-model", "x.json"], "needs a drafter"),
     (["--policy", "goodput"], "needs --cost-model"),
-    (["--no-measure-plans"], "only used with --policy goodput"),
     (["--extra", "2"], "only applies with --selection tetris"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--k", "-1"], "k must be an int >= 0"),
@@ -298,17 +297,6 @@ def test_bad_settings_fail_before_loading(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "out.jsonl").exists()
-
-
-def test_goodput_plans_with_measured_step_times_unless_told_not_to(tmp_path):
-    path = tmp_path / "cost.json"
-    jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=0.0, target_fixed=5e-3,
-                                        target_per_token=1e-4).save(path)
-    base = ["generate", "--target", "t", "--prompts", "p", "--output", "o", "--policy", "goodput",
-            "--cost-model", str(path)]
-    for extra, measured in (([], True), (["--no-measure-plans"], False)):
-        spec, _, _ = cli._build_spec(cli.build_parser().parse_args(base + extra))
-        assert spec.policy == "goodput" and spec.measure_plans is measured
 
 
 def test_missing_files_are_one_line_errors(tiny_path, tmp_path, capsys):

@@ -139,7 +139,7 @@ def test_greedy_lossless_where_the_draft_window_spills_past_the_output_bucket(sm
     """Budgets at a bucket's edge (16, 32: the window needs slots past the output bucket) and just
     under it (13: it fits) with the cache `engine.cache_length` sizes; a chain whose inner window
     (k = 4) reaches past the outer one (k = 1). Output equals the target's greedy output."""
-    from jaxspec.engine import cache_length
+    from jaxspec.engine.loop import cache_length
 
     target, draft, smallest = small
     prompts = ragged_prompts(SMALL_VOCAB, 4)[:4]
@@ -174,7 +174,7 @@ def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
     lengths, done flags and counters after each of 9 steps, with ragged budgets and an eos."""
     import jax
 
-    from jaxspec import engine
+    from jaxspec.engine import step as engine
     from jaxspec.generate import request_keys
 
     target, _, _ = small

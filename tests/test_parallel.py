@@ -146,54 +146,6 @@ def test_draft_that_does_not_divide_its_slice_is_rejected(pair):
         jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=2))
 
 
-@pytest.mark.parametrize("mesh", [
-    jaxspec.MeshConfig(target_tp=2, draft_tp=0),
-    pytest.param(jaxspec.MeshConfig(target_dp=2, target_tp=2, draft_tp=0), marks=pytest.mark.slow),  # 70 s
-], ids=["tp2-shared", "dp2xtp2-shared"])
-def test_goodput_on_a_mesh_equals_single_device_and_runs_lean_calls(pair, prompts, reference, mesh, monkeypatch):
-    """The goodput policy with the draft on the target's mesh: drafting where the cost model
-    makes it free, then a lean drafting call (one program of k = 1, `loop.drafting_call_on_device`,
-    compiled in the background); plain decoding where the cost model makes the draft dear, and then
-    lean calls (one program of plain decoding, `loop.plain_call_on_device`); each the single-device
-    greedy output. On the 2 x 2 mesh, a sampled lean call draws the tokens the general path draws
-    there."""
-    from jaxspec.engine import control
-
-    target, draft = pair
-    free = jaxspec.CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2,
-                                               target_per_token=1e-6)
-    dear = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-2,
-                                               target_per_token=1e-6)
-    drafting = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
-        k=1, policy="goodput", cost_model=free, measure_plans=False))
-    for _ in range(control.LEAN_DRAFTING_RUNS + 1):   # the first call's first segment is capped short
-        result = drafting.generate(prompts, max_new_tokens=BUDGETS)
-        assert result.tokens == reference and result.stats.accepted_tokens > 0
-        assert not result.stats.extra.get("lean", False)
-    (program,) = drafting._goodput.lean_programs.values()
-    program.result()
-    result = drafting.generate(prompts, max_new_tokens=BUDGETS)
-    assert result.stats.extra.get("lean") and result.tokens == reference and result.stats.accepted_tokens > 0
-    spec = jaxspec.SpecConfig(k=1, policy="goodput", cost_model=dear, measure_plans=False)
-    plain = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=spec)
-    lean = [plain.generate(prompts, max_new_tokens=BUDGETS, seed=call) for call in range(3)]
-    assert [r.stats.extra.get("lean", False) for r in lean] == [False, True, True]
-    assert all(r.tokens == reference and r.stats.drafted_tokens == 0 for r in lean)
-    if mesh.target_dp == 1:
-        return   # the sampled check costs a third decoder's programs: in the slow set only
-    sampling = jaxspec.SamplingConfig(temperature=1.0)
-    sampled = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=spec, sampling=sampling)
-    sampled.generate(prompts, max_new_tokens=BUDGETS, seed=0)
-    got = sampled.generate(prompts, max_new_tokens=BUDGETS, seed=1)
-    monkeypatch.setattr(control, "LEAN_CALLS", 0)
-    want = sampled.generate(prompts, max_new_tokens=BUDGETS, seed=1)
-    assert got.stats.extra.get("lean") and not want.stats.extra.get("lean", False)
-    assert got.tokens == want.tokens
-
-
-MODES = pytest.mark.parametrize("pipeline", [False, True], ids=["draft-slice", "pipelined"])
-
-
 @pytest.mark.parametrize("pipeline,selection", [(False, "standard"), (True, "standard"), (True, "tetris"),
                                                 pytest.param(False, "tetris", marks=pytest.mark.slow)],   # 9 s
                          ids=["draft-slice", "pipelined", "pipelined-tetris", "draft-slice-tetris"])
@@ -214,7 +166,7 @@ def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, 
     for cost in (free, dear):
         decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=mesh, spec=jaxspec.SpecConfig(
             k=3 if selection == "standard" else 2, extra=2 if selection == "tetris" else 0, selection=selection,
-            policy="goodput", cost_model=cost, pipeline=pipeline, measure_plans=False))
+            policy="goodput", cost_model=cost, pipeline=pipeline))
         decoder.generate(prompts, max_new_tokens=BUDGETS, batch_size=4)
         with compile_counter() as counter:   # four slots for nine requests: refills on both slices
             result = decoder.generate(prompts, max_new_tokens=BUDGETS, batch_size=4)
@@ -237,7 +189,7 @@ def test_goodput_on_two_slices_picks_the_longest_window_at_full_acceptance(pair,
     free = jaxspec.CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2,
                                                target_per_token=1e-6)
     decoder = jaxspec.SpeculativeDecoder(target, target, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=2), spec=(
-        jaxspec.SpecConfig(k=4, policy="goodput", cost_model=free, measure_plans=False, pipeline=pipeline)))
+        jaxspec.SpecConfig(k=4, policy="goodput", cost_model=free, pipeline=pipeline)))
     result = decoder.generate(prompts, max_new_tokens=BUDGETS)
     assert set(result.stats.extra["k_trace"]) == {4}
     assert result.stats.acceptance_rate == 1.0 and result.tokens == reference
@@ -262,7 +214,7 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=8e-3 if pipeline and selection == "standard" else 3e-3,
                                                draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
     spec = jaxspec.SpecConfig(k=2 if selection == "standard" else 1, extra=1 if selection == "tetris" else 0,
-                              selection=selection, policy="goodput", cost_model=cost, measure_plans=False,
+                              selection=selection, policy="goodput", cost_model=cost,
                               pipeline=pipeline)
     rows = 2000
     result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling, mesh=jaxspec.MeshConfig(
@@ -272,77 +224,26 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
     assert trace[0] == (1 if selection == "standard" else 2) and trace[-1] == trace[0] - 1, trace
 
 
-@pytest.mark.parametrize("pipeline,selection", [(False, "standard"), (True, "standard"), (True, "tetris")],
-                         ids=["draft-slice", "pipelined", "pipelined-tetris"])
-def test_goodput_on_two_slices_plans_with_times_measured_there(pair, prompts, reference, pipeline, selection,
-                                                                compile_counter):
-    """A cost model a thousand times too slow: the decoder's first call times each plan's two
-    halves on the slices (with TETRIS, its verification at each budget too) and plans with those,
-    corrected from the lane steps it then times, within a factor of 3 of the measured seconds per
-    lane step (and each timed lane step within 50% of its planned time at the median); its next
-    call keeps them and measures (compiles) nothing. The output is the target's."""
-    target, draft = pair
-    slow = jaxspec.CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=5.0,
-                                               target_per_token=0.5)
-    decoder = jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=1),
-                                         spec=jaxspec.SpecConfig(k=2, extra=1 if selection == "tetris" else 0,
-                                                                 selection=selection, policy="goodput",
-                                                                 cost_model=slow, pipeline=pipeline))
-    first = decoder.generate(prompts, max_new_tokens=BUDGETS)
-    with compile_counter() as counter:
-        result = decoder.generate(prompts, max_new_tokens=BUDGETS)
-    assert counter.count == 0, counter.names
-    assert first.tokens == reference and result.tokens == reference
-    mode = "pipelined" if pipeline else "sequential"
-    seconds = result.stats.extra["lane_step_seconds"]
-    halves = first.stats.extra["lane_step_seconds"]["halves"]
-    assert all(seconds["halves"][half] == halves[half] for half in ("draft", "verify"))   # not measured again
-    trace = result.stats.extra["k_trace"]
-    per_step = result.stats.seconds / len(trace)
-    ran = max(set(trace), key=trace.count)
-    assert seconds[mode]["timed_steps"] >= len(trace) // 3
-    assert seconds[mode]["cost_model"][ran] > 100 * per_step
-    assert per_step / 3 < seconds[mode]["corrected"][ran] < 3 * per_step, (seconds, per_step)
-    assert abs(seconds[mode]["step_error"]) < 0.5, seconds   # each timed lane step against its planned time
-    if selection == "tetris":   # one time per budget, larger budgets no cheaper
-        by_budget = seconds["halves"]["verify_capacities"]
-        assert len(by_budget) == len(seconds[mode]["capacities"]) > 1 and by_budget == sorted(by_budget)
-
-
-def test_pipelined_lane_steps_learn_how_much_the_slices_overlap():
-    """`SliceTiming`: lane steps timed at the sum of the two halves (slices that share cores) move
-    the overlap to 1 and the planned pipelined times to the sums; timed at the longer half, it
-    stays 0 and the plans at the longer halves."""
-    from jaxspec.parallel.goodput import SliceTiming
-
-    draft_j, verify_j = np.array([0.0, 1e-3, 2e-3, 3e-3]), np.array([4e-3, 4.5e-3, 5e-3, 5.5e-3])
-    for hidden in (False, True):
-        timing = SliceTiming(draft_j, verify_j, np.zeros((0,)), (False, True, True, True), ("pipelined", "sequential"))
-        for _ in range(40):
-            timing.observe_overlap(2, 5e-3 if hidden else 7e-3)
-        want = np.maximum(draft_j, verify_j) if hidden else draft_j + verify_j
-        np.testing.assert_allclose(timing.trackers["pipelined"].predicted_j, want, rtol=1e-6)
-        np.testing.assert_allclose(timing.trackers["sequential"].predicted_j, draft_j + verify_j)
-        assert timing.overlap_miss == pytest.approx(0.0 if hidden else 1.0)
-
-
 def test_lane_step_seconds_add_up_sequentially_and_overlap_when_pipelined():
     """Sequential: a lane step is the cost model's whole step (`CostModel.step_seconds`).
     Pipelined: the drafting and the verification it is split into run at once, so the longer one."""
-    from jaxspec.parallel.goodput import lane_step_seconds
+    from jaxspec.engine.step import StepPlan
+    from jaxspec.parallel.pipeline import lane_step_seconds
 
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=2e-3, draft_per_token=1e-5, target_fixed=5e-3,
                                                target_per_token=2e-5, target_per_context_token=1e-8,
                                                target_per_attention=1e-9, speculation_fixed=1e-4,
                                                speculation_per_row=1e-6)
     ks = (0, 1, 2, 3, 4)
-    sequential = lane_step_seconds(cost, 8, ks, 256, pipelined=False)
-    pipelined = lane_step_seconds(cost, 8, ks, 256, pipelined=True)
-    np.testing.assert_allclose(sequential, [cost.step_seconds(8, k, 256) for k in ks])
-    for k, both, longer in zip(ks, sequential, pipelined):
-        verify = cost.step_seconds(8, 0, 256, window=k + 1, packed_tokens=8 * (k + 1))
-        assert longer == pytest.approx(max(verify, both - verify))
-    assert pipelined[0] == sequential[0] and pipelined[-1] > pipelined[1]   # the draft outgrows the verification
+    plans = [StepPlan(k=k) for k in ks] + [StepPlan(k=4, capacity=12)]
+    whole = [cost.step_seconds(8, k, 256) for k in ks] + [cost.step_seconds(8, 4, 256, packed_tokens=8 + 12)]
+    sequential = lane_step_seconds(cost, 8, plans, 256, pipelined=False)
+    pipelined = lane_step_seconds(cost, 8, plans, 256, pipelined=True)
+    np.testing.assert_allclose(sequential, whole, rtol=1e-6)
+    for plan, both, longer in zip(plans, whole, pipelined):
+        drafting = plan.k * (2e-3 + 8 * 1e-5)
+        assert longer == pytest.approx(max(drafting, both - drafting), rel=1e-6)
+    assert pipelined[0] == sequential[0] and pipelined[4] > pipelined[1]   # the draft outgrows the verification
 
 
 @pytest.mark.slow  # two processes, 45 s
@@ -364,20 +265,3 @@ def test_two_processes_on_localhost_share_one_mesh(tmp_path):
     assert run.returncode == 0, summary.get("output_tails")
     assert [r["global_devices"] for r in summary["reports"]] == [4, 4]
     assert all(r["same_as_single_device"] for r in summary["reports"])
-
-
-def test_nondecreasing_fit_equals_brute_force_least_squares():
-    """`goodput.nondecreasing` against an exhaustive search over non-decreasing sequences drawn
-    from a fine grid (the least-squares fit's values are means of runs, so a grid of the inputs'
-    run means contains it)."""
-    import itertools
-
-    from jaxspec.parallel.goodput import nondecreasing
-
-    rng = np.random.default_rng(0)
-    for _ in range(30):
-        x = rng.normal(size=5).round(1)
-        means = sorted({float(np.mean(x[i:j])) for i in range(5) for j in range(i + 1, 6)})
-        best = min((c for c in itertools.combinations_with_replacement(means, 5)),
-                   key=lambda c: float(np.sum((np.asarray(c) - x) ** 2)))
-        np.testing.assert_allclose(nondecreasing(x), best, atol=1e-9)

@@ -37,11 +37,6 @@ from jaxspec.spec import SpecConfig
 _NO_CAP = 2 ** 30   # a segment's step cap when none is wanted
 
 
-def _on_host(tree):
-    """`put` on one device: values stay on the host until a compiled call takes them."""
-    return tree
-
-
 class SpeculativeDecoder:
     """Batched speculative decoding of a target model with a drafter.
 
@@ -122,6 +117,11 @@ class SpeculativeDecoder:
         cache_len = cache_length(batch.tokens_bp.shape[1], batch.out_len, int(np.max(batch.max_new_b)), k)
         if self._sliced:
             return self._generate_sliced(batch, seed, eos, cache_len, batch_size, on_finish)
+        return self._generate_single(batch, seed, eos, cache_len, batch_size, on_finish)
+
+    def _generate_single(self, batch, seed: int, eos: int, cache_len: int, batch_size,
+                         on_finish=None) -> GenerationResult:
+        """One program at a time on the target's device (or mesh): segments of `run_on_device`."""
         multiple = self.mesh.target_dp if self.mesh is not None else 1
         slots = prompts_lib.bucket_batch(batching.check_batch_size(batch_size, batch.num_prompts))
         slots = -(-slots // multiple) * multiple
@@ -174,8 +174,8 @@ class SpeculativeDecoder:
                 if table.active == 0 and not len(queue):
                     break
                 continue
-            slots_r, sub = refill
-            new_in = put((slots_r, sub.tokens_bp, sub.lengths_b, sub.max_new_b, request_keys(seed, sub.request_ids_b)))
+            new_in = put((refill[0], refill[1].tokens_bp, refill[1].lengths_b, refill[1].max_new_b,
+                          request_keys(seed, refill[1].request_ids_b)))
             state = loop.refill_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
                                           *new_in, eos_t, seconds, put(np.bool_(not len(queue))) if goodput else None,
                                           **static)

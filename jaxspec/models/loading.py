@@ -18,10 +18,7 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.convert import convert_tensors
-from jaxspec.models.model import Model, _abstract_decoder, resolve_dtype
-
-_FORMAT = 1
-_MANIFEST = "jaxspec.json"
+from jaxspec.models.model import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST, Model, _abstract_decoder, resolve_dtype
 
 
 def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
@@ -41,14 +38,14 @@ def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
     dtype = resolve_dtype(dtype)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, dtype, tokenizer)
-    if path.is_dir() and (path / _MANIFEST).exists():
+    if path.is_dir() and (path / CHECKPOINT_MANIFEST).exists():
         return _load_jaxspec(path, dtype, tokenizer)
     if path.is_dir() and (path / "config.json").exists():
         return _load_hf(path, dtype, tokenizer)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     raise ValueError(f"{str(path)!r} is not a .gguf file, an HF folder with config.json, or a "
-                     f"jaxspec checkpoint folder with {_MANIFEST}")
+                     f"jaxspec checkpoint folder with {CHECKPOINT_MANIFEST}")
 
 
 def _our_shapes(config: ModelConfig, dtype) -> dict:
@@ -148,30 +145,13 @@ def _hf_tokenizer(folder: Path):
 
 # --- jaxspec checkpoints (orbax) ---
 
-def save_model(model: Model, path) -> None:
-    import orbax.checkpoint as ocp
-    path = Path(path).absolute()
-    path.mkdir(parents=True, exist_ok=True)
-    params_dir = path / "params"
-    if params_dir.exists():
-        import shutil
-        shutil.rmtree(params_dir)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(params_dir, model.params)
-        ckpt.wait_until_finished()
-    manifest = {"format": _FORMAT, "dtype": model.dtype.name, "config": model.config.to_dict()}
-    (path / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(str(path / "tokenizer"))
-
-
 def _load_jaxspec(path: Path, dtype, want_tokenizer: bool) -> Model:
     import orbax.checkpoint as ocp
     path = path.absolute()
-    manifest = json.loads((path / _MANIFEST).read_text())
-    if manifest.get("format") != _FORMAT:
-        raise ValueError(f"{path / _MANIFEST} has format {manifest.get('format')!r}; this jaxspec "
-                         f"reads format {_FORMAT}")
+    manifest = json.loads((path / CHECKPOINT_MANIFEST).read_text())
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path / CHECKPOINT_MANIFEST} has format {manifest.get('format')!r}; this jaxspec "
+                         f"reads format {CHECKPOINT_FORMAT}")
     config = ModelConfig.from_dict(manifest["config"])
     stored = resolve_dtype(manifest["dtype"])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, stored), _our_shapes(config, stored))

@@ -21,6 +21,9 @@ from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.decoder import Decoder
 
+CHECKPOINT_FORMAT = 1                  # the version `Model.save` writes and `jaxspec.load` reads
+CHECKPOINT_MANIFEST = "jaxspec.json"   # the checkpoint folder's manifest
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -197,9 +200,25 @@ class Model:
         return _logits_uncached(self.graphdef, self.params, jnp.asarray(tokens_bt, jnp.int32))
 
     def save(self, path) -> None:
-        """Writes an orbax checkpoint of the params, the config, and the tokenizer if any."""
-        from jaxspec.models.loading import save_model
-        save_model(self, path)
+        """Writes an orbax checkpoint of the params, the config, and the tokenizer if any (read
+        back by `jaxspec.load`)."""
+        import json
+        import shutil
+        from pathlib import Path
+
+        import orbax.checkpoint as ocp
+        path = Path(path).absolute()
+        path.mkdir(parents=True, exist_ok=True)
+        params_dir = path / "params"
+        if params_dir.exists():
+            shutil.rmtree(params_dir)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(params_dir, self.params)
+            ckpt.wait_until_finished()
+        manifest = {"format": CHECKPOINT_FORMAT, "dtype": self.dtype.name, "config": self.config.to_dict()}
+        (path / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(path / "tokenizer"))
 
 
 def check_token_range(tokens: np.ndarray, vocab_size: int, name: str) -> None:

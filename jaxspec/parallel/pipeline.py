@@ -267,7 +267,8 @@ class SlicedRunner:
         t_slots, t_tokens, t_lengths, t_max_new, t_keys = sharding_lib.put(rows, self._t_rep)
         lane.state = loop.refill_on_device(
             self.target.graphdef, self.drafter, _TARGET_ONLY, self.sampling, self.target.params, (), lane.state,
-            t_slots, t_tokens, t_lengths, t_max_new, t_keys, eos, cache_len=lane.cache_len, seq_len=lane.cache_len, out_len=lane.batch.out_len, mesh=self.target_mesh)
+            t_slots, t_tokens, t_lengths, t_max_new, t_keys, eos, cache_len=lane.cache_len, seq_len=lane.cache_len,
+            out_len=lane.batch.out_len, mesh=self.target_mesh)
         lane.state.done_b.copy_to_host_async()
         lane.keys_t = loop.put_rows(lane.keys_t, t_slots, t_keys)
         lane.max_new_t = loop.put_rows(lane.max_new_t, t_slots, t_max_new)

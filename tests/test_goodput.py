@@ -1,0 +1,92 @@
+"""Decoding under the goodput policy (`SpecConfig(policy="goodput")`): lossless against the
+target's own output (greedy) and distribution (chi-square), the plans it runs where the cost
+model makes drafting free or dear, and the correction of a wrong cost model from measured time."""
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.cost import CostModel
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=16, name="tiny-v16")
+    return jaxspec.Model.random(cfg, seed=0), jaxspec.Model.random(cfg.replace(num_layers=1, name="d"), seed=3)
+
+
+def prompts16(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 16, n).tolist() for n in (1, 4, 9, 17, 6, 12)]
+
+
+BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, target_fixed=5e-3,
+                                       target_per_token=5e-4)
+
+
+@pytest.mark.parametrize("selection", ["standard", pytest.param("tetris", marks=pytest.mark.slow)])
+def test_goodput_policy_is_lossless(pair, selection):
+    target, draft = pair
+    for d, seed in ((target, 0), (draft, 1), (jaxspec.NgramDrafter(max_ngram=2), 2)):
+        prompts = prompts16(seed)
+        want = jaxspec.generate(target, prompts, max_new_tokens=24).tokens
+        spec = jaxspec.SpecConfig(k=4, extra=2 if selection == "tetris" else 0, selection=selection,
+                                  policy="goodput", cost_model=BALANCED)
+        got = jaxspec.SpeculativeDecoder(target, d, spec=spec).generate(prompts, max_new_tokens=24)
+        assert got.tokens == want
+        assert len(got.stats.extra["k_trace"]) == got.stats.steps
+        assert sum(steps for _, steps, _ in got.stats.extra["segments"]) == got.stats.steps
+
+
+def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_free_one(pair):
+    target, draft = pair
+    prompts = prompts16(4)
+    want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    expensive = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=5e-3,
+                                            target_per_token=5e-4)
+    got = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(
+        k=4, policy="goodput", cost_model=expensive)).generate(prompts, max_new_tokens=20)
+    assert got.tokens == want and set(got.stats.extra["k_trace"]) == {0} and got.stats.drafted_tokens == 0
+    assert len(got.stats.extra["segments"]) == 1      # plain decoding to the end: no round trips
+    free = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=5e-3, target_per_token=1e-5)
+    got = jaxspec.SpeculativeDecoder(target, target, spec=jaxspec.SpecConfig(
+        k=4, policy="goodput", cost_model=free)).generate(prompts, max_new_tokens=20)
+    assert got.tokens == want and set(got.stats.extra["k_trace"]) == {4}
+
+
+def test_goodput_corrects_a_wrong_cost_model_from_measured_segments(pair):
+    """A cost model a thousand times too slow: the plans that ran are corrected to the time they
+    took (the first segment of each program, which compiled it, is not counted), and the output
+    is still the target's."""
+    target, draft = pair
+    slow = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=5.0, target_per_token=0.5)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, policy="goodput", cost_model=slow))
+    prompts = prompts16(5)
+    want = jaxspec.generate(target, prompts, max_new_tokens=16).tokens
+    results = [decoder.generate(prompts, max_new_tokens=16) for _ in range(2)]
+    assert all(r.tokens == want for r in results)
+    ratios = results[-1].stats.extra["step_time_ratios"]
+    assert any(r is not None for r in ratios)
+    assert all(r is None or r < 0.01 for r in ratios), ratios
+
+
+@pytest.mark.parametrize("selection", ["standard", pytest.param("tetris", marks=pytest.mark.slow)])
+def test_goodput_policy_is_lossless_under_sampling(selection):
+    """Exact distribution of the first three tokens on a 6-token vocabulary, with the plan changing
+    within the run: the optimistic prior opens with drafting, the measured acceptance (about 0.5)
+    does not pay for this draft cost, and the counts' ageing probes drafting again now and then."""
+    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    sampling = jaxspec.SamplingConfig(temperature=1.0)
+    rows = 4000
+    cost = CostModel.from_coefficients(draft_fixed=2.8e-3, draft_per_token=1e-9, target_fixed=5e-3,
+                                       target_per_token=1e-6)
+    spec = jaxspec.SpecConfig(k=2 if selection == "standard" else 1, extra=1 if selection == "tetris" else 0,
+                              selection=selection, policy="goodput", cost_model=cost)
+    result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling).generate(
+        [VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37, batch_size=1000)
+    assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    trace = result.stats.extra["k_trace"]
+    assert 0 in trace and max(trace) > 0, trace   # drafting and plain steps both emitted tokens
