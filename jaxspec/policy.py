@@ -39,6 +39,8 @@ DECAY = 0.9         # per verified window: the counts are a moving average over 
 OFF_DECAY = 0.97    # per plain step: how fast the evidence fades while nothing is observed
 MARGIN = 0.04       # predicted gain a switch of plan must promise
 CHOOSE_EVERY = 4    # steps between two choices on device (`jaxspec.engine.loop.run_on_device`)
+HORIZON = 16        # steps over which a plan's one-time cost of starting (the drafter's catch-up) is spread
+CATCH_UP_CHUNK = 8  # tokens a drafter that fell behind feeds per forward (`drafters.catch_up`)
 RATIO_WEIGHT = 0.5  # how far one timed segment moves a plan's measured / predicted ratio
 
 
@@ -59,18 +61,22 @@ class PolicyState:
       accepted_b: decayed accepted drafts per row.
       tried_b: decayed acceptance trials per row (accepted drafts plus the first rejection).
       prior: the acceptance a row with no evidence is assumed to have (float32 scalar).
+      behind: tokens the drafter has not seen (plain steps since it last drafted), which it must
+        feed before it drafts again (float32 scalar).
       choice: index of the plan the next step runs (int32 scalar).
     """
 
     accepted_b: jax.Array
     tried_b: jax.Array
     prior: jax.Array
+    behind: jax.Array
     choice: jax.Array
 
     @classmethod
-    def init(cls, b: int, prior=PRIOR_ALPHA) -> PolicyState:
+    def init(cls, b: int, prior=PRIOR_ALPHA, behind=0.0) -> PolicyState:
         zeros = jnp.zeros((b,), jnp.float32)
-        return cls(accepted_b=zeros, tried_b=zeros, prior=jnp.asarray(prior, jnp.float32), choice=jnp.int32(0))
+        return cls(accepted_b=zeros, tried_b=zeros, prior=jnp.asarray(prior, jnp.float32),
+                   behind=jnp.asarray(behind, jnp.float32), choice=jnp.int32(0))
 
     def alpha_b(self) -> jax.Array:
         """Each row's acceptance estimate: its counts shrunk toward the prior."""
@@ -89,14 +95,16 @@ def observe(state: PolicyState, verified_b, accepted_b, live_b, decay: float = D
     accepted = jnp.minimum(accepted_b, verified_b).astype(jnp.float32)
     tried = jnp.minimum(accepted + 1.0, verified_b.astype(jnp.float32))
     return state.replace(accepted_b=jnp.where(seen_b, state.accepted_b * decay + accepted, state.accepted_b),
-                         tried_b=jnp.where(seen_b, state.tried_b * decay + tried, state.tried_b))
+                         tried_b=jnp.where(seen_b, state.tried_b * decay + tried, state.tried_b),
+                         behind=jnp.zeros_like(state.behind))
 
 
 def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
     """The counts after `steps` plain steps (traced): they fade toward the prior, so a batch that
     stopped drafting because its acceptance was low is probed again once the evidence is old."""
     factor = jnp.asarray(decay, jnp.float32) ** jnp.asarray(steps, jnp.float32)
-    return state.replace(accepted_b=state.accepted_b * factor, tried_b=state.tried_b * factor)
+    return state.replace(accepted_b=state.accepted_b * factor, tried_b=state.tried_b * factor,
+                         behind=state.behind + jnp.asarray(steps, jnp.float32))
 
 
 def windows(alpha_b, live_b, plan) -> jax.Array:
@@ -128,15 +136,20 @@ def tokens_per_step(alpha_b, live_b, plan, remaining_b=None, draining=True) -> j
     return jnp.where(draining, jnp.sum(rem_b) / jnp.maximum(jnp.max(rem_b / mean_b), 1.0), total)
 
 
-def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, draining=True) -> jax.Array:
-    """Expected tokens per predicted second of each plan (float32 [j])."""
+def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, draining=True,
+            catch_up_seconds=0.0) -> jax.Array:
+    """Expected tokens per predicted second of each plan (float32 [j]). A drafting plan's step
+    also carries its share of the drafter's catch-up, spread over `HORIZON` steps: one forward of
+    `catch_up_seconds` per `CATCH_UP_CHUNK` tokens the drafter is behind."""
     alpha_b = state.alpha_b()
     tokens_j = jnp.stack([tokens_per_step(alpha_b, live_b, plan, remaining_b, draining) for plan in plans])
-    return tokens_j / jnp.asarray(seconds_j, jnp.float32)
+    entry = jnp.ceil(state.behind / CATCH_UP_CHUNK) * catch_up_seconds / HORIZON
+    drafts_j = jnp.asarray([k > 0 for k, _ in plans])
+    return tokens_j / (jnp.asarray(seconds_j, jnp.float32) + jnp.where(drafts_j, entry, 0.0))
 
 
 def choose(state: PolicyState, live_b, plans, seconds_j, current=None, remaining_b=None, draining=True,
-           margin: float = MARGIN) -> jax.Array:
+           catch_up_seconds=0.0, margin: float = MARGIN) -> jax.Array:
     """The plan the next steps run (int32 index into `plans`).
 
     Args:
@@ -148,8 +161,9 @@ def choose(state: PolicyState, live_b, plans, seconds_j, current=None, remaining
         more than `margin` more goodput; None: no plan is running (the opening choice).
       remaining_b: tokens each row has left, or None; draining (traced bool): no request waits
         for a slot, so the batch is judged by its slowest row (`tokens_per_step`).
+      catch_up_seconds: one forward of the drafter over the batch (`goodput`).
     """
-    goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining)
+    goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best

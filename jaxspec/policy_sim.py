@@ -30,7 +30,6 @@ import numpy as np
 from jaxspec import policy
 from jaxspec.cost import CostModel
 
-CATCH_UP_CHUNK = 8   # tokens a drafter feeds per forward when it catches up (`drafters.catch_up`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,13 +76,14 @@ class Rules:
     per_row: bool = True                 # per-row acceptance (False: one pooled rate)
     correct_times: bool = True           # measured / predicted step-time ratios
     drain: bool = True                   # a draining batch is judged by its slowest row
+    catch_up: bool = True                # a drafting plan pays for the drafter's catch-up
     prior: float = policy.PRIOR_ALPHA    # acceptance assumed before any is observed
 
 
 @functools.partial(jax.jit, static_argnames=("plans", "margin", "has_current"))
-def _choose(state, live_b, seconds_j, current, remaining_b, draining, *, plans, margin, has_current):
+def _choose(state, live_b, seconds_j, current, remaining_b, draining, catch_up, *, plans, margin, has_current):
     return policy.choose(state, live_b, plans, seconds_j, current if has_current else None, remaining_b, draining,
-                         margin)
+                         catch_up, margin)
 
 
 _observe = jax.jit(policy.observe)
@@ -107,13 +107,14 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
     slot_factor = s.falloff ** np.arange(max(k for k, _ in plans) + 1)
     true_j = plan_seconds(s.cost, s.batch, plans)
     times = policy.StepTimes(plan_seconds(s.believed or s.cost, s.batch, plans))
+    catch_up = (s.believed or s.cost).draft_seconds(s.batch) if rules.catch_up else 0.0
     n_r = np.zeros(s.batch, np.int64)
     state = policy.PolicyState.init(s.batch, rules.prior)
     live = n_r < s.tokens
 
     def choose(state, current):
         return int(_choose(state, jnp.asarray(live), times.seconds_j(), current or 0,
-                           jnp.asarray(s.tokens - n_r, jnp.int32), rules.drain, plans=plans,
+                           jnp.asarray(s.tokens - n_r, jnp.int32), rules.drain, catch_up, plans=plans,
                            margin=rules.margin, has_current=current is not None))
 
     current = fixed if fixed is not None else choose(state, None)
@@ -146,7 +147,7 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
             # The segment ends: the host reads the choice, times the segment, dispatches the next.
             switch = s.round_trip
             if plans[choice][0] > 0 and backlog:   # the drafter catches up on the plain steps' tokens
-                switch += math.ceil(backlog / CATCH_UP_CHUNK) * s.cost.draft_seconds(s.batch)
+                switch += math.ceil(backlog / policy.CATCH_UP_CHUNK) * s.cost.draft_seconds(s.batch)
                 backlog = 0
             seconds += switch
             if rules.correct_times:
@@ -168,13 +169,12 @@ def _one_step(s: Scenario, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, st
         chosen = np.zeros(reach.size, bool)
         chosen[order] = reach.ravel()[order] >= 0
         verified_r = chosen.reshape(reach.shape).sum(axis=1)
-    accepted_r = np.zeros(s.batch, np.int64)
-    for r in np.flatnonzero(live & (verified_r > 0)):
-        for j in range(verified_r[r]):
-            p = n_r[r] + j
-            if p >= s.tokens or u_rp[r, p] >= alpha_rp[r, p] * slot_factor[j]:
-                break
-            accepted_r[r] += 1
+    j = np.arange(max(k, 1))[None, :]
+    p_rk = np.minimum(n_r[:, None] + j, s.tokens - 1)
+    rows = np.arange(s.batch)[:, None]
+    hit_rk = (u_rp[rows, p_rk] < alpha_rp[rows, p_rk] * slot_factor[:max(k, 1)][None, :])
+    hit_rk &= (j < verified_r[:, None]) & (n_r[:, None] + j < s.tokens)
+    accepted_r = np.cumprod(hit_rk, axis=1).sum(axis=1) * live
     return accepted_r, verified_r
 
 

@@ -1,11 +1,11 @@
 """Goodput policy against every fixed configuration, across batch sizes.
 
 For each batch size: autoregressive decoding, fixed k = 1..6 (standard), fixed-k TETRIS, and the
-goodput policy with standard selection (k chosen per step among 0..6) and with TETRIS (drafting on
-or off, then a budget C chosen per step). The cost model is profiled first on this device (and
-saved next to the results); for each fixed k the measured mean step time is compared with the
-cost model's prediction. Greedy outputs are checked identical to autoregressive decoding (and
-where one differs, the row and token where it parts are reported). Configurations are timed
+goodput policy with standard selection (k chosen every few steps among 0..6) and with TETRIS
+(a draft length below k + extra, or the TETRIS window at one of a few budgets). The cost model is
+profiled first on this device (and saved next to the results); for each fixed k the measured mean
+step time is compared with the cost model's prediction. Greedy outputs are checked identical to
+autoregressive decoding (and where one differs, the row and token where it parts are reported). Configurations are timed
 round-robin and compared within a round (the machine's speed drifts). Writes
 docs/results/<name>.{json,md,png} after every batch.
 
@@ -37,10 +37,9 @@ from jaxspec.benchmarking import (
     table,
     write_results,
 )
-from jaxspec.cost import CostModel, time_points
-from jaxspec.drafters import ModelDrafter
-from jaxspec.engine import cache_length
-from jaxspec.engine.loop import side_by_side
+from jaxspec.cost import CostModel
+from jaxspec.engine.loop import cache_length
+from jaxspec.engine.timing import side_by_side, time_points
 
 
 def profile_batches(batches):
@@ -78,11 +77,6 @@ def main() -> None:
     parser.add_argument("--deadline", type=float,
                         help="seconds to finish in: a batch starts only if, at the pace of the slowest batch so far, "
                              "it ends by then (results are written after every batch)")
-    parser.add_argument("--choose-every", type=int, nargs="+", default=[4],
-                        help="SpecConfig.choose_every of the goodput rows; with several, one row per value")
-    parser.add_argument("--flat-row", action="store_true",
-                        help="also a goodput row with one acceptance rate along the draft window "
-                             "(SpecConfig.position_profile=False): what the per-position profile changes")
     parser.add_argument("--name", default="bench_goodput", help="output name under docs/results (or a path)")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -112,7 +106,6 @@ def main() -> None:
     kmax = max(args.ks)
     rows, round_seconds, skipped, batch_seconds = [], {}, [], [0.0]
     round_plans = {}   # the goodput runs' (draft length, steps) segments, per batch and round
-    round_lean = {}    # whether each goodput run was a lean plain call (`GoodputControl.lean_call`)
     for batch in args.batches:
         batch_start = time.perf_counter()
         if args.deadline is not None and batch_start - started + 1.1 * max(batch_seconds) > args.deadline:
@@ -127,7 +120,7 @@ def main() -> None:
         if args.profile_per_batch:
             start = time.perf_counter()
             step_len = cache_length(prompt_width, out_len, args.new_tokens, kmax)
-            points += time_points(target, ModelDrafter(draft), [
+            points += time_points(target, draft, [
                 (rows_b, k, s) for s in sorted({m * step_len for m in args.profile_cache_sizes})
                 for k in args.profile_ks])
             cost = CostModel.fit_points(points, **provenance)
@@ -140,35 +133,26 @@ def main() -> None:
         # step came out 9% dearer than k = 6's).
         fixed_shapes = [(rows_b, k, cache_length(prompt_width, out_len, args.new_tokens, k)) for k in args.ks]
         profiled.update({(b, k, s): sec for b, k, s, sec in time_points(
-            target, ModelDrafter(draft), [shape for shape in fixed_shapes if shape not in profiled], passes=5)})
+            target, draft, [shape for shape in fixed_shapes if shape not in profiled], passes=5)})
         configs = [("autoregressive", None)]
         configs += [(f"fixed k={k}", jaxspec.SpecConfig(k=k)) for k in args.ks]
         if args.tetris:
             configs += [("tetris k=2 extra=2", jaxspec.SpecConfig(k=2, extra=2, selection="tetris")),
                         ("tetris k=4 extra=2", jaxspec.SpecConfig(k=4, extra=2, selection="tetris"))]
-        every = args.choose_every
-
-        def named(label, e):   # with several --choose-every, each goodput row says which
-            return label if len(every) == 1 else f"{label} (choose every {e})"
-
-        configs += [(named("goodput", e), jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost, choose_every=e))
-                    for e in every]
-        if args.flat_row:
-            configs += [(named("goodput, flat acceptance", e), jaxspec.SpecConfig(
-                k=kmax, policy="goodput", cost_model=cost, choose_every=e, position_profile=False)) for e in every]
+        configs += [("goodput", jaxspec.SpecConfig(k=kmax, policy="goodput", cost_model=cost))]
         if args.tetris:
-            configs += [(named("goodput + tetris", e), jaxspec.SpecConfig(
-                k=4, extra=2, selection="tetris", policy="goodput", cost_model=cost, choose_every=e)) for e in every]
+            configs += [("goodput + tetris", jaxspec.SpecConfig(k=4, extra=2, selection="tetris", policy="goodput",
+                                                                cost_model=cost))]
         start = time.perf_counter()
         fns = {label: generate_fn(None if spec is None else jaxspec.SpeculativeDecoder(target, draft, spec=spec),
                                   target, args.new_tokens) for label, spec in configs}
         # Warm-up (compiles). The fixed configurations warm up side by side, one thread each up to
         # the host's cores (their programs compile in parallel: about 18 s each at the qwen2.5
-        # shapes on an H200's host); the goodput decoders one at a time after them, as their
-        # warm-ups time their plans.
+        # shapes on an H200's host); the goodput decoders one at a time after them (two calls: their
+        # plans compile as the policy first picks them).
         fixed_fns = {label: fn for label, fn in fns.items() if not label.startswith("goodput")}
         results = dict(zip(fixed_fns, side_by_side([functools.partial(fn, ids) for fn in fixed_fns.values()])))
-        results.update({label: fn(ids) for label, fn in fns.items() if label not in results})
+        results.update({label: [fn(ids), fn(ids)][-1] for label, fn in fns.items() if label not in results})
         print(f"batch {batch}: warmed up in {time.perf_counter() - start:.0f} s", flush=True)
         # The machine's speed drifts over minutes (a shared VM), so every configuration is timed
         # once per round and ratios are taken within a round, then the median over rounds. The
@@ -177,7 +161,6 @@ def main() -> None:
         # round alike.
         seconds = {label: [] for label in fns}
         segments = {label: [] for label in fns}   # the goodput runs' segments, one list per round
-        lean = {label: [] for label in fns}
         order = np.random.default_rng(batch)
         for round_index in range(args.rounds):
             ids = batch_sets[round_index % len(batch_sets)]
@@ -187,7 +170,6 @@ def main() -> None:
                 results[label] = fn(ids)
                 seconds[label].append(time.perf_counter() - start)
                 segments[label].append(results[label].stats.extra.get("segments", []))
-                lean[label].append(bool(results[label].stats.extra.get("lean", False)))
         secs = {label: np.asarray(v) for label, v in seconds.items()}
         fixed = [label for label, _ in configs if not label.startswith("goodput")]
         # The best fixed configuration is the one a user would pick: the fastest by median over
@@ -222,37 +204,26 @@ def main() -> None:
             if label.startswith("goodput"):
                 trace = s.extra["k_trace"]
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
-                if any(lean[label]):
-                    row["k_used"] += f"; {sum(lean[label])} of {len(lean[label])} calls lean"
-                # The policy's own predictions (corrected online, from where the decoder's calls
-                # before left them) against each segment's measured wall time per step, round trip
-                # included, over the segments after each run's first (a run of one segment counts
-                # it), pooled over the timed rounds: one run is one or two draws of the machine's
-                # noise.
-                runs = [[(n, p, m) for _, n, p, m in run] for run in segments[label]]
-                firsts = np.asarray([run[0] for run in runs], np.float64)
-                later = np.asarray([seg for run in runs for seg in (run[1:] or run)], np.float64)
-                predicted, measured = (float(np.sum(later[:, 0] * later[:, i]) / np.sum(later[:, 0])) for i in (1, 2))
-                row.update(step_ms=1e3 * measured, predicted_step_ms=1e3 * predicted,
-                           prediction_error=predicted / measured - 1,
-                           segment_errors=f"{np.median(np.abs(later[:, 1] / later[:, 2] - 1)):.0%} median of "
-                                          f"{len(later)}, first {np.median(firsts[:, 1] / firsts[:, 2] - 1):+.0%}")
+                # The policy's own predictions (corrected from the segments before, the decoder's
+                # earlier calls included) against each segment's wall time per step, round trip
+                # included, pooled over the timed rounds.
+                segs = np.asarray([(n, t) for run in segments[label] for _, n, t in run if n > 0], np.float64)
+                row.update(step_ms=1e3 * segs[:, 1].sum() / segs[:, 0].sum(),
+                           ratios=" ".join("-" if r is None else f"{r:.2f}" for r in s.extra["step_time_ratios"]))
             batch_rows.append(row)
             print(table([row], COLUMNS), flush=True)
         rows += batch_rows
         round_seconds[batch] = {label: v.tolist() for label, v in secs.items()}
-        round_plans[batch] = {label: [[(k, n) for k, n, *_ in run] for run in runs]
+        round_plans[batch] = {label: [[(j, n) for j, n, _ in run] for run in runs]
                               for label, runs in segments.items() if label.startswith("goodput")}
-        round_lean[batch] = {label: flags for label, flags in lean.items() if label.startswith("goodput")}
         jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
-        report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans, round_lean)
+        report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans)
         batch_seconds.append(time.perf_counter() - batch_start)
         print(f"batch {batch}: {batch_seconds[-1]:.0f} s", flush=True)
-    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans, round_lean))
+    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans))
 
 
-def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans=None,
-           round_lean=None) -> str:
+def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans=None) -> str:
     """Writes <out>.{json,md,png} for the batches run so far; returns the markdown."""
     m = machine()
     fit = cost.fit.get("step", {})
@@ -287,19 +258,12 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
         "within the noise, the one picked on the very rounds it is compared on is the one that drew fast noise there, "
         "and every other method looks slower by about that much; picked without the round, it is what a user would "
         "have fixed in advance. "
-        "`step_ms`: one decode step at the run's compiled shape timed in a compiled loop (the median over passes "
-        "over the shapes in shuffled orders: `cost.time_points`), "
-        "against the cost model's `predicted_step_ms`; for the goodput rows, the mean measured wall time per step of "
-        "the segments after each run's first, pooled over the rounds (the loop returns to the host between segments, "
-        "round trip included), against the step times the policy predicted for them (each plan's steps timed at warm-"
-        "up, `SpecConfig.measure_plans`, corrected online from the segments before, the decoder's earlier calls "
-        "included: `cost.StepTimeTracker`, plus the round trip); `segment_errors`: the median error per segment, how "
-        "many segments, and the median error of the runs' first segments (judged by what the calls before measured; "
-        "the untimed first call, by the warm-up alone). `same_output`: the greedy output equals the autoregressive "
-        "loop's token for token, or where the first differing row parts from it, with the target's logits of both "
-        "tokens there (an uncached forward). `k_used`: the goodput run's mean draft length over the last round's "
-        "steps, the share of them decoded plainly, and how many timed calls ran as one program of one plan, plain "
-        "decoding or a standard draft length (lean calls, `GoodputControl.lean_call`). "
+        "`step_ms`: one decode step at the run's compiled shape timed in a compiled loop (median over shuffled "
+        "passes), against the cost model's `predicted_step_ms`; for the goodput rows, the mean wall time per step "
+        "of their segments (round trip included) and `ratios`, each plan's measured / predicted step time as the "
+        "policy corrected it (`policy.StepTimes`; - where a plan did not run). `same_output`: the greedy output "
+        "equals the autoregressive loop's token for token (or where the first differing row parts from it). "
+        "`k_used`: the goodput run's mean draft length over the last round's steps and its share of plain steps. "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}"
         f"{', XLA_FLAGS ' + repr(m['xla_flags']) if m['xla_flags'] else ''}. {profile}"
         + (f" Not run (they would have ended past the {args.deadline:.0f} s deadline): batch "
@@ -309,14 +273,13 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
     plot(rows, batches_run, out.with_name(f"{out.name}.png"))
     write_results(str(out), {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
                              "round_seconds": round_seconds, "round_plans": round_plans or {},
-                             "round_lean": round_lean or {},
                              "skipped_batches": skipped}, md)
     return md
 
 
 COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "vs_best_fixed_90", "vs_heldout_best",
            "vs_heldout_best_90", "step_ms",
-           "predicted_step_ms", "prediction_error", "segment_errors", "steps", "draft_len", "acceptance", "k_used",
+           "predicted_step_ms", "prediction_error", "ratios", "steps", "draft_len", "acceptance", "k_used",
            "same_output"]
 
 

@@ -6,8 +6,7 @@ as a two-slice `SpeculativeDecoder`. Configurations are warmed up and
 timed round-robin on a different prompt set each round; ratios are medians over rounds of ratios
 within a round, with 90% bootstrap intervals (`benchmarking.median_interval`) and the held-out
 pick (`benchmarking.heldout_best_ratios`). Greedy outputs are checked against the target's own.
-For the goodput rows: the lane-step seconds the policy planned with at the end (cost model's,
-corrected from timed lane steps) against the measured seconds per verification of the call.
+For the goodput rows: which draft lengths ran, and the measured seconds per verification.
 
     python scripts/bench_goodput_sliced.py [--batches 8 32] [--ks 1 2 3 4] [--threads single]
 
@@ -111,18 +110,10 @@ def main() -> None:
                            mean_k=float(np.mean(trace)), acceptance=float(np.mean([s.acceptance_rate for s in stats])),
                            same_output=checks[label])
                 if label.startswith("goodput"):
-                    planned = stats[-1].extra["lane_step_seconds"]["pipelined" if pipeline else "sequential"]
-                    measured = float(np.median([s.seconds / len(s.extra["k_trace"]) for s in stats]))
-                    ran = max(set(trace), key=trace.count)
-                    mode_key = "pipelined" if pipeline else "sequential"
-                    errors = [s.extra["lane_step_seconds"][mode_key]["step_error"] for s in stats]
-                    row["step_error"] = float(np.median([e for e in errors if e is not None]))
                     row.update(k_shares=" ".join(f"{k}:{trace.count(k) / len(trace):.2f}" for k in sorted(set(trace))),
-                               lane_step_ms=1e3 * measured, warmup_ms=1e3 * planned["planned"][ran],
-                               corrected_ms=1e3 * planned["corrected"][ran],
-                               cost_model_ms=1e3 * planned["cost_model"][ran])
-                    details[f"{batch} {mode} {label}"] = dict(seconds=stats[-1].extra["lane_step_seconds"],
-                                                      trace=stats[-1].extra["k_trace"])
+                               lane_step_ms=1e3 * float(np.median([s.seconds / len(s.extra["k_trace"])
+                                                                   for s in stats])))
+                    details[f"{batch} {mode} {label}"] = dict(trace=stats[-1].extra["k_trace"])
                 rows.append(row)
                 print(row, flush=True)
             write(args, pair_text, cost, rows, details)
@@ -139,21 +130,16 @@ def write(args, pair_text, cost, rows, details) -> None:
             "against the fixed k with the best median over the other rounds. `mean_k`: the mean draft "
             "length of the verifications over the timed rounds (`k_shares`: how often each ran). `goodput + tetris`: "
             "k = K - 1, extra = 1 (standard windows up to K - 1, or TETRIS's K drafts a row and a budget chosen "
-            "by goodput; `mean_k` counts its drafts). For the goodput rows: "
-            "`lane_step_ms`, the measured seconds per verification (median over rounds of call time over "
-            "verifications, prefill included), against the lane-step time of the draft length it ran most: "
-            "`cost_model_ms` by the cost model, `warmup_ms` as its two halves were timed alone on the slices "
-            "at the decoder's first call (their sum; pipelined, the longer plus the learnt unhidden part of "
-            "the shorter), and `corrected_ms` as the policy planned with at the end of the last call "
-            "(corrected from timed lane steps); `step_error`: the median over rounds of each call's median "
-            "relative error of the lane-step time the policy planned each timed lane step at (measured / "
-            "planned - 1). `same_output`: every call's tokens equal the target's own "
+            "by goodput; `mean_k` counts its drafts). For the goodput rows, `lane_step_ms`: the measured "
+            "seconds per verification (median over rounds of call time over verifications, prefill included); "
+            "the policy plans with the cost model's lane-step times (`pipeline.lane_step_seconds`). "
+            "`same_output`: every call's tokens equal the target's own "
             "greedy output. "
             f"Machine: {machine()['platform']}, {machine().get('cpu_count', '?')} cores. Cost model: "
             f"`{os.path.relpath(args.cost_model, RESULTS_DIR.parents[1])}` (one device).\n\n")
     columns = ["batch", "mode", "method", "best_fixed", "tok_s", "vs_best_fixed", "vs_best_fixed_90",
                "vs_heldout_best", "vs_heldout_best_90", "mean_k", "k_shares", "acceptance", "lane_step_ms",
-               "cost_model_ms", "warmup_ms", "corrected_ms", "step_error", "same_output"]
+               "same_output"]
     full = [{c: row.get(c, "") for c in columns} for row in rows]
     write_results(args.name, dict(machine=machine(), args=vars(args), cost_model=cost.to_dict(), rows=rows,
                                   details=details), text + table(full, columns) + "\n")

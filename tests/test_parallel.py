@@ -200,12 +200,11 @@ def test_goodput_on_two_slices_picks_the_longest_window_at_full_acceptance(pair,
                                                 pytest.param(True, "tetris", marks=pytest.mark.slow)],
                          ids=["draft-slice", "pipelined", "pipelined-tetris"])
 def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
-    """Exact distribution on a 6-token vocabulary: the opening's optimistic estimate drafts
-    (k = 1), then the measured acceptance (about 0.6) does not pay for the draft and the lanes
-    decode plainly; tokens from both plans are counted. Pipelined, drafting is hidden behind the
-    other lane's verification up to its time, so the draft is made dearer there. With TETRIS
-    (k = 1, extra = 1) the run opens on TETRIS's plan (two drafts a row, a budget chosen by
-    goodput) and moves to standard k = 1."""
+    """Exact distribution on a 6-token vocabulary, with the lanes' plans changing within the run
+    (the optimistic prior drafts, the measured acceptance does not pay for this draft cost, the
+    aged evidence probes drafting again), so tokens from drafting and from plain steps are both
+    counted. Pipelined, drafting is hidden behind the other lane's verification up to its time,
+    so the draft is made dearer there."""
     from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
     cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
@@ -221,7 +220,7 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
         target_tp=1, draft_tp=1)).generate([VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37, batch_size=1000)
     assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
     trace = result.stats.extra["k_trace"]
-    assert trace[0] == (1 if selection == "standard" else 2) and trace[-1] == trace[0] - 1, trace
+    assert 0 in trace and max(trace) > 0, trace
 
 
 def test_lane_step_seconds_add_up_sequentially_and_overlap_when_pipelined():
