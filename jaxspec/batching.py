@@ -2,14 +2,14 @@
 
 A decode program is compiled for a fixed number of rows (slots). When more requests are queued
 than there are slots, the engine decodes until some row finishes, hands the finished rows to a
-`SlotTable` here, and prefills the next queued requests into those rows (`engine.refill`: the same
+`SlotTable` here, and prefills the next queued requests into those rows (`loop.refill_on_device`: the same
 compiled shapes every time, so nothing recompiles). Each request keeps its own RNG stream (keyed
 by its position in the caller's list), so its output does not depend on which slot or which
 neighbours it ran with: the same as generating it alone.
 
-This module is host-side bookkeeping only: which request sits in which slot, what finished
-requests produced, and which lane of the pipelined engine takes the next request (MineDraft's
-balance: the lane with less work left).
+This module is host-side bookkeeping only: which request sits in which slot and what finished
+requests produced. In the pipelined engine each lane refills its own finished rows from the one
+shared queue.
 """
 
 from __future__ import annotations
@@ -128,9 +128,3 @@ class SlotTable:
         slots_r[:len(requests)] = free[:len(requests)]
         self.request_at[free[:len(requests)]] = requests
         return slots_r, sub
-
-    def remaining_work(self, n_out_b) -> int:
-        """Tokens the occupied slots still have to produce (MineDraft balances lanes on this)."""
-        budgets = self.queue.batch.max_new_b
-        occupied = self.request_at >= 0
-        return int(np.sum(budgets[self.request_at[occupied]] - np.asarray(n_out_b)[:self.slots][occupied]))

@@ -1,4 +1,5 @@
-"""Proposers of draft tokens: a draft model, n-gram prompt lookup, a speculative chain.
+"""Proposers of draft tokens: a draft model and n-gram prompt lookup (a speculative chain, a
+decoder drafting for a larger target, is `jaxspec.engine.chain.ChainDrafter`).
 
 Shape key: b rows, l sequence-buffer slots, p padded prompt length, k draft tokens, v vocabulary.
 

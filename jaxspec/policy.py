@@ -12,11 +12,15 @@ Shape key: b rows, j plans, k draft positions.
   plan emits one token per live row plus the C largest of alpha_b^j over the batch's (row, j)
   slots (the expected acceptance of the j-th draft of row b).
 - alpha_b is a running estimate kept on device (`PolicyState`): decayed counts of each row's
-  accepted drafts and acceptance trials, shrunk toward a prior. `observe` folds in each verified
+  accepted drafts and acceptance trials, shrunk toward the batch's pooled rate (itself shrunk
+  toward a prior, optimistic so that drafting gets tried). `observe` folds in each verified
   window. Plain decoding observes nothing, so `age` lets the counts fade back toward the prior and
   a batch that stopped drafting tries again after a while (a probe).
-- `choose` leaves the running plan only for a predicted gain above `MARGIN` (hysteresis: a switch
-  costs a host round trip, and after plain steps the drafter's catch-up).
+- With requests waiting, a finished row is refilled at once and the batch's rate is the sum of
+  its rows'; a draining batch is done when its slowest rows are (`goodput`).
+- A drafting plan entered after plain steps pays once for the drafter's catch-up on what it
+  missed; `choose` leaves the running plan only for a predicted gain above `MARGIN` (hysteresis:
+  a switch costs a host round trip).
 - Predicted seconds come from a `CostModel`; `StepTimes` keeps, per plan, one running ratio of the
   measured to the predicted step time, so a profile from another machine is corrected as the
   plans run.
@@ -34,12 +38,13 @@ import numpy as np
 from flax import struct
 
 PRIOR_ALPHA = 0.8   # acceptance assumed before a row has been observed (optimistic: drafting gets tried)
-PRIOR_WEIGHT = 2.0  # how many trials the prior is worth
+PRIOR_WEIGHT = 2.0  # how many trials the prior is worth (in the batch's rate; the batch's, in a row's)
 DECAY = 0.9         # per verified window: the counts are a moving average over about ten windows
 OFF_DECAY = 0.97    # per plain step: how fast the evidence fades while nothing is observed
 MARGIN = 0.04       # predicted gain a switch of plan must promise
+DRAIN_QUANTILE = 0.9  # a draining batch is done when this share of its rows is (`tokens_and_steps`)
 CHOOSE_EVERY = 4    # steps between two choices on device (`jaxspec.engine.loop.run_on_device`)
-HORIZON = 16        # steps over which a plan's one-time cost of starting (the drafter's catch-up) is spread
+HORIZON = 16        # steps over which a plan's cost of starting (the drafter's catch-up) is spread while requests wait
 CATCH_UP_CHUNK = 8  # tokens a drafter that fell behind feeds per forward (`drafters.catch_up`)
 RATIO_WEIGHT = 0.5  # how far one timed segment moves a plan's measured / predicted ratio
 
@@ -78,9 +83,14 @@ class PolicyState:
         return cls(accepted_b=zeros, tried_b=zeros, prior=jnp.asarray(prior, jnp.float32),
                    behind=jnp.asarray(behind, jnp.float32), choice=jnp.int32(0))
 
-    def alpha_b(self) -> jax.Array:
-        """Each row's acceptance estimate: its counts shrunk toward the prior."""
-        return (self.accepted_b + PRIOR_WEIGHT * self.prior) / (self.tried_b + PRIOR_WEIGHT)
+    def alpha_b(self, live_b=None) -> jax.Array:
+        """Each row's acceptance estimate: its counts shrunk toward the batch's (the live rows'
+        pooled counts, themselves shrunk toward the prior): a row's few recent trials say little
+        on their own, and the batch's slowest row decides when a draining batch is done."""
+        live = jnp.ones(self.accepted_b.shape, bool) if live_b is None else live_b
+        pooled = ((jnp.sum(jnp.where(live, self.accepted_b, 0.0)) + PRIOR_WEIGHT * self.prior)
+                  / (jnp.sum(jnp.where(live, self.tried_b, 0.0)) + PRIOR_WEIGHT))
+        return (self.accepted_b + PRIOR_WEIGHT * pooled) / (self.tried_b + PRIOR_WEIGHT)
 
     def reset_rows(self, slots_r) -> PolicyState:
         """Rows `slots_r` hold new requests: they start from the prior (out-of-range slots: none)."""
@@ -121,31 +131,41 @@ def windows(alpha_b, live_b, plan) -> jax.Array:
     return jnp.sum((reach_bk >= threshold) & (reach_bk >= 0), axis=1).astype(jnp.int32)
 
 
-def tokens_per_step(alpha_b, live_b, plan, remaining_b=None, draining=True) -> jax.Array:
-    """Expected tokens per step of `plan` for the batch.
-
-    With requests waiting for slots (`draining` false, or no `remaining_b`), a finished row is
-    refilled at once, so this is the live rows' sum. A draining batch (no request waits;
-    remaining_b: each row's tokens left) is done when its slowest row is: its rate is the tokens
-    left over the expected steps of the row that needs the most."""
+def tokens_and_steps(alpha_b, live_b, plan, remaining_b=None) -> tuple[jax.Array, jax.Array]:
+    """The live rows' expected tokens per step of `plan`, and (given each row's tokens left) the
+    expected steps until the batch's slowest rows are done: the 90th percentile over the live
+    rows of their tokens left over their tokens per step, rather than the maximum, as the single
+    slowest row's estimate is the noisiest."""
     mean_b = expected_tokens_per_step(alpha_b, windows(alpha_b, live_b, plan))
     total = jnp.sum(jnp.where(live_b, mean_b, 0.0))
     if remaining_b is None:
-        return total
-    rem_b = jnp.where(live_b, remaining_b, 0).astype(jnp.float32)
-    return jnp.where(draining, jnp.sum(rem_b) / jnp.maximum(jnp.max(rem_b / mean_b), 1.0), total)
+        return total, None
+    steps_b = jnp.sort(jnp.where(live_b, remaining_b / mean_b, -1.0))[::-1]
+    return total, steps_b[jnp.floor((1.0 - DRAIN_QUANTILE) * jnp.sum(live_b)).astype(jnp.int32)]
 
 
 def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, draining=True,
             catch_up_seconds=0.0) -> jax.Array:
-    """Expected tokens per predicted second of each plan (float32 [j]). A drafting plan's step
-    also carries its share of the drafter's catch-up, spread over `HORIZON` steps: one forward of
-    `catch_up_seconds` per `CATCH_UP_CHUNK` tokens the drafter is behind."""
-    alpha_b = state.alpha_b()
-    tokens_j = jnp.stack([tokens_per_step(alpha_b, live_b, plan, remaining_b, draining) for plan in plans])
-    entry = jnp.ceil(state.behind / CATCH_UP_CHUNK) * catch_up_seconds / HORIZON
-    drafts_j = jnp.asarray([k > 0 for k, _ in plans])
-    return tokens_j / (jnp.asarray(seconds_j, jnp.float32) + jnp.where(drafts_j, entry, 0.0))
+    """Expected tokens per predicted second of each plan (float32 [j]).
+
+    With requests waiting for slots (`draining` false, or no `remaining_b`), a finished row is
+    refilled at once: the rate is the live rows' tokens per step over the step's seconds. A
+    draining batch (no request waits) is done when its slowest rows are: the rate is the tokens
+    left over the time until then. A drafting plan also pays once for the drafter's catch-up
+    (one forward of `catch_up_seconds` per `CATCH_UP_CHUNK` tokens it is behind), spread over
+    the steps to the batch's end, or over `HORIZON` steps while requests wait."""
+    alpha_b = state.alpha_b(live_b)
+    seconds_j = jnp.asarray(seconds_j, jnp.float32)
+    entry_j = jnp.where(jnp.asarray([k > 0 for k, _ in plans]),
+                        jnp.ceil(state.behind / CATCH_UP_CHUNK) * catch_up_seconds, 0.0)
+    per_plan = [tokens_and_steps(alpha_b, live_b, plan, remaining_b) for plan in plans]
+    tokens_j = jnp.stack([tokens for tokens, _ in per_plan])
+    refilled_j = tokens_j / (seconds_j + entry_j / HORIZON)
+    if remaining_b is None:
+        return refilled_j
+    left = jnp.sum(jnp.where(live_b, remaining_b, 0).astype(jnp.float32))
+    steps_j = jnp.maximum(jnp.stack([steps for _, steps in per_plan]), 1.0)
+    return jnp.where(draining, left / (steps_j * seconds_j + entry_j), refilled_j)
 
 
 def choose(state: PolicyState, live_b, plans, seconds_j, current=None, remaining_b=None, draining=True,
@@ -160,8 +180,9 @@ def choose(state: PolicyState, live_b, plans, seconds_j, current=None, remaining
       current: the running plan (traced or static index), which is kept unless another promises
         more than `margin` more goodput; None: no plan is running (the opening choice).
       remaining_b: tokens each row has left, or None; draining (traced bool): no request waits
-        for a slot, so the batch is judged by its slowest row (`tokens_per_step`).
+        for a slot, so the batch is judged by its slowest rows (`goodput`).
       catch_up_seconds: one forward of the drafter over the batch (`goodput`).
+      margin: the hysteresis (`jaxspec.policy_sim` varies it to measure its worth).
     """
     goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds)
     best = jnp.argmax(goodput_j).astype(jnp.int32)

@@ -31,7 +31,6 @@ from jaxspec import policy
 from jaxspec.cost import CostModel
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scenario:
     """Attributes:
@@ -163,7 +162,7 @@ def _one_step(s: Scenario, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, st
     verified_r = np.where(live, k, 0)
     if budget is not None:
         # TETRIS selects by the drafter's confidence: here the policy's own estimate stands for it.
-        alpha_b = np.asarray(state.alpha_b())
+        alpha_b = np.asarray(state.alpha_b(jnp.asarray(live)))
         reach = np.where(live[:, None], alpha_b[:, None] ** np.arange(1, k + 1)[None, :], -1.0)
         order = np.argsort(-reach.ravel(), kind="stable")[:budget]
         chosen = np.zeros(reach.size, bool)
@@ -186,22 +185,27 @@ def _pooled(state: policy.PolicyState, live) -> policy.PolicyState:
     return state.replace(accepted_b=mean(state.accepted_b), tried_b=mean(state.tried_b))
 
 
-def compare(s: Scenario, plans, rules: Rules = Rules(), seeds: int = 4) -> dict:
-    """The policy against every fixed plan on the same texts (`seeds` of them): tokens per
-    simulated second, summed over the texts, and their ratios."""
+def compare(s: Scenario, plans, rules=(Rules(),), seeds: int = 4) -> list[dict]:
+    """Each set of `rules` against every fixed plan on the same texts (`seeds` of them): tokens
+    per simulated second, summed over the texts, and the ratios to the best fixed plan in
+    hindsight and to plain decoding (one dict per set of rules)."""
     def rate(runs):
         return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
 
     fixed_tps = [rate([simulate(s, plans, fixed=j, seed=seed) for seed in range(seeds)]) for j in range(len(plans))]
-    runs = [simulate(s, plans, rules=rules, seed=seed) for seed in range(seeds)]
     best = int(np.argmax(fixed_tps))
     plain = next(j for j, (k, _) in enumerate(plans) if k == 0)
-    trace = np.concatenate([r["trace"] for r in runs])
-    return dict(scenario=s.name, batch=s.batch, best_fixed=_label(plans[best]),
-                best_vs_plain=fixed_tps[best] / fixed_tps[plain], vs_best=rate(runs) / fixed_tps[best],
-                vs_plain=rate(runs) / fixed_tps[plain], plain_is_best=best == plain,
-                most_run=_label(plans[int(np.argmax(np.bincount(trace, minlength=len(plans))))]),
-                switches=sum(int(np.count_nonzero(np.diff(r["trace"]))) for r in runs) / seeds)
+    out = []
+    for r in rules:
+        runs = [simulate(s, plans, rules=r, seed=seed) for seed in range(seeds)]
+        trace = np.concatenate([run["trace"] for run in runs])
+        out.append(dict(scenario=s.name, batch=s.batch, best_fixed=_label(plans[best]),
+                        best_vs_plain=float(fixed_tps[best] / fixed_tps[plain]),
+                        vs_best=float(rate(runs) / fixed_tps[best]), vs_plain=float(rate(runs) / fixed_tps[plain]),
+                        plain_is_best=bool(best == plain),
+                        most_run=_label(plans[int(np.argmax(np.bincount(trace, minlength=len(plans))))]),
+                        switches=sum(int(np.count_nonzero(np.diff(run["trace"]))) for run in runs) / seeds))
+    return out
 
 
 def _label(plan) -> str:

@@ -17,8 +17,7 @@ split the budget evenly across rows.
 
 The per-token estimate a_j is a surrogate; by default the draft model's own probability (see
 `drafters.Proposal.logprob_bk` for what exactly it is and why it stays lossless under sampling).
-`acceptance_logprobs` is the one place that turns a proposal into the logprobs `select` ranks;
-the goodput policy replaces it with a calibrated estimate.
+`acceptance_logprobs` is the one place that turns a proposal into the logprobs `select` ranks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The goodput policy's formulas (`jaxspec.policy`) against simulation, naive loops and brute force."""
 
-import itertools
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,8 +71,10 @@ def test_tetris_windows_are_the_rows_shares_of_the_best_slots():
         np.testing.assert_array_equal(got, want)
 
 
-def brute_force_goodput(alpha_b, live_b, plans, seconds_j, remaining_b=None):
-    """Per plan: expected tokens per second from a naive per-row sum (or the draining rate)."""
+def brute_force_goodput(alpha_b, live_b, plans, seconds_j, remaining_b=None, behind=0.0, catch_up=0.0):
+    """Per plan, from naive per-row sums: the rate of tokens while requests wait (the drafter's
+    catch-up spread over HORIZON steps), or for a draining batch the tokens left over the time
+    until its slowest rows (the 90th percentile) are done, catch-up included."""
     out = []
     for (k, budget), seconds in zip(plans, seconds_j):
         if budget is None:
@@ -84,12 +84,14 @@ def brute_force_goodput(alpha_b, live_b, plans, seconds_j, remaining_b=None):
                            reverse=True)[:budget]
             windows = np.bincount([r for _, r in slots], minlength=len(alpha_b))
         mean = [sum(a ** t for t in range(w + 1)) for a, w in zip(alpha_b, windows)]
+        entry = np.ceil(behind / policy.CATCH_UP_CHUNK) * catch_up if k > 0 else 0.0
         if remaining_b is None:
-            tokens = sum(m for m, live in zip(mean, live_b) if live)
-        else:
-            rem = [r if live else 0 for r, live in zip(remaining_b, live_b)]
-            tokens = sum(rem) / max(max(r / m for r, m in zip(rem, mean)), 1.0)
-        out.append(tokens / seconds)
+            out.append(sum(m for m, live in zip(mean, live_b) if live) / (seconds + entry / policy.HORIZON))
+            continue
+        steps = sorted((r / m for r, m, live in zip(remaining_b, mean, live_b) if live), reverse=True)
+        slowest = max(steps[int(np.floor((1 - policy.DRAIN_QUANTILE) * len(steps)))], 1.0)
+        left = sum(r for r, live in zip(remaining_b, live_b) if live)
+        out.append(left / (slowest * seconds + entry))
     return np.array(out)
 
 
@@ -104,18 +106,28 @@ def test_choice_is_the_brute_force_argmax_and_keeps_the_running_plan_within_the_
         live = rng.random(4) < 0.85
         live[0] = True
         remaining = rng.integers(1, 40, 4)
+        behind, catch_up = float(rng.integers(0, 60)), float(rng.uniform(0, 2e-3))
         seconds = np.array([cost.step_seconds(4, k) if c is None else cost.step_seconds(4, k, packed_tokens=4 + c)
                             for k, c in plans])
-        want = brute_force_goodput(alpha, live, plans, seconds, remaining if draining else None)
-        state = with_alpha(alpha)
+        want = brute_force_goodput(alpha, live, plans, seconds, remaining if draining else None, behind, catch_up)
+        state = with_alpha(alpha).replace(behind=jnp.float32(behind))
         args = (state, jnp.asarray(live), plans, jnp.asarray(seconds, jnp.float32))
         rem = jnp.asarray(remaining) if draining else None
-        assert int(policy.choose(*args, None, rem)) == int(np.argmax(want))
+        np.testing.assert_allclose(policy.goodput(*args, rem, True, catch_up), want, rtol=2e-4)
+        assert int(policy.choose(*args, None, rem, True, catch_up)) == int(np.argmax(want))
         for current in range(len(plans)):
             stay = want.max() <= want[current] * (1 + policy.MARGIN)
-            got = int(policy.choose(*args, current, rem))
+            got = int(policy.choose(*args, current, rem, True, catch_up))
             if abs(want.max() / want[current] - 1 - policy.MARGIN) > 1e-4:   # not on the edge
                 assert got == (current if stay else int(np.argmax(want)))
+
+
+def test_ageing_puts_the_drafter_behind_and_a_verified_window_catches_it_up():
+    state = policy.age(policy.PolicyState.init(3), 12)
+    state = policy.age(state, 5)
+    assert float(state.behind) == 17.0
+    state = policy.observe(state, jnp.asarray([2, 0, 1]), jnp.asarray([1, 0, 1]), jnp.ones(3, bool))
+    assert float(state.behind) == 0.0
 
 
 def test_step_times_correct_each_plan_by_its_measured_ratio_and_the_rest_by_the_median():
@@ -150,14 +162,13 @@ def test_a_free_perfect_draft_takes_the_longest_window_and_a_dear_one_plain_deco
 
 def test_a_draining_batch_waits_on_its_slowest_row():
     """Two rows left, one with 1 token to go and one with 40 at acceptance 0.2: the batch's rate is
-    that of the slow row, whatever the fast row would gain."""
+    the 41 tokens over the slow row's steps, whatever the fast row would gain; with requests
+    waiting it is the rows' sum."""
     state = with_alpha([0.95, 0.2])
     live = jnp.ones(2, bool)
     for k in (0, 1, 3):
         slow = float(policy.expected_tokens_per_step(0.2, k))
-        rate = float(policy.tokens_per_step(state.alpha_b(), live, (k, None), jnp.asarray([1, 40])))
-        assert rate == pytest.approx(41 / (40 / slow), rel=1e-4)
-    for plan in itertools.product((0, 2), (None,)):
-        total = float(policy.tokens_per_step(state.alpha_b(), live, plan, jnp.asarray([1, 40]), draining=False))
-        assert total == pytest.approx(sum(float(policy.expected_tokens_per_step(a, plan[0])) for a in (0.95, 0.2)),
-                                      rel=1e-4)
+        args = (state, live, ((k, None),), jnp.ones(1))
+        assert float(policy.goodput(*args, jnp.asarray([1, 40]))[0]) == pytest.approx(41 / (40 / slow), rel=1e-4)
+        total = sum(float(policy.expected_tokens_per_step(a, k)) for a in (0.95, 0.2))
+        assert float(policy.goodput(*args, jnp.asarray([1, 40]), False)[0]) == pytest.approx(total, rel=1e-4)

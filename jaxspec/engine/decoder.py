@@ -139,7 +139,8 @@ class SpeculativeDecoder:
         keys_b = request_keys(seed, first.request_ids_b)
         *rows_in, eos_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos)))
         times = self._step_times(schedule, slots, cache_len) if goodput else None
-        seconds = put(times.seconds_j()) if goodput else None
+        catch_up = np.float32(self.spec.cost_model.draft_seconds(slots)) if goodput else None
+        seconds = put((times.seconds_j(), catch_up)) if goodput else None
         start = time.perf_counter()
         state = loop.start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                      *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
@@ -167,7 +168,7 @@ class SpeculativeDecoder:
                 if program in self._compiled:
                     times.observe(*segments[-1])
                 self._compiled.add(program)
-                seconds, plan_index = put(times.seconds_j()), int(choice)
+                seconds, plan_index = put((times.seconds_j(), catch_up)), int(choice)
             table.harvest(done_b, out_bo, n_out_b, counters)
             refill = table.refill()
             if refill is None:

@@ -44,7 +44,7 @@ _STATIC = ("target_graphdef", "drafter", "schedule", "sampling", "cache_len", "s
 
 
 def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
-                draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id, seconds_j=None, prior=None,
+                draft_params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id, seconds=None, prior=None,
                 draining=None, *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
     """Loop state for freshly prefilled rows: target and drafter caches and, under the goodput
     policy, the acceptance counts and the opening choice (`draining`: whether the batch drains,
@@ -55,10 +55,11 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     drafts_now = True
     if schedule.goodput:
         policy = policy_lib.PolicyState.init(tokens_bp.shape[0], prior)
-        choice = policy_lib.choose(policy, ~state.done_b, schedule.policy_plans, seconds_j, None,
-                                   max_new_b - state.n_out_b, draining)
-        state = state.replace(policy=policy.replace(choice=choice))
+        choice = _choose(policy, state, schedule, seconds, None, max_new_b, draining)
         drafts_now = jnp.asarray([plan.k > 0 for plan in schedule.plans])[choice]
+        # Opening with plain decoding, the drafter skips its prefill: it is a prompt behind.
+        behind = jnp.where(drafts_now, 0.0, jnp.max(prompt_len_b).astype(jnp.float32))
+        state = state.replace(policy=policy.replace(choice=choice, behind=behind))
     if schedule.drafts:
         init = functools.partial(drafter.init, cache_len=cache_len)
         deferred = functools.partial(drafter.init_deferred, cache_len=cache_len)
@@ -66,6 +67,14 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
                        jax.lax.cond(drafts_now, init, deferred, draft_params, tokens_bp, prompt_len_b))
         state = state.replace(draft_state=draft_state)
     return state
+
+
+def _choose(policy, state, schedule: Schedule, seconds, current, max_new_b, draining):
+    """The policy's choice for this state; `seconds` = (each plan's predicted step seconds, one
+    forward of the drafter over the batch: the catch-up's unit)."""
+    seconds_j, catch_up = seconds
+    return policy_lib.choose(policy, ~state.done_b, schedule.policy_plans, seconds_j, current,
+                             max_new_b - state.n_out_b, draining, catch_up)
 
 
 start_on_device = functools.partial(jax.jit, static_argnames=_STATIC)(_fresh_rows)
@@ -82,7 +91,7 @@ def prefill_schedule(schedule: Schedule) -> Schedule:
 @functools.partial(jax.jit, static_argnames=_STATIC + ("plan_index",), donate_argnums=(6,))
 def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
                   draft_params, state: DecodeState, request_keys_b, max_new_b, eos_id, budget, stop_on_finish,
-                  max_steps, seconds_j=None, draining=None, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
+                  max_steps, seconds=None, draining=None, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
                   plan_index: int = 0) -> DecodeState:
     """Steps of plan `schedule.plans[plan_index]` until every row is done; or, when the traced
     flag `stop_on_finish` is set, until one more row is done than at entry (continuous batching
@@ -92,9 +101,10 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     Under the goodput policy the steps run in chunks of `policy.CHOOSE_EVERY`; after each chunk
     the policy chooses from the statistics the chunk updated (a plain chunk observes nothing and
     first ages the evidence: `policy.age`), and the loop returns as soon as it has chosen another
-    plan, whose program the host runs next. `seconds_j` are the plans' predicted step seconds;
-    `draining` (traced bool) says no request waits for a slot, so the batch drains
-    (`policy.tokens_per_step`). Only the while loop's predicate is read per chunk, never per step.
+    plan, whose program the host runs next. `seconds` = (the plans' predicted step seconds, the
+    drafter's catch-up seconds per forward); `draining` (traced bool) says no request waits for a
+    slot, so the batch drains (`policy.goodput`). Only the while loop's predicate is read per
+    chunk, never per step.
     """
     del cache_len, seq_len, mesh   # part of the program's static identity only
     b = state.seq_bl.shape[0]
@@ -118,9 +128,8 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         start = state.steps
         state = jax.lax.while_loop(lambda s: running(s) & (s.steps - start < policy_lib.CHOOSE_EVERY), step, state)
         policy = state.policy if plan.k else policy_lib.age(state.policy, state.steps - start)
-        choice = policy_lib.choose(policy, ~state.done_b, schedule.policy_plans, seconds_j, plan_index,
-                                   max_new_b - state.n_out_b, draining)
-        return state.replace(policy=policy.replace(choice=choice))
+        return state.replace(policy=policy.replace(choice=_choose(policy, state, schedule, seconds, plan_index,
+                                                                  max_new_b, draining)))
 
     return jax.lax.while_loop(lambda s: running(s) & (s.policy.choice == plan_index), chunk_then_choose, state)
 
@@ -128,14 +137,14 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(6,))
 def refill_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, sampling: SamplingConfig, target_params,
                      draft_params, state: DecodeState, slots_r, tokens_rp, prompt_len_r, max_new_r, request_keys_r,
-                     eos_id, seconds_j=None, draining=None, *, cache_len: int, seq_len: int, out_len: int,
+                     eos_id, seconds=None, draining=None, *, cache_len: int, seq_len: int, out_len: int,
                      mesh=None) -> DecodeState:
     """Prefills new requests into rows `slots_r` of a running state (an out-of-range slot drops
     its row). Everything per row is replaced; new rows start from the prior acceptance, and the
     running plan carries on unless no row was running (the new rows' opening choice then decides)."""
     prior = None if state.policy is None else state.policy.prior
     fresh = _fresh_rows(target_graphdef, drafter, schedule, sampling, target_params, draft_params, tokens_rp,
-                        prompt_len_r, max_new_r, request_keys_r, eos_id, seconds_j, prior, draining,
+                        prompt_len_r, max_new_r, request_keys_r, eos_id, seconds, prior, draining,
                         cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
 
     def put(old, new):

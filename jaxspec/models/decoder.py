@@ -7,7 +7,7 @@ Every parameter carries logical axis names in its `axes` metadata (`embed`, `hea
 `head_dim`, `mlp`, `vocab`); `jaxspec.parallel` maps them to mesh axes. Blocks are kept as separate
 modules and unrolled: decoding is bound by reading weights, and slicing one layer out of stacked
 weights under `lax.scan` costs a copy of that layer on CPU (about 3x slower matmuls measured here).
-The KV cache keeps a leading layer axis; each block writes and reads its own slice.
+The KV cache is a tuple of per-layer buffers; each block writes and reads its own.
 
 Numerics: weights and activations in the compute dtype (float32 or bfloat16); RMSNorm statistics,
 rotary angles, attention softmax and logits in float32.

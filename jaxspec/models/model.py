@@ -139,7 +139,7 @@ class Model:
 
     Attributes:
       config: the ModelConfig.
-      params: the weights, a nested dict of jax.Arrays (blocks stacked on a leading layer axis).
+      params: the weights, a nested dict of jax.Arrays (one entry per block under "layers").
       tokenizer: a transformers tokenizer, or None (random models).
       dtype: the compute and storage dtype of the weights.
       logical_axes: nested dict parallel to `params` of logical axis-name tuples.

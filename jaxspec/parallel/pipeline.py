@@ -92,16 +92,17 @@ _TARGET_ONLY = loop.Schedule(plans=(step.StepPlan(k=0),))
 @functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len", "plans", "current"),
                    donate_argnums=(4,))
 def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, budget, seconds_j=None,
-            draining=None, *, out_len, plans=None, current=0):
+            draining=None, catch_up=None, *, out_len, plans=None, current=0):
     """Verification on the target slice; under the goodput policy (`plans` given) followed by the
     lane's next choice."""
     state = step.verify_phase(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, out_len,
                               budget)
     if plans is None:
         return state
-    choice = policy_lib.choose(state.policy, ~state.done_b, plans, seconds_j, current, max_new_b - state.n_out_b,
-                               draining)
-    return state.replace(policy=state.policy.replace(choice=choice))
+    policy = state.policy if plan.k else policy_lib.age(state.policy, 1)
+    choice = policy_lib.choose(policy, ~state.done_b, plans, seconds_j, current, max_new_b - state.n_out_b, draining,
+                               catch_up)
+    return state.replace(policy=policy.replace(choice=choice))
 
 
 @functools.partial(jax.jit, static_argnames=("plans",))
@@ -241,7 +242,9 @@ class SlicedRunner:
             lane.state = _verify(*args, out_len=lane.batch.out_len)
         else:
             self.trace.append(self.plans[j].k)
-            lane.state = _verify(*args, *self._to_target((self._seconds_j(), np.bool_(not len(lane.table.queue)))),
+            # (The drafter's catch-up after plain steps runs on its own slice: not charged here.)
+            lane.state = _verify(*args, *self._to_target((self._seconds_j(), np.bool_(not len(lane.table.queue)),
+                                                          np.float32(0.0))),
                                  out_len=lane.batch.out_len, plans=self.goodput, current=j)
             lane.state.policy.choice.copy_to_host_async()
         lane.verifying_plan = j
