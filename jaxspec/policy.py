@@ -21,9 +21,8 @@ Shape key: b rows, j plans, k draft positions.
 - A drafting plan entered after plain steps pays once for the drafter's catch-up on what it
   missed; `choose` leaves the running plan only for a predicted gain above `MARGIN` (hysteresis:
   a switch costs a host round trip).
-- Predicted seconds come from a `CostModel`; `StepTimes` keeps, per plan, one running ratio of the
-  measured to the predicted step time, so a profile from another machine is corrected as the
-  plans run.
+- Predicted seconds come from a `CostModel` profiled on the machine that decodes
+  (`CostModel.profile`).
 
 Every engine calls these functions; `jaxspec.policy_sim` runs them against simulated acceptance
 with a cost model as the clock, which is where each rule here earned its place
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 PRIOR_ALPHA = 0.8   # acceptance assumed before a row has been observed (optimistic: drafting gets tried)
@@ -46,7 +44,6 @@ DRAIN_QUANTILE = 0.9  # a draining batch is done when this share of its rows is 
 CHOOSE_EVERY = 4    # steps between two choices on device (`jaxspec.engine.loop.run_on_device`)
 HORIZON = 16        # steps over which a plan's cost of starting (the drafter's catch-up) is spread while requests wait
 CATCH_UP_CHUNK = 8  # tokens a drafter that fell behind feeds per forward (`drafters.catch_up`)
-RATIO_WEIGHT = 0.5  # how far one timed segment moves a plan's measured / predicted ratio
 
 
 def expected_tokens_per_step(alpha, k):
@@ -190,37 +187,3 @@ def choose(state: PolicyState, live_b, plans, seconds_j, current=None, remaining
         return best
     current = jnp.asarray(current, jnp.int32)
     return jnp.where(goodput_j[best] > goodput_j[current] * (1.0 + margin), best, current)
-
-
-class StepTimes:
-    """Predicted seconds of one step of each plan, corrected by what the steps measured.
-
-    Each plan keeps one running ratio of measured to predicted time, moved by each timed segment;
-    a plan that has not run yet takes the median ratio of those that have (a profile measured on
-    another machine is off for every plan alike, which the policy's choice does not mind, and off
-    for some plans more than others, which it does).
-    """
-
-    def __init__(self, predicted_j, weight: float = RATIO_WEIGHT):
-        self.predicted_j = np.asarray(predicted_j, np.float64)
-        if not np.all(self.predicted_j > 0):
-            raise ValueError(f"predicted step seconds must be > 0, got {self.predicted_j.tolist()}")
-        self.weight = weight
-        self.log_ratio_j = np.full(len(self.predicted_j), np.nan)
-
-    def observe(self, plan: int, steps: int, seconds: float) -> None:
-        """Folds in a segment of `steps` steps of `plan` that took `seconds` in all."""
-        if steps < 1 or seconds <= 0:
-            return
-        log_ratio = np.log(seconds / (steps * self.predicted_j[plan]))
-        old = self.log_ratio_j[plan]
-        self.log_ratio_j[plan] = log_ratio if np.isnan(old) else (1 - self.weight) * old + self.weight * log_ratio
-
-    def seconds_j(self) -> np.ndarray:
-        seen = ~np.isnan(self.log_ratio_j)
-        fallback = np.median(self.log_ratio_j[seen]) if seen.any() else 0.0
-        return (self.predicted_j * np.exp(np.where(seen, self.log_ratio_j, fallback))).astype(np.float32)
-
-    def ratios(self) -> list[float | None]:
-        """Measured / predicted per plan (None where the plan has not run): for reports."""
-        return [None if np.isnan(r) else float(np.exp(r)) for r in self.log_ratio_j]

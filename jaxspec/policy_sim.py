@@ -4,8 +4,7 @@ The policy (`jaxspec.policy`) runs as the engine runs it (`jaxspec.engine.loop.r
 it opens with a choice, runs its plan in chunks of `CHOOSE_EVERY` steps, observes each verified
 window, ages its evidence after plain chunks, and chooses again after each chunk; a change of plan
 costs a host round trip, and drafting after plain steps first feeds the drafter the tokens it
-missed. The host corrects its predicted step times after each segment (`policy.StepTimes`). Nothing
-is timed: a step of plan (k, budget) at batch b takes `CostModel.step_seconds` of the scenario's
+missed. Nothing is timed: a step of plan (k, budget) at batch b takes `CostModel.step_seconds` of the scenario's
 true cost model, which may differ from the one the policy believes.
 
 Acceptance is a property of the text: row r's draft at output position p and window slot j is
@@ -73,7 +72,6 @@ class Rules:
     margin: float = policy.MARGIN        # hysteresis
     off_decay: float = policy.OFF_DECAY  # probing after plain steps (1.0: never)
     per_row: bool = True                 # per-row acceptance (False: one pooled rate)
-    correct_times: bool = True           # measured / predicted step-time ratios
     drain: bool = True                   # a draining batch is judged by its slowest row
     catch_up: bool = True                # a drafting plan pays for the drafter's catch-up
     prior: float = policy.PRIOR_ALPHA    # acceptance assumed before any is observed
@@ -105,20 +103,19 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
     alpha_rp = s.alpha_rp()
     slot_factor = s.falloff ** np.arange(max(k for k, _ in plans) + 1)
     true_j = plan_seconds(s.cost, s.batch, plans)
-    times = policy.StepTimes(plan_seconds(s.believed or s.cost, s.batch, plans))
+    believed_j = plan_seconds(s.believed or s.cost, s.batch, plans).astype(np.float32)
     catch_up = (s.believed or s.cost).draft_seconds(s.batch) if rules.catch_up else 0.0
     n_r = np.zeros(s.batch, np.int64)
     state = policy.PolicyState.init(s.batch, rules.prior)
     live = n_r < s.tokens
 
     def choose(state, current):
-        return int(_choose(state, jnp.asarray(live), times.seconds_j(), current or 0,
+        return int(_choose(state, jnp.asarray(live), believed_j, current or 0,
                            jnp.asarray(s.tokens - n_r, jnp.int32), rules.drain, catch_up, plans=plans,
                            margin=rules.margin, has_current=current is not None))
 
     current = fixed if fixed is not None else choose(state, None)
     seconds, trace, backlog = 0.0, [], 0
-    segment = [0, 0.0]   # steps and seconds of the running segment
     while live.any():
         k, budget = plans[current]
         steps_before = len(trace)
@@ -129,8 +126,6 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
                 state = _observe(state, jnp.asarray(verified_r, jnp.int32), jnp.asarray(accepted_r, jnp.int32),
                                  jnp.asarray(live))
             seconds += true_j[current]
-            segment[0] += 1
-            segment[1] += true_j[current]
             trace.append(current)
             live = n_r < s.tokens
             if not live.any():
@@ -149,9 +144,6 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
                 switch += math.ceil(backlog / policy.CATCH_UP_CHUNK) * s.cost.draft_seconds(s.batch)
                 backlog = 0
             seconds += switch
-            if rules.correct_times:
-                times.observe(current, segment[0], segment[1] + s.round_trip)
-            segment = [0, 0.0]
             current = choice
     tokens = int(n_r.sum())
     return dict(tokens=tokens, seconds=seconds, tokens_per_second=tokens / seconds, steps=len(trace), trace=trace)

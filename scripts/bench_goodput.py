@@ -204,12 +204,13 @@ def main() -> None:
             if label.startswith("goodput"):
                 trace = s.extra["k_trace"]
                 row["k_used"] = f"{np.mean(trace):.2f} (0 in {np.mean(np.asarray(trace) == 0):.0%} of steps)"
-                # The policy's own predictions (corrected from the segments before, the decoder's
-                # earlier calls included) against each segment's wall time per step, round trip
-                # included, pooled over the timed rounds.
-                segs = np.asarray([(n, t) for run in segments[label] for _, n, t in run if n > 0], np.float64)
+                # The cost model's step time of the plans run against their segments' wall time per
+                # step (round trip included), pooled over the timed rounds.
+                plan_s = s.extra["plan_seconds"]
+                segs = np.asarray([(n, t, n * plan_s[j]) for run in segments[label] for j, n, t in run if n > 0])
                 row.update(step_ms=1e3 * segs[:, 1].sum() / segs[:, 0].sum(),
-                           ratios=" ".join("-" if r is None else f"{r:.2f}" for r in s.extra["step_time_ratios"]))
+                           predicted_step_ms=1e3 * segs[:, 2].sum() / segs[:, 0].sum(),
+                           prediction_error=segs[:, 2].sum() / segs[:, 1].sum() - 1)
             batch_rows.append(row)
             print(table([row], COLUMNS), flush=True)
         rows += batch_rows
@@ -260,8 +261,8 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
         "have fixed in advance. "
         "`step_ms`: one decode step at the run's compiled shape timed in a compiled loop (median over shuffled "
         "passes), against the cost model's `predicted_step_ms`; for the goodput rows, the mean wall time per step "
-        "of their segments (round trip included) and `ratios`, each plan's measured / predicted step time as the "
-        "policy corrected it (`policy.StepTimes`; - where a plan did not run). `same_output`: the greedy output "
+        "of their segments (round trip included) against the cost model's for the plans they ran. "
+        "`same_output`: the greedy output "
         "equals the autoregressive loop's token for token (or where the first differing row parts from it). "
         "`k_used`: the goodput run's mean draft length over the last round's steps and its share of plain steps. "
         f"Machine: {m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}"
@@ -279,7 +280,7 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
 
 COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "vs_best_fixed_90", "vs_heldout_best",
            "vs_heldout_best_90", "step_ms",
-           "predicted_step_ms", "prediction_error", "ratios", "steps", "draft_len", "acceptance", "k_used",
+           "predicted_step_ms", "prediction_error", "steps", "draft_len", "acceptance", "k_used",
            "same_output"]
 
 

@@ -30,7 +30,7 @@ ACCEPTANCE = {"0.3": dict(alphas=(0.3,)), "0.6": dict(alphas=(0.6,)), "0.8": dic
               "rows 0.9/0.3": dict(alphas=(0.9, 0.3))}
 RULES = {"policy": ps.Rules(), "no hysteresis": ps.Rules(margin=0.0), "no probing": ps.Rules(off_decay=1.0),
          "one rate per batch": ps.Rules(per_row=False), "no drain rule": ps.Rules(drain=False),
-         "no catch-up cost": ps.Rules(catch_up=False), "no time correction": ps.Rules(correct_times=False),
+         "no catch-up cost": ps.Rules(catch_up=False),
          "neutral prior 0.6": ps.Rules(prior=0.6)}
 
 

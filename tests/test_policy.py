@@ -130,25 +130,6 @@ def test_ageing_puts_the_drafter_behind_and_a_verified_window_catches_it_up():
     assert float(state.behind) == 0.0
 
 
-def test_step_times_correct_each_plan_by_its_measured_ratio_and_the_rest_by_the_median():
-    times = policy.StepTimes([1.0, 2.0, 3.0, 4.0])
-    np.testing.assert_allclose(times.seconds_j(), [1, 2, 3, 4])
-    times.observe(0, 10, 20.0)            # plan 0 runs at twice its prediction
-    np.testing.assert_allclose(times.seconds_j(), [2, 4, 6, 8])   # the others follow it
-    times.observe(1, 4, 4.0)              # plan 1 at half
-    times.observe(1, 4, 4.0)
-    ratios = times.ratios()
-    assert ratios[0] == pytest.approx(2.0) and ratios[1] == pytest.approx(0.5) and ratios[2] is None
-    median = np.exp(np.median(np.log([2.0, 0.5])))
-    np.testing.assert_allclose(times.seconds_j(), [2.0, 1.0, 3 * median, 4 * median], rtol=1e-6)
-    times.observe(0, 10, 10.0)            # one segment at the prediction moves the ratio half way (in log)
-    assert times.ratios()[0] == pytest.approx(np.sqrt(2.0))
-    times.observe(2, 0, 1.0)              # no steps: nothing learnt
-    assert times.ratios()[2] is None
-    with pytest.raises(ValueError, match="must be > 0"):
-        policy.StepTimes([1.0, 0.0])
-
-
 def test_a_free_perfect_draft_takes_the_longest_window_and_a_dear_one_plain_decoding():
     plans = tuple((k, None) for k in range(5))
     live = jnp.ones(4, bool)

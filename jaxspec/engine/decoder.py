@@ -3,8 +3,7 @@
 A call validates and buckets the prompts, fills a fixed number of slots (continuous batching
 refills a finished row from the queue) and runs the programs of `jaxspec.engine.loop` a segment
 at a time: under a fixed policy a segment ends only to refill or hand over a finished request;
-under the goodput policy also where the policy, on device, chooses another plan, and the host
-corrects the plans' predicted step times from each segment's wall time (`policy.StepTimes`).
+under the goodput policy also where the policy, on device, chooses another plan.
 When draft and target live on separate device slices the two-slice engine of
 `jaxspec.parallel.pipeline` runs instead.
 """
@@ -82,10 +81,6 @@ class SpeculativeDecoder:
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
-        # Goodput: each batch shape's corrected step times (`policy.StepTimes`), kept between calls,
-        # and the programs that have run (a program's first segment includes its compilation).
-        self.step_times: dict[tuple[int, int], policy_lib.StepTimes] = {}
-        self._compiled: set[tuple] = set()
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -138,9 +133,9 @@ class SpeculativeDecoder:
                if self._target_mesh is not None else (lambda tree: tree))
         keys_b = request_keys(seed, first.request_ids_b)
         *rows_in, eos_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos)))
-        times = self._step_times(schedule, slots, cache_len) if goodput else None
-        catch_up = np.float32(self.spec.cost_model.draft_seconds(slots)) if goodput else None
-        seconds = put((times.seconds_j(), catch_up)) if goodput else None
+        # Goodput: each plan's predicted step seconds, and one drafter forward (the catch-up's unit).
+        seconds = put((self._plan_seconds(schedule, slots, cache_len),
+                       np.float32(self.spec.cost_model.draft_seconds(slots)))) if goodput else None
         start = time.perf_counter()
         state = loop.start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                      *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
@@ -164,11 +159,7 @@ class SpeculativeDecoder:
             step_ks += [schedule.plans[plan_index].k] * ran
             if goodput:
                 segments.append((plan_index, ran, time.perf_counter() - segment_start))
-                program = (slots, cache_len, batch.out_len, plan_index)
-                if program in self._compiled:
-                    times.observe(*segments[-1])
-                self._compiled.add(program)
-                seconds, plan_index = put((times.seconds_j(), catch_up)), int(choice)
+                plan_index = int(choice)
             table.harvest(done_b, out_bo, n_out_b, counters)
             refill = table.refill()
             if refill is None:
@@ -188,20 +179,17 @@ class SpeculativeDecoder:
         stats = _stats(Counters(**queue.counters), batch.num_prompts, int(steps), seconds_taken, step_ks, self.drafter)
         stats.extra["slots"] = slots
         if goodput:
-            # (plan, steps, seconds) of each segment, and each plan's measured / predicted step time.
-            stats.extra.update(segments=segments, step_time_ratios=times.ratios())
+            # (plan, steps, wall seconds) of each segment, and each plan's predicted step seconds.
+            stats.extra.update(segments=segments,
+                               plan_seconds=self._plan_seconds(schedule, slots, cache_len).tolist())
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _step_times(self, schedule: Schedule, slots: int, cache_len: int) -> policy_lib.StepTimes:
-        """The corrected step times of this batch shape's plans (predicted by the cost model)."""
-        key = (slots, cache_len)
-        if key not in self.step_times:
-            cost = self.spec.cost_model
-            self.step_times[key] = policy_lib.StepTimes([
-                cost.step_seconds(slots, plan.k, cache_len) if plan.capacity is None else
-                cost.step_seconds(slots, plan.k, cache_len, packed_tokens=slots + plan.capacity)
-                for plan in schedule.plans])
-        return self.step_times[key]
+    def _plan_seconds(self, schedule: Schedule, slots: int, cache_len: int) -> np.ndarray:
+        """The cost model's seconds for one step of each plan at this batch shape."""
+        cost = self.spec.cost_model
+        return np.asarray([cost.step_seconds(slots, plan.k, cache_len) if plan.capacity is None else
+                           cost.step_seconds(slots, plan.k, cache_len, packed_tokens=slots + plan.capacity)
+                           for plan in schedule.plans], np.float32)
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:
