@@ -20,7 +20,7 @@ from jaxspec import batching, tetris
 from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
 from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
-from jaxspec.engine import loop
+from jaxspec.engine import loop, timing
 from jaxspec.engine.chain import ChainDrafter
 from jaxspec.engine.loop import Schedule, cache_length, prefill_schedule, put_rows
 from jaxspec.engine.step import Counters, StepPlan
@@ -81,6 +81,7 @@ class SpeculativeDecoder:
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
+        self._compiled: set[tuple] = set()   # goodput: batch shapes whose plans are compiled
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
@@ -141,6 +142,15 @@ class SpeculativeDecoder:
                                      *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
                                      put(np.bool_(not len(queue))) if goodput else None, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
+        if goodput and (slots, cache_len, batch.out_len) not in self._compiled:
+            # Every plan's program, compiled side by side now: the policy may switch to any of
+            # them mid-call, and a compilation there would stall the batch for seconds.
+            self._compiled.add((slots, cache_len, batch.out_len))
+            args = (graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b, max_new_b, eos_t,
+                    *put((np.int32(0), np.int32(0), np.int32(0))), seconds, put(np.bool_(True)))
+            timing.side_by_side([functools.partial(
+                lambda j: loop.run_on_device.lower(*args, **static, plan_index=j).compile(), j)
+                for j in range(len(schedule.plans))])
         plan_index = int(jax.device_get(state.policy.choice)) if goodput else 0
         step_ks: list[int] = []
         segments: list[tuple[int, int, float]] = []
