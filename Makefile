@@ -47,7 +47,7 @@ bench-tetris: $(STAMP)
 # The goodput policy against every fixed k and AR: tiny-8L pair at batch 1..64, SmolLM2 shapes at batch 1 and 4.
 bench-goodput: $(STAMP)
 	$(BIN)/python scripts/bench_goodput.py --profile-per-batch --rounds 8 --prompt-sets 8
-	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 16 --profile-per-batch --rounds 6 \
+	$(BIN)/python scripts/bench_goodput.py --pair smollm2-shape --batches 1 4 --profile-per-batch --rounds 6 \
 		--prompt-sets 6 --name bench_goodput_smollm2
 
 # On a GPU machine: qwen2.5-1.5b / 0.5b shapes in bfloat16, with the machine's own python3 and JAX.
