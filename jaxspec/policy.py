@@ -7,15 +7,18 @@ Shape key: b rows, j plans, k draft positions.
 - Plans are compiled step shapes: plain decoding (k = 0), standard windows (every row verifies k
   drafts) and TETRIS plans (D drafts per row, the batch's best C verified), written `(k, budget)`
   with budget None for a standard window.
-- Expected tokens come from one acceptance rate per row, alpha_b, with the geometric model: a
-  window of k drafts emits (1 - alpha^(k+1)) / (1 - alpha) tokens, the bonus included; a TETRIS
-  plan emits one token per live row plus the C largest of alpha_b^j over the batch's (row, j)
-  slots (the expected acceptance of the j-th draft of row b).
-- alpha_b is a running estimate kept on device (`PolicyState`): decayed counts of each row's
-  accepted drafts and acceptance trials, shrunk toward the batch's pooled rate (itself shrunk
-  toward a prior, optimistic so that drafting gets tried). `observe` folds in each verified
-  window. Plain decoding observes nothing, so `age` lets the counts fade back toward the prior and
-  a batch that stopped drafting tries again after a while (a probe).
+- Expected tokens come from reach_bk, the chance that row b's j-th draft is accepted (its
+  predecessors too): a row's window of w drafts emits 1 + sum_{j<=w} reach_bk tokens, the bonus
+  included; a TETRIS plan verifies the C largest reach_bk over the batch's (row, j) slots.
+  reach_bk multiplies a per-row acceptance rate alpha_b by how slot j's rate compares with the
+  batch's overall one (deeper drafts are often harder); with flat rates it is alpha_b^j, the
+  geometric model (`expected_tokens_per_step`).
+- The rates are running estimates kept on device (`PolicyState`): decayed counts of each row's
+  accepted drafts and acceptance trials, shrunk toward the batch's (the rows' mean counts, itself
+  shrunk toward a prior, optimistic so that drafting gets tried), and decayed counts per window
+  slot over the batch. `observe` folds in each verified window. Plain decoding observes nothing,
+  so `age` lets the counts fade back toward the prior and a batch that stopped drafting tries
+  again after a while (a probe).
 - With requests waiting, a finished row is refilled at once and the batch's rate is the sum of
   its rows'; a draining batch is done when its slowest rows are (`goodput`).
 - A drafting plan entered after plain steps pays once for the drafter's catch-up on what it
@@ -36,12 +39,12 @@ import jax.numpy as jnp
 from flax import struct
 
 PRIOR_ALPHA = 0.8   # acceptance assumed before a row has been observed (optimistic: drafting gets tried)
-PRIOR_WEIGHT = 2.0  # how many trials the prior is worth (in the batch's rate; the batch's, in a row's)
+PRIOR_WEIGHT = 4.0  # trials the prior is worth (in the batch's rate; the batch's, in a row's and a slot's)
 DECAY = 0.9         # per verified window: the counts are a moving average over about ten windows
 OFF_DECAY = 0.97    # per plain step: how fast the evidence fades while nothing is observed
 MARGIN = 0.04       # predicted gain a switch of plan must promise
 DRAIN_QUANTILE = 0.9  # a draining batch is done when this share of its rows is (`tokens_and_steps`)
-CHOOSE_EVERY = 4    # steps between two choices on device (`jaxspec.engine.loop.run_on_device`)
+CHOOSE_EVERY = 4    # plain steps between two choices on device; a drafting plan chooses after every step
 HORIZON = 16        # steps over which a plan's cost of starting (the drafter's catch-up) is spread while requests wait
 CATCH_UP_CHUNK = 8  # tokens a drafter that fell behind feeds per forward (`drafters.catch_up`)
 
@@ -62,6 +65,9 @@ class PolicyState:
     Attributes:
       accepted_b: decayed accepted drafts per row.
       tried_b: decayed acceptance trials per row (accepted drafts plus the first rejection).
+      accepted_k: decayed accepted drafts per window slot, over the batch.
+      tried_k: decayed trials per window slot, over the batch (slot j is tried when every slot
+        before it was accepted).
       prior: the acceptance a row with no evidence is assumed to have (float32 scalar).
       behind: tokens the drafter has not seen (plain steps since it last drafted), which it must
         feed before it drafts again (float32 scalar).
@@ -70,24 +76,44 @@ class PolicyState:
 
     accepted_b: jax.Array
     tried_b: jax.Array
+    accepted_k: jax.Array
+    tried_k: jax.Array
     prior: jax.Array
     behind: jax.Array
     choice: jax.Array
 
     @classmethod
-    def init(cls, b: int, prior=PRIOR_ALPHA, behind=0.0) -> PolicyState:
-        zeros = jnp.zeros((b,), jnp.float32)
-        return cls(accepted_b=zeros, tried_b=zeros, prior=jnp.asarray(prior, jnp.float32),
-                   behind=jnp.asarray(behind, jnp.float32), choice=jnp.int32(0))
+    def init(cls, b: int, slots: int, prior=PRIOR_ALPHA, behind=0.0) -> PolicyState:
+        """Counts for `b` rows and windows of up to `slots` drafts."""
+        rows, window = jnp.zeros((b,), jnp.float32), jnp.zeros((max(slots, 1),), jnp.float32)
+        return cls(accepted_b=rows, tried_b=rows, accepted_k=window, tried_k=window,
+                   prior=jnp.asarray(prior, jnp.float32), behind=jnp.asarray(behind, jnp.float32),
+                   choice=jnp.int32(0))
 
     def alpha_b(self, live_b=None) -> jax.Array:
         """Each row's acceptance estimate: its counts shrunk toward the batch's (the live rows'
-        pooled counts, themselves shrunk toward the prior): a row's few recent trials say little
-        on their own, and the batch's slowest row decides when a draining batch is done."""
+        mean counts, themselves shrunk toward the prior): a row's few recent trials say little on
+        their own, and the batch's slowest row decides when a draining batch is done. The batch's
+        rate weighs a row's worth of evidence, not the sum of its rows', so that it fades back
+        to the prior (a probe) after as many plain steps at any batch size."""
         live = jnp.ones(self.accepted_b.shape, bool) if live_b is None else live_b
-        pooled = ((jnp.sum(jnp.where(live, self.accepted_b, 0.0)) + PRIOR_WEIGHT * self.prior)
-                  / (jnp.sum(jnp.where(live, self.tried_b, 0.0)) + PRIOR_WEIGHT))
+        n = jnp.maximum(jnp.sum(live), 1)
+        pooled = ((jnp.sum(jnp.where(live, self.accepted_b, 0.0)) / n + PRIOR_WEIGHT * self.prior)
+                  / (jnp.sum(jnp.where(live, self.tried_b, 0.0)) / n + PRIOR_WEIGHT))
         return (self.accepted_b + PRIOR_WEIGHT * pooled) / (self.tried_b + PRIOR_WEIGHT)
+
+    def reach_bk(self, live_b, k: int) -> jax.Array:
+        """Probability that row b's j-th draft (j = 1..k) is accepted, its predecessors included:
+        the cumulative product of per-slot acceptances alpha_b * slot_j / overall, where slot_j
+        is the batch's rate at slot j (shrunk toward its overall rate) and overall the batch's
+        rate over every slot; so acceptance may fall along the window (deeper drafts are
+        harder), and with flat acceptance this is alpha_b^j, the geometric model."""
+        overall = ((jnp.sum(self.accepted_k) + PRIOR_WEIGHT * self.prior)
+                   / (jnp.sum(self.tried_k) + PRIOR_WEIGHT))
+        slot_k = (self.accepted_k + PRIOR_WEIGHT * overall) / (self.tried_k + PRIOR_WEIGHT)
+        slot_k = jnp.concatenate([slot_k, jnp.full((max(k - slot_k.shape[0], 0),), overall)])[:k]
+        accept_bk = jnp.clip(self.alpha_b(live_b)[:, None] * (slot_k / overall)[None, :], 0.0, 1.0)
+        return jnp.cumprod(accept_bk, axis=1)
 
     def reset_rows(self, slots_r) -> PolicyState:
         """Rows `slots_r` hold new requests: they start from the prior (out-of-range slots: none)."""
@@ -97,12 +123,19 @@ class PolicyState:
 
 def observe(state: PolicyState, verified_b, accepted_b, live_b, decay: float = DECAY) -> PolicyState:
     """Folds one verification into the counts: a row that verified v drafts and accepted a of
-    them tried min(a + 1, v) drafts. Rows that verified nothing keep their counts."""
+    them tried min(a + 1, v) drafts (slots 0..min(a, v - 1)). Rows that verified nothing keep
+    their counts."""
     seen_b = live_b & (verified_b > 0)
     accepted = jnp.minimum(accepted_b, verified_b).astype(jnp.float32)
     tried = jnp.minimum(accepted + 1.0, verified_b.astype(jnp.float32))
+    slot_k = jnp.arange(state.tried_k.shape[0], dtype=jnp.float32)[None, :]
+    seen = jnp.any(seen_b)
     return state.replace(accepted_b=jnp.where(seen_b, state.accepted_b * decay + accepted, state.accepted_b),
                          tried_b=jnp.where(seen_b, state.tried_b * decay + tried, state.tried_b),
+                         accepted_k=jnp.where(seen, state.accepted_k * decay, state.accepted_k)
+                         + jnp.sum((slot_k < accepted[:, None]) & seen_b[:, None], axis=0),
+                         tried_k=jnp.where(seen, state.tried_k * decay, state.tried_k)
+                         + jnp.sum((slot_k < tried[:, None]) & seen_b[:, None], axis=0),
                          behind=jnp.zeros_like(state.behind))
 
 
@@ -111,29 +144,34 @@ def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
     stopped drafting because its acceptance was low is probed again once the evidence is old."""
     factor = jnp.asarray(decay, jnp.float32) ** jnp.asarray(steps, jnp.float32)
     return state.replace(accepted_b=state.accepted_b * factor, tried_b=state.tried_b * factor,
+                         accepted_k=state.accepted_k * factor, tried_k=state.tried_k * factor,
                          behind=state.behind + jnp.asarray(steps, jnp.float32))
 
 
-def windows(alpha_b, live_b, plan) -> jax.Array:
+def windows(reach_bk, live_b, plan) -> jax.Array:
     """Drafts each live row verifies in one step of `plan` = (k, budget): k for a standard window
     (budget None); for TETRIS, the row's share of the batch's `budget` slots with the highest
-    expected acceptance alpha_b^j (a prefix of each row, as cumulative probabilities fall)."""
+    expected acceptance reach_bk[b, j] (`PolicyState.reach_bk`; a prefix of each row, as it
+    falls along the row)."""
     k, budget = plan
     if budget is None or k == 0:
         return jnp.where(live_b, k, 0).astype(jnp.int32)
-    reach_bk = jnp.where(live_b[:, None], alpha_b[:, None] ** jnp.arange(1, k + 1, dtype=jnp.float32)[None, :], -1.0)
     if budget == 0:
-        return jnp.zeros(alpha_b.shape, jnp.int32)
+        return jnp.zeros(live_b.shape, jnp.int32)
+    reach_bk = jnp.where(live_b[:, None], reach_bk[:, :k], -1.0)
     threshold = jax.lax.top_k(reach_bk.reshape(-1), min(budget, reach_bk.size))[0][-1]
     return jnp.sum((reach_bk >= threshold) & (reach_bk >= 0), axis=1).astype(jnp.int32)
 
 
-def tokens_and_steps(alpha_b, live_b, plan, remaining_b=None) -> tuple[jax.Array, jax.Array]:
-    """The live rows' expected tokens per step of `plan`, and (given each row's tokens left) the
-    expected steps until the batch's slowest rows are done: the 90th percentile over the live
-    rows of their tokens left over their tokens per step, rather than the maximum, as the single
-    slowest row's estimate is the noisiest."""
-    mean_b = expected_tokens_per_step(alpha_b, windows(alpha_b, live_b, plan))
+def tokens_and_steps(reach_bk, live_b, plan, remaining_b=None) -> tuple[jax.Array, jax.Array]:
+    """The live rows' expected tokens per step of `plan` (a row emits one token plus the
+    accepted prefix of its window: 1 + sum of reach_bk over the window), and (given each row's
+    tokens left) the expected steps until the batch's slowest rows are done: the 90th percentile
+    over the live rows of their tokens left over their tokens per step, rather than the maximum,
+    as the single slowest row's estimate is the noisiest."""
+    window_b = windows(reach_bk, live_b, plan)
+    j = jnp.arange(reach_bk.shape[1])[None, :]
+    mean_b = 1.0 + jnp.sum(jnp.where(j < window_b[:, None], reach_bk, 0.0), axis=1)
     total = jnp.sum(jnp.where(live_b, mean_b, 0.0))
     if remaining_b is None:
         return total, None
@@ -151,11 +189,11 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
     left over the time until then. A drafting plan also pays once for the drafter's catch-up
     (one forward of `catch_up_seconds` per `CATCH_UP_CHUNK` tokens it is behind), spread over
     the steps to the batch's end, or over `HORIZON` steps while requests wait."""
-    alpha_b = state.alpha_b(live_b)
+    reach_bk = state.reach_bk(live_b, max(max(k for k, _ in plans), 1))
     seconds_j = jnp.asarray(seconds_j, jnp.float32)
     entry_j = jnp.where(jnp.asarray([k > 0 for k, _ in plans]),
                         jnp.ceil(state.behind / CATCH_UP_CHUNK) * catch_up_seconds, 0.0)
-    per_plan = [tokens_and_steps(alpha_b, live_b, plan, remaining_b) for plan in plans]
+    per_plan = [tokens_and_steps(reach_bk, live_b, plan, remaining_b) for plan in plans]
     tokens_j = jnp.stack([tokens for tokens, _ in per_plan])
     refilled_j = tokens_j / (seconds_j + entry_j / HORIZON)
     if remaining_b is None:

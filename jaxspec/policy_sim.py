@@ -1,8 +1,8 @@
 """A deterministic testbed for the goodput policy: the clock is a cost model, acceptance is set.
 
 The policy (`jaxspec.policy`) runs as the engine runs it (`jaxspec.engine.loop.run_on_device`):
-it opens with a choice, runs its plan in chunks of `CHOOSE_EVERY` steps, observes each verified
-window, ages its evidence after plain chunks, and chooses again after each chunk; a change of plan
+it opens with a choice, observes each verified window and chooses again after every drafting step,
+and after every `CHOOSE_EVERY` plain steps (aging its evidence first); a change of plan
 costs a host round trip, and drafting after plain steps first feeds the drafter the tokens it
 missed. Nothing is timed: a step of plan (k, budget) at batch b takes `CostModel.step_seconds` of the scenario's
 true cost model, which may differ from the one the policy believes.
@@ -72,6 +72,8 @@ class Rules:
     margin: float = policy.MARGIN        # hysteresis
     off_decay: float = policy.OFF_DECAY  # probing after plain steps (1.0: never)
     per_row: bool = True                 # per-row acceptance (False: one pooled rate)
+    per_slot: bool = True                # acceptance per window slot (False: the geometric model)
+    draft_chunk: int = 1                 # drafting steps between two choices
     drain: bool = True                   # a draining batch is judged by its slowest row
     catch_up: bool = True                # a drafting plan pays for the drafter's catch-up
     prior: float = policy.PRIOR_ALPHA    # acceptance assumed before any is observed
@@ -106,7 +108,7 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
     believed_j = plan_seconds(s.believed or s.cost, s.batch, plans).astype(np.float32)
     catch_up = (s.believed or s.cost).draft_seconds(s.batch) if rules.catch_up else 0.0
     n_r = np.zeros(s.batch, np.int64)
-    state = policy.PolicyState.init(s.batch, rules.prior)
+    state = policy.PolicyState.init(s.batch, max(k for k, _ in plans), rules.prior)
     live = n_r < s.tokens
 
     def choose(state, current):
@@ -119,7 +121,7 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
     while live.any():
         k, budget = plans[current]
         steps_before = len(trace)
-        for _ in range(policy.CHOOSE_EVERY):
+        for _ in range(policy.CHOOSE_EVERY if k == 0 else rules.draft_chunk):
             accepted_r, verified_r = _one_step(s, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, state)
             n_r = np.minimum(n_r + np.where(live, accepted_r + 1, 0), s.tokens)
             if k:
@@ -136,6 +138,8 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
         if k == 0:
             state = _age(state, len(trace) - steps_before, rules.off_decay)
         seen = state if rules.per_row else _pooled(state, live)
+        if not rules.per_slot:
+            seen = seen.replace(accepted_k=jnp.zeros_like(seen.accepted_k), tried_k=jnp.zeros_like(seen.tried_k))
         choice = choose(seen, current)
         if choice != current:
             # The segment ends: the host reads the choice, times the segment, dispatches the next.
@@ -154,8 +158,7 @@ def _one_step(s: Scenario, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, st
     verified_r = np.where(live, k, 0)
     if budget is not None:
         # TETRIS selects by the drafter's confidence: here the policy's own estimate stands for it.
-        alpha_b = np.asarray(state.alpha_b(jnp.asarray(live)))
-        reach = np.where(live[:, None], alpha_b[:, None] ** np.arange(1, k + 1)[None, :], -1.0)
+        reach = np.where(live[:, None], np.asarray(state.reach_bk(jnp.asarray(live), k)), -1.0)
         order = np.argsort(-reach.ravel(), kind="stable")[:budget]
         chosen = np.zeros(reach.size, bool)
         chosen[order] = reach.ravel()[order] >= 0

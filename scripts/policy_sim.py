@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from jaxspec import policy
 from jaxspec import policy_sim as ps
 from jaxspec.benchmarking import table, write_results
 from jaxspec.cost import CostModel
@@ -29,8 +30,9 @@ ACCEPTANCE = {"0.3": dict(alphas=(0.3,)), "0.6": dict(alphas=(0.6,)), "0.8": dic
               "0.3->0.9": dict(alphas=(0.3,), drift=(0.5, (0.9,))), "falling": dict(alphas=(0.95,), falloff=0.85),
               "rows 0.9/0.3": dict(alphas=(0.9, 0.3))}
 RULES = {"policy": ps.Rules(), "no hysteresis": ps.Rules(margin=0.0), "no probing": ps.Rules(off_decay=1.0),
-         "one rate per batch": ps.Rules(per_row=False), "no drain rule": ps.Rules(drain=False),
-         "no catch-up cost": ps.Rules(catch_up=False),
+         "one rate per batch": ps.Rules(per_row=False), "geometric (no per-slot rates)": ps.Rules(per_slot=False),
+         "choose every 4 drafting steps": ps.Rules(draft_chunk=policy.CHOOSE_EVERY),
+         "no drain rule": ps.Rules(drain=False), "no catch-up cost": ps.Rules(catch_up=False),
          "neutral prior 0.6": ps.Rules(prior=0.6)}
 
 
@@ -69,12 +71,13 @@ def main() -> None:
     for s in scenarios(args.quick):
         for label, result in zip(RULES, ps.compare(s, plans, tuple(RULES.values()), seeds=args.seeds)):
             rows.append({"rules": label, **result})
-    policy = [r for r in rows if r["rules"] == "policy"]
-    misses = [r for r in policy if r["vs_best"] < 0.97 or (r["plain_is_best"] and r["vs_plain"] < 0.99)]
+    core = [r for r in rows if "believed" not in r["scenario"]]
+    policy_rows = [r for r in core if r["rules"] == "policy"]
+    misses = [r for r in policy_rows if r["vs_best"] < 0.97 or (r["plain_is_best"] and r["vs_plain"] < 0.99)]
     summary = []
     for label in RULES:
-        mine = [r for r in rows if r["rules"] == label]
-        gain = [p["vs_best"] - m["vs_best"] for p, m in zip(policy, mine)]
+        mine = [r for r in core if r["rules"] == label]
+        gain = [p["vs_best"] - m["vs_best"] for p, m in zip(policy_rows, mine)]
         summary.append({"rules": label, "worst_vs_best": min(r["vs_best"] for r in mine),
                         "mean_vs_best": float(np.mean([r["vs_best"] for r in mine])),
                         "worst_vs_plain_where_plain_best": min((r["vs_plain"] for r in mine if r["plain_is_best"]),
@@ -82,9 +85,10 @@ def main() -> None:
                         "below_0.97_of_best": sum(r["vs_best"] < 0.97 for r in mine),
                         "policy_gains_over_2pct_in": sum(g > 0.02 for g in gain),
                         "policy_largest_gain": max(gain), "policy_largest_loss": -min(gain)})
+    wrong = [r for r in rows if "believed" in r["scenario"] and r["rules"] == "policy"]
     columns = ["scenario", "batch", "best_fixed", "best_vs_plain", "vs_best", "vs_plain", "most_run", "switches"]
     md = "\n".join([
-        f"# Goodput policy in the simulator ({len(policy)} scenarios, {args.seeds} texts each)", "",
+        f"# Goodput policy in the simulator ({len(policy_rows)} scenarios, {args.seeds} texts each)", "",
         "Written by `make policy-sim` (`scripts/policy_sim.py`): deterministic, the clock is a cost model "
         "(`jaxspec.policy_sim`), no timing. `vs_best`: the policy's tokens per simulated second over the best fixed "
         "draft length's in hindsight (k = 0..6, the same texts); `vs_plain`: over plain decoding's. Goals: "
@@ -94,13 +98,17 @@ def main() -> None:
         "2% of the best fixed plan (a rule is kept only where that is at least one); `policy_largest_loss`: the "
         "most the full policy trails the variant on one scenario.", "",
         table(summary), "",
-        f"## Scenarios below the goals ({len(misses)} of {len(policy)})", "",
+        f"## Scenarios below the goals ({len(misses)} of {len(policy_rows)})", "",
         table(misses, columns) if misses else "none", "",
-        "## Every scenario (the full policy)", "", table(policy, columns)])
+        "## A cost model that is wrong about the drafter", "",
+        "Not among the goals: the policy trusts its profiled cost model, and a profile 3x off in the draft's "
+        "cost makes it choose draft lengths for the wrong machine (the remedy is profiling on the machine that "
+        "decodes: `jaxspec profile`).", "", table(wrong, columns), "",
+        "## Every scenario (the full policy)", "", table(policy_rows, columns)])
     write_results(args.name, {"args": vars(args), "summary": summary, "rows": rows,
                               "seconds": time.perf_counter() - start}, md)
     print(table(summary))
-    print(f"{len(misses)} of {len(policy)} scenarios below the goals; {time.perf_counter() - start:.0f} s")
+    print(f"{len(misses)} of {len(policy_rows)} scenarios below the goals; {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -23,37 +23,61 @@ def test_expected_tokens_per_step_at_alpha_one_is_exact():
 
 def with_alpha(alpha_b, weight=1e5):
     alpha_b = jnp.asarray(alpha_b, jnp.float32)
-    state = policy.PolicyState.init(len(alpha_b))
+    state = policy.PolicyState.init(len(alpha_b), 8)
     return state.replace(accepted_b=alpha_b * weight, tried_b=jnp.full_like(alpha_b, weight))
 
 
 def test_observe_counts_what_a_naive_loop_over_the_slots_counts():
-    """Slot j of a row was tried if it was verified and every slot before it was accepted."""
+    """Slot j of a row was tried if it was verified and every slot before it was accepted; the
+    per-slot counts sum the rows that verified something."""
     rng = np.random.default_rng(0)
-    state = policy.PolicyState.init(5)
+    state = policy.PolicyState.init(5, 4)
     acc, tried = np.zeros(5), np.zeros(5)
+    acc_k, tried_k = np.zeros(4), np.zeros(4)
     for _ in range(20):
         verified, live = rng.integers(0, 5, 5), rng.random(5) < 0.8
         accepted = np.minimum(rng.integers(0, 6, 5), verified)
         state = policy.observe(state, jnp.asarray(verified), jnp.asarray(accepted), jnp.asarray(live))
-        for r in range(5):
-            if not live[r] or verified[r] == 0:
-                continue
+        seen = [r for r in range(5) if live[r] and verified[r] > 0]
+        if seen:
+            acc_k *= policy.DECAY
+            tried_k *= policy.DECAY
+        for r in seen:
             acc[r] *= policy.DECAY
             tried[r] *= policy.DECAY
             for j in range(verified[r]):
                 tried[r] += 1
+                tried_k[j] += 1
                 if j >= accepted[r]:
                     break
                 acc[r] += 1
+                acc_k[j] += 1
     np.testing.assert_allclose(state.accepted_b, acc, rtol=1e-5)
     np.testing.assert_allclose(state.tried_b, tried, rtol=1e-5)
+    np.testing.assert_allclose(state.accepted_k, acc_k, rtol=1e-5)
+    np.testing.assert_allclose(state.tried_k, tried_k, rtol=1e-5)
+
+
+@pytest.mark.parametrize("falloff", [1.0, 0.8])
+def test_reach_follows_acceptance_that_falls_along_the_window(falloff):
+    """Windows of 5 drafts whose j-th draft is accepted with probability 0.9 * falloff^j given its
+    predecessors: the estimated chance that the j-th draft is accepted (predecessors included)
+    approaches the product of those rates, the geometric alpha^j when the rate is flat."""
+    rng = np.random.default_rng(3)
+    rate_k = 0.9 * falloff ** np.arange(5)
+    state = policy.PolicyState.init(8, 5)
+    for _ in range(300):
+        accepted = np.cumprod(rng.random((8, 5)) < rate_k, axis=1).sum(axis=1)
+        state = policy.observe(state, jnp.full(8, 5), jnp.asarray(accepted), jnp.ones(8, bool), decay=0.995)
+    reach = np.asarray(state.reach_bk(jnp.ones(8, bool), 5)).mean(axis=0)
+    np.testing.assert_allclose(reach, np.cumprod(rate_k), atol=0.05)
 
 
 def test_ageing_fades_the_evidence_back_to_the_prior():
     state = with_alpha([0.1, 0.9], weight=20.0)
     aged = policy.age(state, 400)
     np.testing.assert_allclose(aged.alpha_b(), [policy.PRIOR_ALPHA] * 2, atol=0.01)
+    np.testing.assert_allclose(aged.reach_bk(None, 3), [policy.PRIOR_ALPHA ** np.arange(1, 4)] * 2, atol=0.01)
     np.testing.assert_allclose(policy.age(state, 0).alpha_b(), state.alpha_b())
 
 
@@ -65,7 +89,8 @@ def test_tetris_windows_are_the_rows_shares_of_the_best_slots():
         alpha = rng.uniform(0.05, 0.95, 4)
         live = rng.random(4) < 0.8
         k, budget = 3, int(rng.integers(1, 9))
-        got = np.asarray(policy.windows(jnp.asarray(alpha, jnp.float32), jnp.asarray(live), (k, budget)))
+        reach = jnp.asarray(alpha[:, None] ** np.arange(1, k + 1)[None, :], jnp.float32)
+        got = np.asarray(policy.windows(reach, jnp.asarray(live), (k, budget)))
         slots = sorted(((alpha[r] ** (j + 1), r) for r in range(4) for j in range(k) if live[r]), reverse=True)
         want = np.bincount([r for _, r in slots[:budget]], minlength=4)
         np.testing.assert_array_equal(got, want)
@@ -123,7 +148,7 @@ def test_choice_is_the_brute_force_argmax_and_keeps_the_running_plan_within_the_
 
 
 def test_ageing_puts_the_drafter_behind_and_a_verified_window_catches_it_up():
-    state = policy.age(policy.PolicyState.init(3), 12)
+    state = policy.age(policy.PolicyState.init(3, 2), 12)
     state = policy.age(state, 5)
     assert float(state.behind) == 17.0
     state = policy.observe(state, jnp.asarray([2, 0, 1]), jnp.asarray([1, 0, 1]), jnp.ones(3, bool))

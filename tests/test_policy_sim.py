@@ -42,3 +42,13 @@ def test_a_draining_batch_is_judged_by_its_slow_rows():
     drain, total = policy_sim.compare(s, PLANS, (policy_sim.Rules(), policy_sim.Rules(drain=False)), seeds=2)
     assert drain["vs_best"] > total["vs_best"] + 0.05
     assert np.isclose(drain["best_vs_plain"], total["best_vs_plain"])
+
+
+def test_per_slot_rates_keep_windows_short_when_acceptance_falls_along_them():
+    """The j-th draft accepted with 0.95 * 0.85^j: the geometric model, fed the window's average
+    rate, overrates the deep slots and drafts too far; per-slot rates find the best length."""
+    s = policy_sim.Scenario(name="falling", batch=4, tokens=256, alphas=(0.95,), falloff=0.85,
+                            cost=policy_sim.machine_cost("gpu", 0.05), round_trip=0.1)
+    per_slot, geometric = policy_sim.compare(s, PLANS, (policy_sim.Rules(), policy_sim.Rules(per_slot=False)),
+                                             seeds=2)
+    assert per_slot["vs_best"] > 0.97 and per_slot["vs_best"] > geometric["vs_best"] + 0.03

@@ -54,7 +54,7 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
                           request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
     drafts_now = True
     if schedule.goodput:
-        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], prior)
+        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], max(p.k for p in schedule.plans), prior)
         choice = _choose(policy, state, schedule, seconds, None, max_new_b, draining)
         drafts_now = jnp.asarray([plan.k > 0 for plan in schedule.plans])[choice]
         # Opening with plain decoding, the drafter skips its prefill: it is a prompt behind.
@@ -98,13 +98,12 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
     refills it; counted on device, so the host need not read the done flags first); or after
     `max_steps` steps (traced).
 
-    Under the goodput policy the steps run in chunks of `policy.CHOOSE_EVERY`; after each chunk
-    the policy chooses from the statistics the chunk updated (a plain chunk observes nothing and
-    first ages the evidence: `policy.age`), and the loop returns as soon as it has chosen another
+    Under the goodput policy the policy chooses after every drafting step, from the statistics the
+    step updated, and after every `policy.CHOOSE_EVERY` plain steps (which observe nothing: the
+    evidence is aged first, `policy.age`); the loop returns as soon as it has chosen another
     plan, whose program the host runs next. `seconds` = (the plans' predicted step seconds, the
     drafter's catch-up seconds per forward); `draining` (traced bool) says no request waits for a
-    slot, so the batch drains (`policy.goodput`). Only the while loop's predicate is read per
-    chunk, never per step.
+    slot, so the batch drains (`policy.goodput`). The host reads nothing until the loop returns.
     """
     del cache_len, seq_len, mesh   # part of the program's static identity only
     b = state.seq_bl.shape[0]
@@ -125,9 +124,14 @@ def run_on_device(target_graphdef, drafter: Drafter, schedule: Schedule, samplin
         return jax.lax.while_loop(running, step, state)
 
     def chunk_then_choose(state):
-        start = state.steps
-        state = jax.lax.while_loop(lambda s: running(s) & (s.steps - start < policy_lib.CHOOSE_EVERY), step, state)
-        policy = state.policy if plan.k else policy_lib.age(state.policy, state.steps - start)
+        if plan.k:   # the outer loop's predicate has checked `running`
+            state = step(state)
+            policy = state.policy
+        else:
+            start = state.steps
+            state = jax.lax.while_loop(lambda s: running(s) & (s.steps - start < policy_lib.CHOOSE_EVERY), step,
+                                       state)
+            policy = policy_lib.age(state.policy, state.steps - start)
         return state.replace(policy=policy.replace(choice=_choose(policy, state, schedule, seconds, plan_index,
                                                                   max_new_b, draining)))
 

@@ -108,7 +108,7 @@ def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b
 @functools.partial(jax.jit, static_argnames=("plans",))
 def _open(state, prior, seconds_j, max_new_b, draining, *, plans):
     """The goodput policy's state and opening choice for a lane's fresh rows."""
-    policy = policy_lib.PolicyState.init(state.done_b.shape[0], prior)
+    policy = policy_lib.PolicyState.init(state.done_b.shape[0], max(k for k, _ in plans), prior)
     choice = policy_lib.choose(policy, ~state.done_b, plans, seconds_j, None, max_new_b - state.n_out_b, draining)
     return state.replace(policy=policy.replace(choice=choice))
 
