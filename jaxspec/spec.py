@@ -20,7 +20,7 @@ class SpecConfig:
       extra: additional draft tokens per row for TETRIS selection.
       selection: "standard" (every row verifies k drafts) or "tetris".
       capacity: TETRIS verification budget C per step (None = batch * k).
-      policy: "fixed", or "goodput": the policy (`jaxspec.policy`) picks, every few steps, the
+      policy: "fixed", or "goodput": the policy (`jaxspec.policy`) picks, after each drafting step, the
         draft length in 0..k (standard), or with TETRIS a draft length below k + extra or the
         TETRIS window at a budget of C / 2, C or 2C, maximising predicted goodput.
       cost_model: a CostModel for policy="goodput".

@@ -1,7 +1,7 @@
 """Goodput policy against every fixed configuration, across batch sizes.
 
 For each batch size: autoregressive decoding, fixed k = 1..6 (standard), fixed-k TETRIS, and the
-goodput policy with standard selection (k chosen every few steps among 0..6) and with TETRIS
+goodput policy with standard selection (k chosen each step among 0..6) and with TETRIS
 (a draft length below k + extra, or the TETRIS window at one of a few budgets). The cost model is
 profiled first on this device (and saved next to the results); for each fixed k the measured mean
 step time is compared with the cost model's prediction. Greedy outputs are checked identical to
