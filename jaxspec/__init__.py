@@ -7,12 +7,13 @@ from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
 from jaxspec.generate import generate
 from jaxspec.models import KVCache, Model, ModelConfig
+from jaxspec.models.eagle import EagleHead
 from jaxspec.models.loading import load
 from jaxspec.parallel import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 
-__all__ = ["CostModel", "Drafter", "GenerationResult", "GenerationStats", "KVCache", "MeshConfig", "Model",
+__all__ = ["CostModel", "Drafter", "EagleHead", "GenerationResult", "GenerationStats", "KVCache", "MeshConfig", "Model",
            "ModelConfig", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
            "distill", "draft_from_target", "generate", "load", "multilevel", "parallel", "policy", "tetris"]

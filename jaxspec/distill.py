@@ -67,7 +67,7 @@ def distribution_loss(target_logits, draft_logits, loss: str = "tvd") -> jax.Arr
 
 def _logits(graphdef, params, tokens_bt):
     decoder = nnx.merge(graphdef, params)
-    return decoder.head(decoder.hidden_uncached(tokens_bt))
+    return decoder.head(decoder.hidden_uncached(tokens_bt)[0])
 
 
 def _objective(params, target_logits_btv, tokens_bt, mask_bt, draft_graphdef, loss):

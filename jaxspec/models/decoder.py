@@ -169,13 +169,19 @@ class Decoder(nnx.Module):
             logits = jnp.dot(y, self.lm_head_dv[...], preferred_element_type=_F32)
         return logits.reshape(*lead, -1)
 
-    def _run_blocks(self, x_btd, carry, body):
+    def _run_blocks(self, x_md, carry, body, features=()):
+        """Runs the blocks; with `features` (static layer indices), also the residual stream
+        entering each of those layers, concatenated in the given order along the last axis
+        ([m, len(features) * d]; the inputs of EAGLE-3 heads), else None."""
+        captured = []
         for i, block in enumerate(self.layers):
-            x_btd, carry = body(block, x_btd, carry, i)
-        return x_btd, carry
+            captured += [x_md] * features.count(i)
+            x_md, carry = body(block, x_md, carry, i)
+        return x_md, carry, (jnp.concatenate(captured, axis=-1) if features else None)
 
-    def hidden_uncached(self, tokens_bt):
-        """Final hidden states of whole sequences starting at position 0, with no cache."""
+    def hidden_uncached(self, tokens_bt, features=()):
+        """Final hidden states of whole sequences starting at position 0, with no cache (and the
+        `features` layers' inputs [b, t, f], or None: `_run_blocks`)."""
         b, t = tokens_bt.shape
         pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         pos_m = pos_bt.reshape(-1)
@@ -185,10 +191,10 @@ class Decoder(nnx.Module):
             attn = attend(q, k, v, pos_bt, pos_bt)
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), extra
 
-        x_md, _ = self._run_blocks(self.embed(tokens_bt.reshape(-1)), None, body)
-        return x_md.reshape(b, t, -1)
+        x_md, _, feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), None, body, features)
+        return x_md.reshape(b, t, -1), _rows(feats, b)
 
-    def hidden_cached(self, tokens_bt, cache: KVCache, empty: bool = False):
+    def hidden_cached(self, tokens_bt, cache: KVCache, empty: bool = False, features=()):
         """Final hidden states of t new tokens per row, written at slots lengths[b] + t.
 
         Returns the hidden states and the cache with the new keys/values written; `lengths` is
@@ -196,6 +202,7 @@ class Decoder(nnx.Module):
         nothing yet (every length 0, a prefill), so the tokens attend to each other only, not to
         the whole buffer: a prefill then costs the same whatever the cache's size (attending over
         a 200-slot cache took 7% longer than over 192 at batch 16 with a 64-token prompt).
+        Also returns the `features` layers' inputs [b, t, f], or None (`_run_blocks`).
         """
         b, t = tokens_bt.shape
         pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
@@ -216,17 +223,18 @@ class Decoder(nnx.Module):
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), kv
 
-        x_md, (ks, vs) = self._run_blocks(self.embed(tokens_bt.reshape(-1)), (cache.k, cache.v), body)
-        return x_md.reshape(b, t, -1), cache.replace(k=ks, v=vs)
+        x_md, (ks, vs), feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), (cache.k, cache.v), body,
+                                                 features)
+        return x_md.reshape(b, t, -1), cache.replace(k=ks, v=vs), _rows(feats, b)
 
-    def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int):
+    def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int, features=()):
         """Final hidden states of ragged windows packed into one flat buffer of m tokens.
 
         Token m is column col_m of row row_m's window, at position lengths[row] + col; a column of
         `width` marks an unused slot of the buffer. Token-wise work (projections, MLP) runs on the
         m packed tokens only; attention alone scatters the queries into a padded [b, width] layout
         and gathers its outputs back. Keys and values of used slots are written to the cache;
-        `lengths` is unchanged.
+        `lengths` is unchanged. Also returns the `features` layers' inputs [m, f], or None.
         """
         b = cache.batch
         used_m = col_m < width
@@ -247,5 +255,10 @@ class Decoder(nnx.Module):
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn_bwnh[row_m, read_col_m]), kv
 
-        x_md, (ks, vs) = self._run_blocks(self.embed(tokens_m), (cache.k, cache.v), body)
-        return x_md, cache.replace(k=ks, v=vs)
+        x_md, (ks, vs), feats = self._run_blocks(self.embed(tokens_m), (cache.k, cache.v), body, features)
+        return x_md, cache.replace(k=ks, v=vs), feats
+
+
+def _rows(x_mf, b: int):
+    """[b * t, f] -> [b, t, f] (None stays None)."""
+    return None if x_mf is None else x_mf.reshape(b, -1, x_mf.shape[-1])

@@ -76,11 +76,12 @@ def _logical_axes(state) -> dict:
 @functools.partial(jax.jit, static_argnums=0)
 def _logits_uncached(graphdef, params, tokens_bt):
     decoder = nnx.merge(graphdef, params)
-    return decoder.head(decoder.hidden_uncached(tokens_bt))
+    return decoder.head(decoder.hidden_uncached(tokens_bt)[0])
 
 
-def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empty: bool = False):
-    """Runs t new tokens per row through the cache; returns (float32 logits, cache).
+def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empty: bool = False, features=()):
+    """Runs t new tokens per row through the cache; returns (float32 logits, cache), and with
+    `features` also the residual stream entering those layers (`features_btf`, [b, t, f]).
 
     Args:
       graphdef: the decoder's static structure (`Model.graphdef`; hashable, a static jit arg).
@@ -91,21 +92,26 @@ def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empt
         (saves the LM head on positions whose logits are not needed).
       empty: static; the cache holds nothing yet (all lengths 0): attention runs over the t new
         tokens only, not over the whole buffer (`Decoder.hidden_cached`).
+      features: static tuple of layer indices whose inputs to return, concatenated in that order
+        (an EAGLE-3 head's features, `jaxspec.models.eagle`); () computes nothing extra.
     """
     decoder = nnx.merge(graphdef, params)
-    hidden_btd, cache = decoder.hidden_cached(tokens_bt, cache, empty)
+    hidden_btd, cache, features_btf = decoder.hidden_cached(tokens_bt, cache, empty, features)
     if logits_at_bm is not None:
         hidden_btd = jnp.take_along_axis(hidden_btd, logits_at_bm[:, :, None], axis=1)
+    if features:
+        return decoder.head(hidden_btd), cache, features_btf
     return decoder.head(hidden_btd), cache
 
 
-def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int):
+def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int, features=()):
     """Runs the first `counts_b` tokens of each row's window through the cache, packed.
 
     The used tokens of all rows are laid end to end in a buffer of `packed_len` (static) slots, so
     the embedding, projections, MLP and LM head cost packed_len tokens however the windows are
     shaped; sum(counts_b) must not exceed it. Logits come back in the padded layout [b, w, v] for
-    the acceptance rules; entries at columns >= counts_b are meaningless.
+    the acceptance rules; entries at columns >= counts_b are meaningless. With `features` (as for
+    `forward`), also those layers' inputs in the same padded layout [b, w, f].
 
     Args:
       graphdef, params: as for `forward`.
@@ -113,6 +119,7 @@ def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed
       counts_b: int [b] leading tokens of each row to run (the rest are not written).
       cache: the KVCache; its lengths are not advanced.
       packed_len: static size of the packed buffer.
+      features: static layer indices, as for `forward`.
     """
     b, w = window_bw.shape
     col_w = jnp.arange(w, dtype=jnp.int32)
@@ -123,9 +130,12 @@ def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed
     row_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(rows_bw, mode="drop")
     col_m = jnp.full((packed_len,), w, jnp.int32).at[index_bw].set(jnp.broadcast_to(col_w, (b, w)), mode="drop")
     decoder = nnx.merge(graphdef, params)
-    hidden_md, cache = decoder.hidden_packed(tokens_m, row_m, col_m, cache, w)
+    hidden_md, cache, features_mf = decoder.hidden_packed(tokens_m, row_m, col_m, cache, w, features)
     logits_mv = decoder.head(hidden_md)
-    return logits_mv[jnp.minimum(index_bw, packed_len - 1)], cache
+    unpack_bw = jnp.minimum(index_bw, packed_len - 1)
+    if features:
+        return logits_mv[unpack_bw], cache, features_mf[unpack_bw]
+    return logits_mv[unpack_bw], cache
 
 
 def init_cache(graphdef, params, batch: int, max_len: int) -> KVCache:

@@ -26,6 +26,7 @@ RULES: dict[str, str | None] = {
     "embed": None,
     "head_dim": None,
     "cache_slots": None,
+    "features": None,   # an EAGLE-3 head's fused target features (jaxspec.models.eagle)
 }
 
 CACHE_AXES = ("batch", "cache_slots", "kv_heads", "head_dim")

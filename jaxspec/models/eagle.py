@@ -1,0 +1,220 @@
+"""EAGLE-3 draft heads: one decoder layer fed by the target's own hidden states.
+
+Shape key: b rows, t tokens, m flat tokens, s cache slots, d the head's width, f fused target
+features, n / k query / kv heads, h head dim, u MLP width, v target vocabulary, w draft vocabulary.
+
+EAGLE-3 (Li et al., 2025): the residual stream entering three target layers (low, middle, high;
+`Decoder._run_blocks`) is concatenated and mapped by `fc` to the head's width. That is the
+hidden input of the first draft step; each later step feeds the head's own pre-norm output. A
+step normalises the embedding of its token (the target's embedding, shared, not copied) and the
+hidden input separately (`input_norm`, `hidden_norm`), concatenates them [embedding, hidden] into
+a 2d-wide input to attention, adds attention's output to the hidden input (the residual is the
+hidden input, not the concatenation), runs an MLP block, and scores the draft vocabulary after a
+final norm. Draft token i is target token `draft_ids[i]` (published checkpoints store
+d2t[i] = draft_ids[i] - i); tokens outside the draft vocabulary get probability 0.
+
+Positions: the head's row for target position p pairs the target's features of the token at p
+with the embedding of the token at p + 1, at rotary position p, and predicts the token at p + 2.
+The head keeps its own one-layer KV cache (`KVCache`, ragged like the target's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.models.cache import KVCache
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.decoder import RMSNorm, _normal, attend, rotary
+
+_F32 = jnp.float32
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / middle / high layers: the inputs of layers 2, L // 2 and L - 3 (clamped
+    into the model for shallow test models)."""
+    return tuple(sorted(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleConfig:
+    """Attributes:
+      layer: the head's one decoder layer (width, heads, MLP, norms, rotary) as a one-layer
+        ModelConfig whose vocab_size is the draft vocabulary's.
+      target_hidden_size: the width of each target feature.
+      target_vocab_size: the target's vocabulary.
+      feature_layers: target layers whose inputs are fused, ascending.
+    """
+
+    layer: ModelConfig
+    target_hidden_size: int
+    target_vocab_size: int
+    feature_layers: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.layer.num_layers != 1:
+            raise ValueError(f"EagleConfig.layer must have num_layers 1, got {self.layer.num_layers}")
+        if not self.feature_layers or list(self.feature_layers) != sorted(self.feature_layers):
+            raise ValueError(f"feature_layers must be a non-empty ascending tuple, got {self.feature_layers}")
+        if self.layer.vocab_size > self.target_vocab_size:
+            raise ValueError(f"draft_vocab_size ({self.layer.vocab_size}) must not exceed the target's vocabulary "
+                             f"({self.target_vocab_size})")
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.feature_layers) * self.target_hidden_size
+
+
+class EagleModule(nnx.Module):
+    """The head's weights; `jaxspec.models.eagle.head_forward` runs them."""
+
+    def __init__(self, config: EagleConfig, *, dtype, rngs: nnx.Rngs):
+        c = config.layer
+        d, n, k, h, u, w = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim, c.intermediate_size,
+                            c.vocab_size)
+        f = config.feature_size
+        self.theta, self.head_dim = c.rope_theta, h
+        self.fc_fd = nnx.Param(_normal(rngs.params(), (f, d), f ** -0.5, dtype), axes=("features", "embed"))
+        self.input_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+        self.q_xnh = nnx.Param(_normal(rngs.params(), (2 * d, n, h), (2 * d) ** -0.5, dtype),
+                               axes=("embed", "heads", "head_dim"))
+        self.k_xkh = nnx.Param(_normal(rngs.params(), (2 * d, k, h), (2 * d) ** -0.5, dtype),
+                               axes=("embed", "kv_heads", "head_dim"))
+        self.v_xkh = nnx.Param(_normal(rngs.params(), (2 * d, k, h), (2 * d) ** -0.5, dtype),
+                               axes=("embed", "kv_heads", "head_dim"))
+        self.o_nhd = nnx.Param(_normal(rngs.params(), (n, h, d), (n * h) ** -0.5, dtype),
+                               axes=("heads", "head_dim", "embed"))
+        self.mlp_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+        self.gate_du = nnx.Param(_normal(rngs.params(), (d, u), d ** -0.5, dtype), axes=("embed", "mlp"))
+        self.up_du = nnx.Param(_normal(rngs.params(), (d, u), d ** -0.5, dtype), axes=("embed", "mlp"))
+        self.down_ud = nnx.Param(_normal(rngs.params(), (u, d), u ** -0.5, dtype), axes=("mlp", "embed"))
+        self.final_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+        self.lm_head_dw = nnx.Param(_normal(rngs.params(), (d, w), d ** -0.5, dtype), axes=("embed", "vocab"))
+
+    def fuse(self, features_mf):
+        return features_mf @ self.fc_fd[...]
+
+    def qkv(self, hidden_md, embedded_md, pos_m):
+        """Queries, keys and values of the [embedding, hidden] input, rotated to positions pos_m."""
+        m = hidden_md.shape[0]
+        x = jnp.concatenate([self.input_norm(embedded_md), self.hidden_norm(hidden_md)], axis=-1)
+        q = (x @ self.q_xnh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
+        k = (x @ self.k_xkh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
+        v = (x @ self.v_xkh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
+        return rotary(q, pos_m, self.theta), rotary(k, pos_m, self.theta), v
+
+    def finish(self, hidden_md, attn_mnh):
+        """Attention's output added to the hidden input, then the MLP block (pre-norm output)."""
+        m, d = hidden_md.shape
+        x = hidden_md + attn_mnh.reshape(m, -1) @ self.o_nhd[...].reshape(-1, d)
+        y = self.mlp_norm(x)
+        return x + (jax.nn.silu(y @ self.gate_du[...]) * (y @ self.up_du[...])) @ self.down_ud[...]
+
+    def head(self, hidden_md):
+        return jnp.dot(self.final_norm(hidden_md), self.lm_head_dw[...], preferred_element_type=_F32)
+
+
+def fuse(graphdef, params, features_btf):
+    """The fused target features [b, t, d]: the first draft step's hidden input."""
+    return nnx.merge(graphdef, params).fuse(features_btf)
+
+
+def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCache):
+    """One draft step for t tokens per row at positions cache.lengths[b] + t.
+
+    Args:
+      graphdef, params: the head (`EagleHead.graphdef`, `.params`).
+      embed_vd: the target's token embedding (shared).
+      hidden_btd: the hidden inputs: fused target features (`fuse`), or the head's own output.
+      tokens_bt: the tokens paired with them (the token after each feature's token).
+      cache: the head's KVCache; the keys and values are written, `lengths` not advanced.
+
+    Returns (draft-vocabulary logits [b, t, w] in float32, pre-norm outputs [b, t, d] that feed
+    the next step, cache).
+    """
+    module = nnx.merge(graphdef, params)
+    b, t = tokens_bt.shape
+    pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    slot_pos_bs = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+    rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    hidden_md = hidden_btd.reshape(b * t, -1).astype(embed_vd.dtype)
+    q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in
+               module.qkv(hidden_md, jnp.take(embed_vd, tokens_bt.reshape(-1), axis=0), pos_bt.reshape(-1)))
+    k_cache = cache.k[0].at[rows_bt, pos_bt].set(k.astype(cache.k[0].dtype), mode="drop")
+    v_cache = cache.v[0].at[rows_bt, pos_bt].set(v.astype(cache.v[0].dtype), mode="drop")
+    attn = attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), pos_bt, slot_pos_bs)
+    out_md = module.finish(hidden_md, attn.reshape(b * t, *attn.shape[2:]))
+    return (module.head(out_md).reshape(b, t, -1), out_md.reshape(b, t, -1),
+            cache.replace(k=(k_cache,), v=(v_cache,)))
+
+
+def to_target_logits(logits_btw, draft_ids_w, vocab_size: int):
+    """Draft-vocabulary logits scattered into the target's vocabulary, -inf elsewhere."""
+    if logits_btw.shape[-1] == vocab_size:
+        return logits_btw
+    full = jnp.full(logits_btw.shape[:-1] + (vocab_size,), -jnp.inf, logits_btw.dtype)
+    return full.at[..., draft_ids_w].set(logits_btw)
+
+
+class EagleHead:
+    """An EAGLE-3 head for one target: structure, weights (a pure-dict pytree), config and the
+    draft vocabulary's target ids.
+
+    Attributes:
+      config: EagleConfig.
+      graphdef, params: the module split as `jaxspec.Model` splits its decoder.
+      draft_ids: int32 numpy [w], ascending target ids of the draft vocabulary.
+    """
+
+    def __init__(self, config: EagleConfig, graphdef, params, draft_ids):
+        draft_ids = np.asarray(draft_ids, np.int32)
+        if draft_ids.shape != (config.layer.vocab_size,) or np.any(np.diff(draft_ids) <= 0) or (
+                draft_ids.size and (draft_ids[0] < 0 or draft_ids[-1] >= config.target_vocab_size)):
+            raise ValueError(f"draft_ids must be {config.layer.vocab_size} ascending ids in "
+                             f"[0, {config.target_vocab_size})")
+        self.config, self.graphdef, self.params, self.draft_ids = config, graphdef, params, draft_ids
+
+    @classmethod
+    def init(cls, target, feature_layers=None, draft_vocab_size=None, seed: int = 0, token_counts=None,
+             dtype=None) -> EagleHead:
+        """A fresh head for `target` (a `jaxspec.Model`), shaped like one of its layers.
+
+        Args:
+          target: the model the head drafts for; its embedding is shared at run time.
+          feature_layers: three (or any number of) target layer indices, ascending; None: EAGLE-3's
+            low / middle / high (`default_feature_layers`).
+          draft_vocab_size: None for the full vocabulary, else the most frequent ids of
+            `token_counts` (int [v]), or the lowest ids without counts.
+          seed: initialisation seed. The LM head starts as the target's head over the draft ids.
+          dtype: parameter dtype (default: the target's).
+        """
+        tc = target.config
+        layers = default_feature_layers(tc.num_layers) if feature_layers is None else tuple(feature_layers)
+        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < tc.num_layers for i in layers):
+            raise ValueError(f"feature_layers must be target layer indices in [0, {tc.num_layers}), got {layers}")
+        w = tc.vocab_size if draft_vocab_size is None else int(draft_vocab_size)
+        if not 1 <= w <= tc.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {tc.vocab_size}], got {draft_vocab_size}")
+        if token_counts is not None and w < tc.vocab_size:
+            draft_ids = np.sort(np.argsort(-np.asarray(token_counts), kind="stable")[:w])
+        else:
+            draft_ids = np.arange(w)
+        config = EagleConfig(layer=tc.replace(num_layers=1, vocab_size=w, tie_word_embeddings=False,
+                                              attention_bias=False, name=f"{tc.name}-eagle3"),
+                             target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
+                             feature_layers=tuple(sorted(int(i) for i in layers)))
+        dtype = target.dtype if dtype is None else dtype
+        module = EagleModule(config, dtype=dtype, rngs=nnx.Rngs(seed))
+        graphdef, state = nnx.split(module)
+        params = nnx.to_pure_dict(state)
+        head_vd = target.params["embed_vd"] if tc.tie_word_embeddings else target.params["lm_head_dv"].T
+        params["lm_head_dw"] = jnp.asarray(head_vd)[draft_ids].T.astype(dtype)
+        return cls(config, graphdef, params, draft_ids)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.init(self.config.layer, batch, max_len, self.params["fc_fd"].dtype)

@@ -1,0 +1,140 @@
+"""EAGLE-3 heads (`jaxspec.models.eagle`) and the target features they read, against
+transformers' hidden states and an independent numpy forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_loading import hf_reference
+
+import jaxspec
+from jaxspec.models import eagle
+from jaxspec.models.model import forward, forward_packed
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    ref = hf_reference("llama", False)
+    folder = tmp_path_factory.mktemp("hf")
+    ref.save_pretrained(folder, safe_serialization=True)
+    return ref, jaxspec.load(folder)
+
+
+def test_features_are_the_residual_stream_entering_the_chosen_layers(hf_pair):
+    """transformers' hidden_states[i] is the input of layer i; features (0, 1, 2) concatenate
+    them in that order, for ragged cached decoding and for packed verification alike."""
+    import torch
+    ref, ours = hf_pair
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 24))
+    with torch.no_grad():
+        states = ref(torch.tensor(tokens), output_hidden_states=True).hidden_states
+    layers = (0, 1, 2)
+    want = np.concatenate([states[i].numpy() for i in layers], axis=-1)
+    lengths = np.array([9, 17])
+    cache = ours.init_cache(2, 64)
+    prompt = np.where(np.arange(17)[None] < lengths[:, None], tokens[:, :17], 0)
+    _, cache, got = forward(ours.graphdef, ours.params, jnp.asarray(prompt), cache, features=layers)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(got[b, :lengths[b]]), want[b, :lengths[b]], rtol=2e-4, atol=2e-4)
+    cache = cache.commit(jnp.asarray(lengths))
+    window = np.stack([tokens[b, lengths[b]:lengths[b] + 4] for b in range(2)])
+    _, _, got = forward(ours.graphdef, ours.params, jnp.asarray(window), cache, features=layers)
+    counts = np.array([3, 4])
+    _, _, packed = forward_packed(ours.graphdef, ours.params, jnp.asarray(window), jnp.asarray(counts), cache, 8,
+                                  features=layers)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(got[b]), want[b, lengths[b]:lengths[b] + 4], rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(np.asarray(packed[b, :counts[b]]), want[b, lengths[b]:lengths[b] + counts[b]],
+                                   rtol=2e-4, atol=2e-4)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rotary(x_tnh, theta):
+    half = x_tnh.shape[-1] // 2
+    angles = np.arange(len(x_tnh))[:, None, None] / theta ** (np.arange(half) * 2.0 / (2 * half))
+    x1, x2 = x_tnh[..., :half], x_tnh[..., half:]
+    return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
+
+
+def numpy_head(p, config, embed_vd, features_tf, tokens_t):
+    """EAGLE-3's step written out for one sequence at positions 0..t-1, causal."""
+    c = config.layer
+    eps, n, k = c.rms_norm_eps, c.num_heads, c.num_kv_heads
+    hidden = features_tf @ p["fc_fd"]
+    x = np.concatenate([_rms(embed_vd[tokens_t], p["input_norm"]["scale"], eps),
+                        _rms(hidden, p["hidden_norm"]["scale"], eps)], axis=-1)
+    q = _rotary(np.einsum("tx,xnh->tnh", x, p["q_xnh"]), c.rope_theta)
+    kk = _rotary(np.einsum("tx,xkh->tkh", x, p["k_xkh"]), c.rope_theta)
+    v = np.einsum("tx,xkh->tkh", x, p["v_xkh"])
+    t, h = len(tokens_t), q.shape[-1]
+    out = np.zeros_like(q)
+    for i in range(n):
+        scores = q[:, i] @ kk[:, i // (n // k)].T / np.sqrt(h)
+        scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        out[:, i] = probs / probs.sum(-1, keepdims=True) @ v[:, i // (n // k)]
+    x = hidden + np.einsum("tnh,nhd->td", out, p["o_nhd"])
+    y = _rms(x, p["mlp_norm"]["scale"], eps)
+    gate = y @ p["gate_du"]
+    x = x + (gate / (1 + np.exp(-gate)) * (y @ p["up_du"])) @ p["down_ud"]
+    return _rms(x, p["final_norm"]["scale"], eps) @ p["lm_head_dw"], x
+
+
+@pytest.fixture(scope="module")
+def head_and_target():
+    target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny"), seed=0)
+    head = eagle.EagleHead.init(target, draft_vocab_size=100, token_counts=np.arange(256) % 7, seed=1)
+    rng = np.random.default_rng(2)   # norms away from 1, so that each one matters
+    head.params = jax.tree.map(lambda x: x, head.params)
+    for name in ("input_norm", "hidden_norm", "mlp_norm", "final_norm"):
+        head.params[name]["scale"] = jnp.asarray(rng.uniform(0.5, 1.5, target.config.hidden_size), jnp.float32)
+    return head, target
+
+
+def test_head_forward_matches_an_independent_numpy_step_all_at_once_and_token_by_token(head_and_target):
+    head, target = head_and_target
+    rng = np.random.default_rng(3)
+    t = 11
+    features = rng.normal(size=(1, t, head.config.feature_size)).astype(np.float32)
+    tokens = rng.integers(0, 256, (1, t))
+    params = jax.tree.map(np.asarray, head.params)
+    want_logits, want_hidden = numpy_head(params, head.config, np.asarray(target.params["embed_vd"]), features[0],
+                                          tokens[0])
+    hidden = eagle.fuse(head.graphdef, head.params, jnp.asarray(features))
+    logits, out, _ = eagle.head_forward(head.graphdef, head.params, target.params["embed_vd"], hidden,
+                                        jnp.asarray(tokens), head.init_cache(1, 16))
+    np.testing.assert_allclose(np.asarray(logits[0]), want_logits, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(out[0]), want_hidden, rtol=2e-4, atol=2e-4)
+    cache = head.init_cache(1, 16)
+    for i in range(t):
+        step, _, cache = eagle.head_forward(head.graphdef, head.params, target.params["embed_vd"], hidden[:, i:i + 1],
+                                            jnp.asarray(tokens[:, i:i + 1]), cache)
+        cache = cache.commit(cache.lengths + 1)
+        np.testing.assert_allclose(np.asarray(step[0, 0]), want_logits[i], rtol=2e-4, atol=2e-4)
+
+
+def test_draft_vocabulary_maps_back_to_target_ids(head_and_target):
+    head, target = head_and_target
+    ids = head.draft_ids
+    counts = np.arange(256) % 7
+    assert len(ids) == 100 and np.all(np.diff(ids) > 0) and counts[ids].min() >= np.delete(counts, ids).max()
+    # The LM head starts as the target's over the draft ids.
+    np.testing.assert_array_equal(np.asarray(head.params["lm_head_dw"]),
+                                  np.asarray(target.params["lm_head_dv"])[:, ids])
+    logits = np.random.default_rng(4).normal(size=(2, 3, 100)).astype(np.float32)
+    full = np.asarray(eagle.to_target_logits(jnp.asarray(logits), ids, 256))
+    assert np.all(np.isneginf(np.delete(full, ids, axis=-1)))
+    np.testing.assert_array_equal(full[..., ids], logits)
+    np.testing.assert_array_equal(full.argmax(-1), ids[logits.argmax(-1)])
+
+
+def test_bad_heads_are_refused_with_the_limit(head_and_target):
+    _, target = head_and_target
+    with pytest.raises(ValueError, match=r"feature_layers must be target layer indices in \[0, 2\)"):
+        eagle.EagleHead.init(target, feature_layers=(0, 1, 2))
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 256\]"):
+        eagle.EagleHead.init(target, draft_vocab_size=300)
+    assert eagle.default_feature_layers(32) == (2, 16, 29)
