@@ -3,7 +3,7 @@
 from jaxspec import multilevel, parallel, policy, tetris
 from jaxspec.cost import CostModel
 from jaxspec.distill import distill, draft_from_target
-from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
+from jaxspec.drafters import Drafter, EagleDrafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
 from jaxspec.generate import generate
 from jaxspec.models import KVCache, Model, ModelConfig
@@ -14,6 +14,7 @@ from jaxspec.results import GenerationResult, GenerationStats
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 
-__all__ = ["CostModel", "Drafter", "EagleHead", "GenerationResult", "GenerationStats", "KVCache", "MeshConfig", "Model",
-           "ModelConfig", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder",
-           "distill", "draft_from_target", "generate", "load", "multilevel", "parallel", "policy", "tetris"]
+__all__ = ["CostModel", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult", "GenerationStats", "KVCache",
+           "MeshConfig", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig",
+           "SpeculativeDecoder", "distill", "draft_from_target", "generate", "load", "multilevel", "parallel",
+           "policy", "tetris"]

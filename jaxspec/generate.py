@@ -25,20 +25,22 @@ NO_EOS = -1
 
 
 def prefill(graphdef, params, tokens_bp, prompt_len_b, max_new_b, request_keys_b, eos_id,
-            sampling: SamplingConfig, cache_len: int):
+            sampling: SamplingConfig, cache_len: int, features=()):
     """Ragged prefill and the first token, shared by every engine.
 
     Returns the cache (committed to the prompt lengths), the first token of each row, the count
-    of tokens emitted (1, or 0 for padding rows) and the done flags.
+    of tokens emitted (1, or 0 for padding rows), the done flags, and the prompt's features
+    ([b, p, f] of the `features` layers, for an EAGLE drafter; None when no layers are asked).
     """
     cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
-    logits_b1v, cache = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None], empty=True)
+    out = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None], empty=True, features=features)
+    (logits_b1v, cache), features_bpf = out[:2], (out[2] if features else None)
     cache = cache.commit(prompt_len_b)
     live_b = max_new_b > 0
     first_b = choose(row_keys(request_keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], sampling)
     n_out_b = live_b.astype(jnp.int32)
     done_b = ~live_b | (first_b == eos_id) | (n_out_b >= max_new_b)
-    return cache, first_b, n_out_b, done_b
+    return cache, first_b, n_out_b, done_b, features_bpf
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "out_len"))
@@ -46,7 +48,7 @@ def _generate_on_device(graphdef, params, tokens_bp, prompt_len_b, max_new_b, re
                         *, sampling: SamplingConfig, cache_len: int, out_len: int):
     b = tokens_bp.shape[0]
     rows = jnp.arange(b)
-    cache, first_b, n_out_b, done_b = prefill(graphdef, params, tokens_bp, prompt_len_b, max_new_b,
+    cache, first_b, n_out_b, done_b, _ = prefill(graphdef, params, tokens_bp, prompt_len_b, max_new_b,
                                               request_keys_b, eos_id, sampling, cache_len)
     out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
 

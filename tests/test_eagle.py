@@ -138,3 +138,96 @@ def test_bad_heads_are_refused_with_the_limit(head_and_target):
     with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 256\]"):
         eagle.EagleHead.init(target, draft_vocab_size=300)
     assert eagle.default_feature_layers(32) == (2, 16, 29)
+
+
+# --- EagleDrafter in the engine ---
+
+from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint  # noqa: E402
+
+from jaxspec.sampling import SamplingConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vocab6_heads():
+    """A 6-token target (random drafts agree with it often enough to accept some) and two heads:
+    the full vocabulary, and a 4-token draft vocabulary that cannot propose tokens 0 and 3."""
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, num_layers=4, name="tiny-v6-4L")
+    target = jaxspec.Model.random(cfg, seed=3)
+    full = eagle.EagleHead.init(target, seed=5)
+    reduced = eagle.EagleHead.init(target, draft_vocab_size=4, token_counts=[0, 5, 5, 0, 5, 5], seed=6)
+    assert list(reduced.draft_ids) == [1, 2, 4, 5]
+    return target, full, reduced
+
+
+_CHEAP_HEAD = jaxspec.CostModel.from_coefficients(draft_fixed=1e-4, draft_per_token=0.0, target_fixed=1e-3,
+                                                  target_per_token=1e-5)
+
+
+@pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, extra=1, selection="tetris"),
+                                  jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_CHEAP_HEAD)],
+                         ids=["standard", "tetris", "goodput"])
+def test_eagle_greedy_output_is_the_targets_own(vocab6_heads, spec):
+    target, full, reduced = vocab6_heads
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, 6, n)) for n in (3, 9, 5, 12, 2, 7)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=24).tokens
+    for head in (full, reduced):
+        decoder = jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(head), spec=spec)
+        got = decoder.generate(prompts, max_new_tokens=24, batch_size=4)   # 6 requests in 4 slots: refills
+        assert got.tokens == want
+        assert got.stats.acceptance_rate > 0   # some windows were accepted in part or whole
+
+
+@pytest.mark.parametrize("head_index", [1, 2], ids=["full-vocab", "reduced-vocab"])
+def test_eagle_sampling_matches_the_targets_distribution(vocab6_heads, head_index):
+    target, heads = vocab6_heads[0], vocab6_heads[1:]
+    sampling, rows = SamplingConfig(temperature=1.0), 4000
+    decoder = jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(heads[head_index - 1]),
+                                         spec=jaxspec.SpecConfig(k=2), sampling=sampling)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=31)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    assert 0 < result.stats.acceptance_rate < 1
+
+
+def test_the_head_state_after_decoding_equals_a_recomputation_from_scratch(vocab6_heads):
+    """After ragged rows decode through drafting steps of several lengths and plain steps (partial
+    and full acceptances, rollbacks), the head's committed cache, last output and first-draft
+    logits equal the head run once over each row's kept sequence with the target's features
+    recomputed from scratch."""
+    from jaxspec.engine import step as engine
+    from jaxspec.generate import request_keys
+
+    target, head, _ = vocab6_heads
+    drafter = jaxspec.EagleDrafter(head)
+    params, sampling = drafter.params, SamplingConfig()
+    rng = np.random.default_rng(8)
+    prompts = [list(rng.integers(0, 6, n)) for n in (3, 8, 5)]
+    b, p, out_len, cache_len = 3, 8, 32, 48
+    tokens = jnp.asarray([row + [0] * (p - len(row)) for row in prompts], jnp.int32)
+    lengths = jnp.asarray([len(row) for row in prompts], jnp.int32)
+    max_new, keys, eos = jnp.full((b,), 30, jnp.int32), request_keys(0, np.arange(b)), jnp.int32(-1)
+    state, feats = engine.initial_state(target.graphdef, sampling, target.params, tokens, lengths, max_new, keys, eos,
+                                        cache_len=cache_len, seq_len=cache_len, out_len=out_len,
+                                        features=drafter.feature_layers)
+    draft_state = drafter.absorb(params, drafter.init(params, tokens, lengths, cache_len), feats,
+                                 state.seq_bl[:, 1:p + 1], lengths)
+    state = state.replace(draft_state=draft_state)
+    step = jax.jit(engine.speculative_step, static_argnums=(0, 1, 2, 3, 10))
+    for k in (3, 0, 3, 1, 0, 0, 3, 1):
+        state = step(target.graphdef, drafter, engine.StepPlan(k=k), sampling, target.params, params, state, keys,
+                     max_new, eos, out_len)
+    assert int(state.counters.accepted.sum()) > 0
+    pending = np.asarray(state.target_cache.lengths)
+    got = state.draft_state
+    np.testing.assert_array_equal(np.asarray(got.cache.lengths), pending)
+    for r in range(b):
+        seq = np.asarray(state.seq_bl[r, :pending[r] + 1])[None]
+        _, _, f = forward(target.graphdef, target.params, jnp.asarray(seq[:, :-1]), target.init_cache(1, 64),
+                          empty=True, features=drafter.feature_layers)
+        hidden = eagle.fuse(head.graphdef, head.params, f)
+        logits, out, cache = eagle.head_forward(head.graphdef, head.params, head.embed_vd, hidden,
+                                                jnp.asarray(seq[:, 1:]), head.init_cache(1, 64))
+        np.testing.assert_allclose(np.asarray(got.logits_bw[r]), np.asarray(logits[0, -1]), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(got.hidden_bd[r]), np.asarray(out[0, -1]), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(got.cache.k[0][r, :pending[r]]), np.asarray(cache.k[0][0, :pending[r]]),
+                                   rtol=1e-4, atol=1e-4)

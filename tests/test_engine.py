@@ -186,8 +186,8 @@ def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
     keys = request_keys(7, np.arange(b))
     eos = jnp.int32(eos_hit_by_some_rows(target, prompts, 9) if sampling.greedy else 3)
     cache_len = width + out_len + 8
-    state = engine.initial_state(target.graphdef, sampling, target.params, tokens, lengths, max_new, keys, eos,
-                                 cache_len=cache_len, seq_len=cache_len, out_len=out_len)
+    state, _ = engine.initial_state(target.graphdef, sampling, target.params, tokens, lengths, max_new, keys, eos,
+                                    cache_len=cache_len, seq_len=cache_len, out_len=out_len)
     general = state.replace(probs_bov=jnp.zeros((b, out_len, SMALL_VOCAB)), logprob_bo=jnp.zeros((b, out_len)))
     lean = state
     for _ in range(9):

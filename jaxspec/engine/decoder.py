@@ -77,6 +77,8 @@ class SpeculativeDecoder:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target.config.vocab_size, self.spec)
+        if self.drafter.feature_layers:
+            _check_feature_drafter(self.drafter, target.config, mesh, self._sliced)
         self.draft = draft
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
@@ -317,3 +319,17 @@ def _as_drafter(draft, vocab_size: int, spec: SpecConfig) -> Drafter:
     raise ValueError("draft must be a jaxspec.Model, a drafter (e.g. jaxspec.NgramDrafter()) or a "
                      f"SpeculativeDecoder, got {type(draft).__name__}")
 
+
+def _check_feature_drafter(drafter: Drafter, config, mesh, sliced: bool) -> None:
+    """A drafter reading the target's features (EAGLE) must fit the target, and runs where the
+    target does (its features do not cross to a separate draft slice)."""
+    if sliced or mesh is not None:
+        raise ValueError("an EAGLE drafter runs on the target's own device (mesh=None, pipeline=False) for now; "
+                         "the target's features do not cross to a separate draft slice")
+    if max(drafter.feature_layers) >= config.num_layers:
+        raise ValueError(f"the drafter's feature_layers {drafter.feature_layers} must be below the target's "
+                         f"num_layers ({config.num_layers})")
+    head = getattr(drafter, "head", None)
+    if head is not None and head.config.target_hidden_size != config.hidden_size:
+        raise ValueError(f"the EAGLE head reads target features of width {head.config.target_hidden_size}, but the "
+                         f"target's hidden_size is {config.hidden_size}")

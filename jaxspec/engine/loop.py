@@ -50,8 +50,10 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
     policy, the acceptance counts and the opening choice (`draining`: whether the batch drains,
     as in `run_on_device`). A batch that opens with plain decoding defers the drafter's prefill
     (`Drafter.init_deferred`): it catches up if and when drafting starts."""
-    state = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
-                          request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
+    features = drafter.feature_layers if schedule.drafts else ()
+    state, features_bpf = initial_state(target_graphdef, sampling, target_params, tokens_bp, prompt_len_b, max_new_b,
+                                        request_keys_b, eos_id, cache_len=cache_len, seq_len=seq_len,
+                                        out_len=out_len, mesh=mesh, features=features)
     drafts_now = True
     if schedule.goodput:
         policy = policy_lib.PolicyState.init(tokens_bp.shape[0], max(p.k for p in schedule.plans), prior)
@@ -65,6 +67,10 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
         deferred = functools.partial(drafter.init_deferred, cache_len=cache_len)
         draft_state = (init(draft_params, tokens_bp, prompt_len_b) if drafts_now is True else
                        jax.lax.cond(drafts_now, init, deferred, draft_params, tokens_bp, prompt_len_b))
+        if features:   # a drafter reading the target's features (EAGLE) takes in the prompt's now
+            p = tokens_bp.shape[1]
+            draft_state = drafter.absorb(draft_params, draft_state, features_bpf, state.seq_bl[:, 1:p + 1],
+                                         prompt_len_b)
         state = state.replace(draft_state=draft_state)
     return state
 

@@ -142,18 +142,22 @@ def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params
 
 
 def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
-                 proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None) -> DecodeState:
+                 proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None, drafter=None,
+                 draft_params=None) -> DecodeState:
     """Step part 2, the target's side: select -> verify -> accept -> commit, for every row.
 
     Args:
       plan: the step's static shape (StepPlan); plan.k must equal the proposal's length.
       proposal: what `draft_phase` proposed from this same state.
       budget: traced number of drafts TETRIS may select (<= plan.capacity; default all of it).
+      drafter, draft_params: a drafter with `feature_layers` (EAGLE) absorbs the target's
+        features of the kept tokens here, in the same step; others are not called.
     """
     b, k = state.seq_bl.shape[0], plan.k
+    features = drafter.feature_layers if drafter is not None else ()
     if k == 0 and state.probs_bov is None:
         return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
-                          out_len)
+                          out_len, drafter, draft_params)
     pending_b = state.target_cache.lengths
     pending_tok_b = jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1)[:, 0]
     step_key_b = row_keys(request_keys_b, state.n_out_b)
@@ -168,12 +172,13 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     if plan.capacity is None:
         # Standard: the target scores the pending token and every draft in one padded pass.
         verify_b = proposal.num_drafts_b
-        logits_bk1v, target_cache = forward(target_graphdef, target_params, window_bk1, state.target_cache)
+        out = forward(target_graphdef, target_params, window_bk1, state.target_cache, features=features)
         verified_b = jnp.full((b,), k, jnp.int32)
     else:
-        verify_b, logits_bk1v, target_cache = _tetris_verify(target_graphdef, target_params, plan, state, proposal,
-                                                             window_bk1, max_new_b, budget)
+        verify_b, out = _tetris_verify(target_graphdef, target_params, plan, state, proposal, window_bk1, max_new_b,
+                                       budget, features)
         verified_b = verify_b
+    logits_bk1v, target_cache = out[:2]
     accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _ACCEPT_TAG)
     accepted_b, next_b = accept(accept_key_b, drafts_bk, proposal.q_bkv, logits_bk1v, verify_b, sampling)
     # Emitted this step: d_1 .. d_a, then the correction / bonus token.
@@ -185,6 +190,9 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
         state = state.replace(policy=policy_lib.observe(state.policy, verify_b, accepted_b, live_b))
     record = _record_for_level_above(logits_bk1v, emitted_bk1, sampling) if state.probs_bov is not None else None
     state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, max_new_b, eos_id, out_len, record)
+    if features:   # the drafter takes in the target's features of the tokens kept (EAGLE)
+        state = state.replace(draft_state=drafter.absorb(draft_params, state.draft_state, out[2], emitted_bk1,
+                                                         count_b))
     live = live_b.astype(jnp.int32)
     c = state.counters
     counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * proposal.num_drafts_b,
@@ -196,7 +204,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
 
 
 def plain_step(target_graphdef, sampling: SamplingConfig, target_params, state: DecodeState, request_keys_b,
-               max_new_b, eos_id, out_len: int) -> DecodeState:
+               max_new_b, eos_id, out_len: int, drafter=None, draft_params=None) -> DecodeState:
     """A step without drafts (k = 0), as lean as the autoregressive loop's: the general path's
     window bookkeeping (eos search over the window, cut at the budget, masked scatters, draft
     counters) cost 5% of a plain step at batch 16 on XLA:CPU (11.85 against 11.27 ms), which the
@@ -208,7 +216,9 @@ def plain_step(target_graphdef, sampling: SamplingConfig, target_params, state: 
     live_b = ~state.done_b
     pending_b = state.target_cache.lengths
     pending_tok_b = state.seq_bl[rows, pending_b]
-    logits_b1v, cache = forward(target_graphdef, target_params, pending_tok_b[:, None], state.target_cache)
+    features = drafter.feature_layers if drafter is not None else ()
+    out = forward(target_graphdef, target_params, pending_tok_b[:, None], state.target_cache, features=features)
+    logits_b1v, cache = out[:2]
     if sampling.greedy:
         token_b = jnp.argmax(logits_b1v[:, 0], axis=-1).astype(jnp.int32)
     else:
@@ -225,6 +235,9 @@ def plain_step(target_graphdef, sampling: SamplingConfig, target_params, state: 
     done_b = state.done_b | (live_b & (token_b == eos_id)) | (n_out_b >= max_new_b)
     c = state.counters
     counters = c.replace(row_steps=c.row_steps + live, emitted=c.emitted + live)
+    if features:   # an EAGLE drafter keeps up with plain steps too: it cannot recompute features later
+        state = state.replace(draft_state=drafter.absorb(draft_params, state.draft_state, out[2], token_b[:, None],
+                                                         live))
     return state.replace(target_cache=cache.commit(pending_b + live), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
                          done_b=done_b, counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
 
@@ -240,24 +253,24 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
     proposal, draft_state = draft_phase(drafter, plan.k, sampling, draft_params, state.draft_state, state.seq_bl,
                                         state.target_cache.lengths, state.n_out_b, request_keys_b)
     return verify_phase(target_graphdef, plan, sampling, target_params, state.replace(draft_state=draft_state),
-                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget)
+                        proposal, request_keys_b, max_new_b, eos_id, out_len, budget, drafter, draft_params)
 
 
 def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: DecodeState, proposal: Proposal,
-                   window_bk1, max_new_b, budget):
+                   window_bk1, max_new_b, budget, features=()):
     """TETRIS: choose each row's window across the batch, then verify exactly those tokens, packed.
 
     A slot is usable if it is a real proposal, its row is live, and what it could emit fits in the
-    row's remaining token budget. Returns (window lengths, logits [b, k + 1, v], target cache).
+    row's remaining token budget. Returns (window lengths, (logits [b, k + 1, v], target cache[,
+    features])).
     """
     b, k = window_bk1.shape[0], plan.k
     j = jnp.arange(k)[None, :]
     remaining_b = max_new_b - state.n_out_b
     usable_bk = (j < proposal.num_drafts_b[:, None]) & ~state.done_b[:, None] & (j + 2 <= remaining_b[:, None])
     verify_b = tetris.select(tetris.acceptance_logprobs(proposal, usable_bk), plan.capacity, budget)
-    logits_bk1v, cache = forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1, state.target_cache,
-                                        b + plan.capacity)
-    return verify_b, logits_bk1v, cache
+    return verify_b, forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1, state.target_cache,
+                                    b + plan.capacity, features)
 
 
 def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
@@ -270,19 +283,23 @@ def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
 
 
 def initial_state(target_graphdef, sampling: SamplingConfig, target_params, tokens_bp, prompt_len_b, max_new_b,
-                  request_keys_b, eos_id, *, cache_len: int, seq_len: int, out_len: int, mesh=None) -> DecodeState:
-    """The target's prefill and first token, and the loop state before the first step (no drafter).
+                  request_keys_b, eos_id, *, cache_len: int, seq_len: int, out_len: int, mesh=None,
+                  features=()) -> tuple[DecodeState, jax.Array | None]:
+    """The target's prefill and first token, and the loop state before the first step (no
+    drafter); also the prompt's features of the `features` layers (`prefill`), or None.
 
     `mesh`: a jax Mesh to lay the target's KV cache out on (rows over data, kv heads over tensor).
     """
     b, p = tokens_bp.shape
-    cache, first_b, n_out_b, done_b = prefill(target_graphdef, target_params, tokens_bp, prompt_len_b, max_new_b,
-                                              request_keys_b, eos_id, sampling, cache_len)
+    cache, first_b, n_out_b, done_b, features_bpf = prefill(target_graphdef, target_params, tokens_bp, prompt_len_b,
+                                                            max_new_b, request_keys_b, eos_id, sampling, cache_len,
+                                                            features)
     if mesh is not None:
         cache = sharding_lib.constrain_cache(cache, mesh)
     rows = jnp.arange(b)
     seq_bl = jnp.zeros((b, seq_len), jnp.int32).at[:, :p].set(tokens_bp)
     seq_bl = seq_bl.at[rows, prompt_len_b].set(first_b)
     out_bo = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(first_b)
-    return DecodeState(target_cache=cache, draft_state=(), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
-                       done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
+    state = DecodeState(target_cache=cache, draft_state=(), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
+                        done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0))
+    return state, features_bpf

@@ -169,15 +169,18 @@ class EagleHead:
       config: EagleConfig.
       graphdef, params: the module split as `jaxspec.Model` splits its decoder.
       draft_ids: int32 numpy [w], ascending target ids of the draft vocabulary.
+      embed_vd: the target's token embedding (the same array as the target's, not a copy), or
+        None for a head not bound to a target.
     """
 
-    def __init__(self, config: EagleConfig, graphdef, params, draft_ids):
+    def __init__(self, config: EagleConfig, graphdef, params, draft_ids, embed_vd=None):
         draft_ids = np.asarray(draft_ids, np.int32)
         if draft_ids.shape != (config.layer.vocab_size,) or np.any(np.diff(draft_ids) <= 0) or (
                 draft_ids.size and (draft_ids[0] < 0 or draft_ids[-1] >= config.target_vocab_size)):
             raise ValueError(f"draft_ids must be {config.layer.vocab_size} ascending ids in "
                              f"[0, {config.target_vocab_size})")
         self.config, self.graphdef, self.params, self.draft_ids = config, graphdef, params, draft_ids
+        self.embed_vd = embed_vd
 
     @classmethod
     def init(cls, target, feature_layers=None, draft_vocab_size=None, seed: int = 0, token_counts=None,
@@ -214,7 +217,7 @@ class EagleHead:
         params = nnx.to_pure_dict(state)
         head_vd = target.params["embed_vd"] if tc.tie_word_embeddings else target.params["lm_head_dv"].T
         params["lm_head_dw"] = jnp.asarray(head_vd)[draft_ids].T.astype(dtype)
-        return cls(config, graphdef, params, draft_ids)
+        return cls(config, graphdef, params, draft_ids, target.params["embed_vd"])
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.init(self.config.layer, batch, max_len, self.params["fc_fd"].dtype)

@@ -61,7 +61,7 @@ def lane_step_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelin
 def _target_start(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id, *,
                   cache_len, seq_len, out_len, mesh):
     return step.initial_state(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id,
-                                cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)
+                                cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("drafter", "cache_len"))
