@@ -13,8 +13,9 @@ from jaxspec.parallel import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
+from jaxspec.train_eagle import train_eagle
 
 __all__ = ["CostModel", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult", "GenerationStats", "KVCache",
            "MeshConfig", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig",
            "SpeculativeDecoder", "distill", "draft_from_target", "generate", "load", "multilevel", "parallel",
-           "policy", "tetris"]
+           "policy", "tetris", "train_eagle"]
