@@ -268,6 +268,7 @@ def test_the_unrolled_training_forward_is_sequential_teacher_forced_drafting(hea
             step_logits, h = step_logits[:, 0], h[:, 0]
 
 
+@pytest.mark.slow
 def test_training_raises_agreement_and_held_out_acceptance():
     """On a tiny target's own greedy continuations, a trained head agrees with the target far more
     often than the fresh one, and greedy decoding of held-out prompts with it accepts far more
