@@ -290,3 +290,106 @@ def test_training_raises_agreement_and_held_out_acceptance():
         assert result.tokens == want
         rates.append(result.stats.acceptance_rate)
     assert rates[1] > max(5 * rates[0], rates[0] + 0.1), rates
+
+
+# --- checkpoints in the published EAGLE-3 layout ---
+
+def _reference_checkpoint(folder, target, w, layers, seed=21):
+    """An EAGLE-3 folder written from scratch in the reference's PyTorch layout (not by jaxspec)."""
+    import json
+
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(seed)
+    c = target.config
+    d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim
+    u, v = c.intermediate_size, c.vocab_size
+    f = len(layers) * d
+    mat = lambda *shape: (rng.normal(size=shape) / np.sqrt(shape[-1])).astype(np.float32)  # noqa: E731
+    norm = lambda: rng.uniform(0.5, 1.5, d).astype(np.float32)  # noqa: E731
+    ids = np.sort(rng.choice(v, w, replace=False))
+    tensors = {"fc.weight": mat(d, f), "midlayer.self_attn.q_proj.weight": mat(n * h, 2 * d),
+               "midlayer.self_attn.k_proj.weight": mat(k * h, 2 * d),
+               "midlayer.self_attn.v_proj.weight": mat(k * h, 2 * d),
+               "midlayer.self_attn.o_proj.weight": mat(d, n * h), "midlayer.mlp.gate_proj.weight": mat(u, d),
+               "midlayer.mlp.up_proj.weight": mat(u, d), "midlayer.mlp.down_proj.weight": mat(d, u),
+               "midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
+               "midlayer.post_attention_layernorm.weight": norm(), "norm.weight": norm(),
+               "lm_head.weight": mat(w, d), "d2t": (ids - np.arange(w)).astype(np.int64),
+               "t2d": np.isin(np.arange(v), ids)}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": d, "intermediate_size": u,
+        "num_attention_heads": n, "num_key_value_heads": k, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "vocab_size": v, "draft_vocab_size": w,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return tensors, ids
+
+
+def reference_layout_head(t, config, embed_vd, features_tf, tokens_t):
+    """EAGLE-3's step on the reference's tensors as stored (x @ W.T), one sequence, causal."""
+    c = config.layer
+    eps, n, k, h = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.resolved_head_dim
+    hidden = features_tf @ t["fc.weight"].T
+    x = np.concatenate([_rms(embed_vd[tokens_t], t["midlayer.input_layernorm.weight"], eps),
+                        _rms(hidden, t["midlayer.hidden_norm.weight"], eps)], axis=-1)
+    size = len(tokens_t)
+    q = _rotary((x @ t["midlayer.self_attn.q_proj.weight"].T).reshape(size, n, h), c.rope_theta)
+    kk = _rotary((x @ t["midlayer.self_attn.k_proj.weight"].T).reshape(size, k, h), c.rope_theta)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).reshape(size, k, h)
+    out = np.zeros_like(q)
+    for i in range(n):
+        scores = q[:, i] @ kk[:, i // (n // k)].T / np.sqrt(h)
+        scores = np.where(np.tril(np.ones((size, size), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        out[:, i] = probs / probs.sum(-1, keepdims=True) @ v[:, i // (n // k)]
+    x = hidden + out.reshape(size, -1) @ t["midlayer.self_attn.o_proj.weight"].T
+    y = _rms(x, t["midlayer.post_attention_layernorm.weight"], eps)
+    gate = y @ t["midlayer.mlp.gate_proj.weight"].T
+    mlp = gate / (1 + np.exp(-gate)) * (y @ t["midlayer.mlp.up_proj.weight"].T)
+    x = x + mlp @ t["midlayer.mlp.down_proj.weight"].T
+    return _rms(x, t["norm.weight"], eps) @ t["lm_head.weight"].T
+
+
+def test_a_reference_written_checkpoint_loads_and_scores_like_the_reference(tmp_path):
+    target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4), seed=0)
+    tensors, ids = _reference_checkpoint(tmp_path / "eagle", target, 40, (0, 2, 3))
+    head = jaxspec.load(tmp_path / "eagle", target=target)
+    assert head.config.feature_layers == (0, 2, 3)
+    np.testing.assert_array_equal(head.draft_ids, ids)
+    rng = np.random.default_rng(22)
+    features = rng.normal(size=(1, 9, head.config.feature_size)).astype(np.float32)
+    tokens = rng.integers(0, 256, (1, 9))
+    want = reference_layout_head(tensors, head.config, np.asarray(target.params["embed_vd"]), features[0], tokens[0])
+    logits, _, _ = eagle.head_forward(head.graphdef, head.params, head.embed_vd,
+                                      eagle.fuse(head.graphdef, head.params, jnp.asarray(features)),
+                                      jnp.asarray(tokens), head.init_cache(1, 16))
+    np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=2e-4, atol=2e-4)
+    # jaxspec writes the same layout back: a round trip keeps every tensor.
+    head.save(tmp_path / "again")
+    again = jaxspec.load(tmp_path / "again", target=target)
+    jax.tree.map(np.testing.assert_array_equal, again.params, head.params)
+    np.testing.assert_array_equal(again.draft_ids, ids)
+
+
+def test_bad_checkpoints_name_the_tensor_or_the_limit(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4), seed=0)
+    folder = tmp_path / "eagle"
+    _reference_checkpoint(folder, target, 40, (0, 2, 3))
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["midlayer.hidden_norm.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor 'midlayer.hidden_norm.weight' \(expected shape \(64,\)\)"):
+        jaxspec.load(folder, target=target)
+    _reference_checkpoint(folder, target, 40, (0, 2, 3))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["fc.weight"] = tensors["fc.weight"][:, :64]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"tensor 'fc.weight' has shape \(64, 64\), but the config needs \(64, 192\)"):
+        jaxspec.load(folder, target=target)
+    _reference_checkpoint(folder, target, 40, (0, 2, 9))
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids \(0, 2, 9\) must lie in \[0, 4\)"):
+        jaxspec.load(folder, target=target)
+    with pytest.raises(ValueError, match="needs target="):
+        jaxspec.load(folder)

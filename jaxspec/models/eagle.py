@@ -21,6 +21,8 @@ The head keeps its own one-layer KV cache (`KVCache`, ragged like the target's).
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -221,3 +223,144 @@ class EagleHead:
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.init(self.config.layer, batch, max_len, self.params["fc_fd"].dtype)
+
+    def save(self, path) -> None:
+        """Writes the head in the published EAGLE-3 folder layout (`save_head`)."""
+        save_head(self, path)
+
+
+# --- checkpoints in the published EAGLE-3 layout ---
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def _layout(config: EagleConfig) -> dict:
+    """Checkpoint tensor name -> (our param path, to-checkpoint transform, checkpoint shape), in
+    the EAGLE-3 reference's layout (PyTorch [out, in] weights, as vLLM and SGLang read it)."""
+    c = config.layer
+    d, n, k, h, u, w = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim, c.intermediate_size,
+                        c.vocab_size)
+    f = config.feature_size
+    flat_t = lambda x: x.reshape(x.shape[0], -1).T   # noqa: E731  [in, heads, h] -> [heads * h, in]
+    return {
+        "fc.weight": (("fc_fd",), np.transpose, (d, f)),
+        "midlayer.self_attn.q_proj.weight": (("q_xnh",), flat_t, (n * h, 2 * d)),
+        "midlayer.self_attn.k_proj.weight": (("k_xkh",), flat_t, (k * h, 2 * d)),
+        "midlayer.self_attn.v_proj.weight": (("v_xkh",), flat_t, (k * h, 2 * d)),
+        "midlayer.self_attn.o_proj.weight": (("o_nhd",), lambda x: x.reshape(-1, d).T, (d, n * h)),
+        "midlayer.mlp.gate_proj.weight": (("gate_du",), np.transpose, (u, d)),
+        "midlayer.mlp.up_proj.weight": (("up_du",), np.transpose, (u, d)),
+        "midlayer.mlp.down_proj.weight": (("down_ud",), np.transpose, (d, u)),
+        "midlayer.input_layernorm.weight": (("input_norm", "scale"), np.asarray, (d,)),
+        "midlayer.hidden_norm.weight": (("hidden_norm", "scale"), np.asarray, (d,)),
+        "midlayer.post_attention_layernorm.weight": (("mlp_norm", "scale"), np.asarray, (d,)),
+        "norm.weight": (("final_norm", "scale"), np.asarray, (d,)),
+        "lm_head.weight": (("lm_head_dw",), np.transpose, (w, d)),
+    }
+
+
+def save_head(head: EagleHead, path) -> None:
+    """Writes `config.json` and `model.safetensors` in the EAGLE-3 layout (float32 weights, d2t
+    int64, t2d bool); `jaxspec.load(path, target=...)` and EAGLE-3 loaders elsewhere read it."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    c, config = head.config.layer, head.config
+    hf = {"architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": c.hidden_size,
+          "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+          "num_key_value_heads": c.num_kv_heads, "head_dim": c.resolved_head_dim, "num_hidden_layers": 1,
+          "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+          "max_position_embeddings": c.max_position_embeddings, "vocab_size": config.target_vocab_size,
+          "draft_vocab_size": c.vocab_size, "target_hidden_size": config.target_hidden_size,
+          "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+                           "use_aux_hidden_state": True}}
+    (path / "config.json").write_text(json.dumps(hf, indent=2))
+    tensors = {}
+    for name, (keys, to_ckpt, _) in _layout(config).items():
+        value = head.params
+        for key in keys:
+            value = value[key]
+        tensors[name] = np.ascontiguousarray(to_ckpt(np.asarray(value, np.float32)))
+    tensors["d2t"] = (head.draft_ids - np.arange(len(head.draft_ids))).astype(np.int64)
+    t2d = np.zeros(config.target_vocab_size, bool)
+    t2d[head.draft_ids] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def is_eagle_folder(path) -> bool:
+    config = Path(path) / "config.json"
+    return config.exists() and any("Eagle3" in a for a in json.loads(config.read_text()).get("architectures", []))
+
+
+def load_head(path, target, dtype=None) -> EagleHead:
+    """Reads an EAGLE-3 folder (`save_head`'s layout, the reference's) as a head bound to `target`.
+
+    Raises ValueError naming the field or tensor when the folder does not fit the target or
+    misses a tensor, or a tensor has the wrong shape.
+    """
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    tc = target.config
+    if not (path / "model.safetensors").exists():
+        raise ValueError(f"{str(path)!r} has no model.safetensors (pytorch_model.bin is not read: convert it)")
+    if hf.get("vocab_size", tc.vocab_size) != tc.vocab_size:
+        raise ValueError(f"the head's vocab_size ({hf['vocab_size']}) differs from the target's ({tc.vocab_size})")
+    if hf.get("target_hidden_size", hf["hidden_size"]) != tc.hidden_size:
+        raise ValueError(f"the head reads features of width {hf.get('target_hidden_size', hf['hidden_size'])}, "
+                         f"but the target's hidden_size is {tc.hidden_size}")
+    layers = tuple(hf.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+                   or default_feature_layers(tc.num_layers))
+    if any(not 0 <= i < tc.num_layers for i in layers):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {layers} must lie in [0, {tc.num_layers})")
+    w = int(hf.get("draft_vocab_size", tc.vocab_size))
+    layer = ModelConfig(vocab_size=w, hidden_size=hf["hidden_size"], num_layers=1,
+                        num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
+                        intermediate_size=hf["intermediate_size"], max_position_embeddings=tc.max_position_embeddings,
+                        rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf["rms_norm_eps"]),
+                        head_dim=hf.get("head_dim"), name=f"{tc.name}-eagle3")
+    config = EagleConfig(layer=layer, target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
+                         feature_layers=tuple(sorted(int(i) for i in layers)))
+    tensors = load_file(str(path / "model.safetensors"))
+    dtype = target.dtype if dtype is None else dtype
+    module = nnx.eval_shape(lambda: EagleModule(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(module)
+    params = nnx.to_pure_dict(state)
+    for name, (keys, to_ckpt, shape) in _layout(config).items():
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name!r} (expected shape {shape})")
+        value = np.asarray(tensors[name], np.float32)
+        if value.shape != shape:
+            raise ValueError(f"tensor {name!r} has shape {value.shape}, but the config needs {shape}")
+        ours = _from_checkpoint(value, keys, config)
+        node = params
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = jnp.asarray(ours, dtype)
+    if "d2t" in tensors:
+        draft_ids = np.arange(w) + np.asarray(tensors["d2t"], np.int64)
+    elif w == tc.vocab_size:
+        draft_ids = np.arange(w)
+    else:
+        raise ValueError(f"missing tensor 'd2t' (expected shape ({w},)): a reduced draft vocabulary needs its map")
+    unexpected = sorted(set(tensors) - set(_layout(config)) - {"d2t", "t2d", "embed_tokens.weight"})
+    if unexpected:
+        raise ValueError(f"unexpected tensors in {str(path)!r}: {unexpected}")
+    return EagleHead(config, graphdef, params, draft_ids, target.params["embed_vd"])
+
+
+def _from_checkpoint(value, keys, config: EagleConfig):
+    """The inverse of `_layout`'s transforms."""
+    c = config.layer
+    h = c.resolved_head_dim
+    name = keys[0]
+    if name in ("q_xnh", "k_xkh", "v_xkh"):
+        return value.T.reshape(value.shape[1], -1, h)
+    if name == "o_nhd":
+        return value.T.reshape(c.num_heads, h, c.hidden_size)
+    if value.ndim == 2:
+        return value.T
+    return value

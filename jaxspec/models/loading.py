@@ -18,24 +18,34 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.convert import convert_tensors
+from jaxspec.models.eagle import is_eagle_folder, load_head
 from jaxspec.models.model import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST, Model, _abstract_decoder, resolve_dtype
 
 
-def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
-    """Loads a model from a `.gguf` file, an HF folder, or a folder written by `Model.save`.
+def load(path, dtype="float32", *, tokenizer: bool = True, target: Model | None = None):
+    """Loads a model from a `.gguf` file, an HF folder, or a folder written by `Model.save`; with
+    `target`, an EAGLE-3 head for that target (an `EagleHead`, in the target's dtype) from a
+    folder in the published EAGLE-3 layout (`EagleHead.save`'s).
 
     Args:
       path: the file or folder.
       dtype: "float32" or "bfloat16" (weights are converted; GGUF quantised weights are
         dequantised to float32 first).
       tokenizer: attach the source's tokenizer when it has one.
+      target: the model an EAGLE-3 head drafts for.
 
     Raises:
       ValueError: unknown format, unsupported architecture, or a missing / unexpected /
-        misshapen tensor (named, with both shapes).
+        misshapen tensor (named, with both shapes); an EAGLE-3 folder without `target`.
     """
     path = Path(path)
     dtype = resolve_dtype(dtype)
+    if path.is_dir() and is_eagle_folder(path):
+        if target is None:
+            raise ValueError(f"{str(path)!r} is an EAGLE-3 head: it needs target= (the model it drafts for)")
+        return load_head(path, target)
+    if target is not None:
+        raise ValueError(f"target= is for EAGLE-3 head folders; {str(path)!r} is not one")
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, dtype, tokenizer)
     if path.is_dir() and (path / CHECKPOINT_MANIFEST).exists():
