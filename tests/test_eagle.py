@@ -59,24 +59,29 @@ def _rotary(x_tnh, theta):
     return np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles), x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
 
 
+def _causal_gqa(q_tnh, k_tkh, v_tkh):
+    """Causal grouped-query attention of one sequence, a head at a time."""
+    (t, n, h), k = q_tnh.shape, k_tkh.shape[1]
+    out = np.zeros_like(q_tnh)
+    for i in range(n):
+        scores = q_tnh[:, i] @ k_tkh[:, i // (n // k)].T / np.sqrt(h)
+        scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        out[:, i] = probs / probs.sum(-1, keepdims=True) @ v_tkh[:, i // (n // k)]
+    return out
+
+
 def numpy_head(p, config, embed_vd, features_tf, tokens_t):
     """EAGLE-3's step written out for one sequence at positions 0..t-1, causal."""
     c = config.layer
-    eps, n, k = c.rms_norm_eps, c.num_heads, c.num_kv_heads
+    eps = c.rms_norm_eps
     hidden = features_tf @ p["fc_fd"]
     x = np.concatenate([_rms(embed_vd[tokens_t], p["input_norm"]["scale"], eps),
                         _rms(hidden, p["hidden_norm"]["scale"], eps)], axis=-1)
     q = _rotary(np.einsum("tx,xnh->tnh", x, p["q_xnh"]), c.rope_theta)
     kk = _rotary(np.einsum("tx,xkh->tkh", x, p["k_xkh"]), c.rope_theta)
     v = np.einsum("tx,xkh->tkh", x, p["v_xkh"])
-    t, h = len(tokens_t), q.shape[-1]
-    out = np.zeros_like(q)
-    for i in range(n):
-        scores = q[:, i] @ kk[:, i // (n // k)].T / np.sqrt(h)
-        scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        out[:, i] = probs / probs.sum(-1, keepdims=True) @ v[:, i // (n // k)]
-    x = hidden + np.einsum("tnh,nhd->td", out, p["o_nhd"])
+    x = hidden + np.einsum("tnh,nhd->td", _causal_gqa(q, kk, v), p["o_nhd"])
     y = _rms(x, p["mlp_norm"]["scale"], eps)
     gate = y @ p["gate_du"]
     x = x + (gate / (1 + np.exp(-gate)) * (y @ p["up_du"])) @ p["down_ud"]
@@ -337,13 +342,7 @@ def reference_layout_head(t, config, embed_vd, features_tf, tokens_t):
     q = _rotary((x @ t["midlayer.self_attn.q_proj.weight"].T).reshape(size, n, h), c.rope_theta)
     kk = _rotary((x @ t["midlayer.self_attn.k_proj.weight"].T).reshape(size, k, h), c.rope_theta)
     v = (x @ t["midlayer.self_attn.v_proj.weight"].T).reshape(size, k, h)
-    out = np.zeros_like(q)
-    for i in range(n):
-        scores = q[:, i] @ kk[:, i // (n // k)].T / np.sqrt(h)
-        scores = np.where(np.tril(np.ones((size, size), bool)), scores, -np.inf)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        out[:, i] = probs / probs.sum(-1, keepdims=True) @ v[:, i // (n // k)]
-    x = hidden + out.reshape(size, -1) @ t["midlayer.self_attn.o_proj.weight"].T
+    x = hidden + _causal_gqa(q, kk, v).reshape(size, -1) @ t["midlayer.self_attn.o_proj.weight"].T
     y = _rms(x, t["midlayer.post_attention_layernorm.weight"], eps)
     gate = y @ t["midlayer.mlp.gate_proj.weight"].T
     mlp = gate / (1 + np.exp(-gate)) * (y @ t["midlayer.mlp.up_proj.weight"].T)
