@@ -136,9 +136,10 @@ class SpeculativeDecoder:
                if self._target_mesh is not None else (lambda tree: tree))
         keys_b = request_keys(seed, first.request_ids_b)
         *rows_in, eos_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos)))
-        # Goodput: each plan's predicted step seconds, and one drafter forward (the catch-up's unit).
-        seconds = put((self._plan_seconds(schedule, slots, cache_len),
-                       np.float32(self.spec.cost_model.draft_seconds(slots)))) if goodput else None
+        # Goodput: each plan's predicted step seconds, and one drafter forward (the catch-up's unit;
+        # none for a drafter fed the target's features, which keeps up through plain steps too).
+        catch_up = 0.0 if self.drafter.feature_layers else self.spec.cost_model.draft_seconds(slots)
+        seconds = put((self._plan_seconds(schedule, slots, cache_len), np.float32(catch_up))) if goodput else None
         start = time.perf_counter()
         state = loop.start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                      *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
