@@ -138,8 +138,10 @@ class SpeculativeDecoder:
         *rows_in, eos_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos)))
         # Goodput: each plan's predicted step seconds, and one drafter forward (the catch-up's unit;
         # none for a drafter fed the target's features, which keeps up through plain steps too).
-        catch_up = 0.0 if self.drafter.feature_layers else self.spec.cost_model.draft_seconds(slots)
-        seconds = put((self._plan_seconds(schedule, slots, cache_len), np.float32(catch_up))) if goodput else None
+        seconds = None
+        if goodput:
+            catch_up = 0.0 if self.drafter.feature_layers else self.spec.cost_model.draft_seconds(slots)
+            seconds = put((self._plan_seconds(schedule, slots, cache_len), np.float32(catch_up)))
         start = time.perf_counter()
         state = loop.start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                      *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
