@@ -117,6 +117,13 @@ class SpeculativeDecoder:
             return self._generate_sliced(batch, seed, eos, cache_len, batch_size, on_finish)
         return self._generate_single(batch, seed, eos, cache_len, batch_size, on_finish)
 
+    def _policy_seconds(self, schedule, slots: int, cache_len: int):
+        """The goodput policy's clock: each plan's predicted step seconds, and one drafter forward
+        (the catch-up's unit; none for a drafter fed the target's features, which keeps up
+        through plain steps too)."""
+        catch_up = 0.0 if self.drafter.feature_layers else self.spec.cost_model.draft_seconds(slots)
+        return self._plan_seconds(schedule, slots, cache_len), np.float32(catch_up)
+
     def _generate_single(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:
         """One program at a time on the target's device (or mesh): segments of `run_on_device`."""
@@ -136,12 +143,7 @@ class SpeculativeDecoder:
                if self._target_mesh is not None else (lambda tree: tree))
         keys_b = request_keys(seed, first.request_ids_b)
         *rows_in, eos_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos)))
-        # Goodput: each plan's predicted step seconds, and one drafter forward (the catch-up's unit;
-        # none for a drafter fed the target's features, which keeps up through plain steps too).
-        seconds = None
-        if goodput:
-            catch_up = 0.0 if self.drafter.feature_layers else self.spec.cost_model.draft_seconds(slots)
-            seconds = put((self._plan_seconds(schedule, slots, cache_len), np.float32(catch_up)))
+        seconds = put(self._policy_seconds(schedule, slots, cache_len)) if goodput else None
         start = time.perf_counter()
         state = loop.start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                      *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
