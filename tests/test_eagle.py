@@ -93,7 +93,6 @@ def head_and_target():
     target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny"), seed=0)
     head = eagle.EagleHead.init(target, draft_vocab_size=100, token_counts=np.arange(256) % 7, seed=1)
     rng = np.random.default_rng(2)   # norms away from 1, so that each one matters
-    head.params = jax.tree.map(lambda x: x, head.params)
     for name in ("input_norm", "hidden_norm", "mlp_norm", "final_norm"):
         head.params[name]["scale"] = jnp.asarray(rng.uniform(0.5, 1.5, target.config.hidden_size), jnp.float32)
     return head, target

@@ -19,7 +19,7 @@ import numpy as np
 from jaxspec import batching, tetris
 from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
-from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
+from jaxspec.drafters import Drafter, EagleDrafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import loop, timing
 from jaxspec.engine.chain import ChainDrafter
 from jaxspec.engine.loop import Schedule, cache_length, prefill_schedule, put_rows
@@ -334,7 +334,6 @@ def _check_feature_drafter(drafter: Drafter, config, mesh, sliced: bool) -> None
     if max(drafter.feature_layers) >= config.num_layers:
         raise ValueError(f"the drafter's feature_layers {drafter.feature_layers} must be below the target's "
                          f"num_layers ({config.num_layers})")
-    head = getattr(drafter, "head", None)
-    if head is not None and head.config.target_hidden_size != config.hidden_size:
-        raise ValueError(f"the EAGLE head reads target features of width {head.config.target_hidden_size}, but the "
-                         f"target's hidden_size is {config.hidden_size}")
+    if isinstance(drafter, EagleDrafter) and drafter.head.config.target_hidden_size != config.hidden_size:
+        raise ValueError(f"the EAGLE head reads target features of width {drafter.head.config.target_hidden_size}, "
+                         f"but the target's hidden_size is {config.hidden_size}")
