@@ -2,6 +2,7 @@
 
     jaxspec generate --target PATH --draft PATH|ngram|none --prompts IN.jsonl --output OUT.jsonl
     jaxspec profile --target PATH --draft PATH --output cost.json
+    jaxspec distill / train-eagle --target PATH ... --output DIR
     jaxspec bench [--quick] [--only NAME]
 
 A model argument is a path (GGUF file, HF folder, jaxspec checkpoint) or `preset:NAME` for random
@@ -20,8 +21,10 @@ import jaxspec
 from jaxspec import jobs as jobs_lib
 from jaxspec import prompts as prompts_lib
 from jaxspec.benchmarking import table
+from jaxspec.cli_eagle import _add_train_eagle
 from jaxspec.cli_tools import _add_bench, _add_distill, _add_profile, _warn, load_model
 from jaxspec.cost import CostModel
+from jaxspec.models.eagle import is_eagle_folder
 
 
 def _build_spec(args) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxspec.MeshConfig | None]:
@@ -107,14 +110,14 @@ def generate(args) -> int:
         print(f"nothing to do: all {len(jobs)} requests are in {args.output}")
         return 0
     target = load_model(args.target, args.dtype)
-    draft = None
-    if args.draft not in ("none", "ngram"):
-        draft = load_model(args.draft, args.dtype, seed=1)
+    drafter = jaxspec.NgramDrafter(max_ngram=3)
     max_positions = target.config.max_position_embeddings
-    if draft is not None:
-        max_positions = min(max_positions, draft.config.max_position_embeddings)
+    if args.draft not in ("none", "ngram") and is_eagle_folder(args.draft):
+        drafter = jaxspec.EagleDrafter(jaxspec.load(args.draft, target=target))
+    elif args.draft not in ("none", "ngram"):
+        drafter = load_model(args.draft, args.dtype, seed=1)
+        max_positions = min(max_positions, drafter.config.max_position_embeddings)
     prompts, budgets = _encode_jobs(todo, target, args, max_positions)
-    drafter = draft if draft is not None else jaxspec.NgramDrafter(max_ngram=3)
     decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=spec, sampling=sampling, mesh=mesh)
     tok = target.tokenizer
     eos = tok.eos_token_id if args.eos and tok is not None else None
@@ -190,8 +193,9 @@ def _add_generate(sub) -> None:
     models.add_argument("--target", required=True,
                         help="GGUF file, HF folder, jaxspec checkpoint, or preset:NAME (random weights)")
     models.add_argument("--draft", default="ngram",
-                        help="a draft model (path or preset:NAME, same vocabulary), 'ngram' (prompt lookup, "
-                             "the default) or 'none' (plain autoregressive decoding)")
+                        help="a draft model (path or preset:NAME, same vocabulary), an EAGLE-3 head folder "
+                             "(jaxspec train-eagle), 'ngram' (prompt lookup, the default) or 'none' (plain "
+                             "autoregressive decoding)")
     models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     io = p.add_argument_group("input and output")
     io.add_argument("--prompts", required=True, metavar="IN.jsonl", help="requests, one JSON object per line")
@@ -239,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     _add_bench(sub)
     _add_distill(sub)
+    _add_train_eagle(sub)
     return parser
 
 

@@ -8,11 +8,7 @@ draft to predict the target's text. Each training step is one compiled pure func
 (draft params, optimizer state, target params, batch): the target's logits are computed inside it,
 once per batch, under `stop_gradient`, so no [n, t, v] tensor is ever stored. The loss is a
 divergence between the two next-token distributions at the continuation positions only.
-
-Everything a run depends on is a function of the seed and the step number: the data order is a
-per-epoch permutation drawn from (seed, epoch), so batch s is known without replaying batches
-0..s-1. A checkpoint therefore needs only the params, the optimizer state, the step and the
-history, and a resumed run continues exactly as an uninterrupted one would.
+Optimizer, data order, checkpoints and the loop are `jaxspec.training`'s.
 """
 
 from __future__ import annotations
@@ -35,6 +31,15 @@ from jaxspec.generate import generate
 from jaxspec.models.init_draft import draft_from_target
 from jaxspec.models.model import Model
 from jaxspec.sampling import SamplingConfig
+from jaxspec.training import (
+    batch_indices,
+    check_optimizer_args,
+    make_optimizer,
+    params_digest,
+    record_eval,
+    run_steps,
+    start_run,
+)
 
 LOSSES = ("forward_kl", "reverse_kl", "tvd")
 _DATA_FORMAT = 1
@@ -95,21 +100,6 @@ def _train_step(params, opt_state, target_params, tokens_bt, mask_bt, *, draft_g
     return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads)}
 
 
-def make_optimizer(learning_rate: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
-                   clip_norm: float | None = 1.0):
-    """AdamW with linear warm-up to `learning_rate`, cosine decay to 10% of it, and global-norm clipping.
-
-    Returns:
-      (optax.GradientTransformation, schedule): the schedule maps a step to its learning rate.
-    """
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup_steps else learning_rate, peak_value=learning_rate,
-        warmup_steps=warmup_steps, decay_steps=max(steps, warmup_steps + 1), end_value=0.1 * learning_rate)
-    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
-    parts.append(optax.adamw(schedule, weight_decay=weight_decay))
-    return optax.chain(*parts), schedule
-
-
 # --- data: the target's continuations ---
 
 def _continuations(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
@@ -145,12 +135,6 @@ def _pack(sequences, prompt_lens):
     return tokens_nt, mask_nt
 
 
-def _params_digest(params) -> str:
-    """A cheap fingerprint of a parameter pytree (so a cache made by other weights is not reused)."""
-    sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(jnp.abs(x.astype(_F32))), params))
-    return hashlib.sha256(np.asarray(jax.tree.leaves(sums), np.float64).tobytes()).hexdigest()[:16]
-
-
 def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
                           max_len, data_cache=None, generate_batch_size=64, progress=True):
     """The packed training data, read from `data_cache` when it holds data made the same way.
@@ -158,7 +142,7 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
     Returns:
       (tokens int32 [n, t], mask float32 [n, t], digest str of the data).
     """
-    meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(), "target_params": _params_digest(target.params),
+    meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(), "target_params": params_digest(target.params),
             "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
             "max_new_tokens": max_new_tokens, "temperatures": list(temperatures), "seed": seed,
             "eos_token_id": eos_token_id, "max_len": max_len}
@@ -189,17 +173,6 @@ def _data_digest(tokens_nt, mask_nt) -> str:
     return hashlib.sha256(tokens_nt.tobytes() + mask_nt.tobytes()).hexdigest()[:16]
 
 
-def batch_indices(seed: int, step: int, batch_size: int, num_sequences: int) -> np.ndarray:
-    """Rows of batch `step`: consecutive slices of per-epoch permutations drawn from (seed, epoch)."""
-    flat = np.arange(step * batch_size, (step + 1) * batch_size)
-    epochs, offsets = np.divmod(flat, num_sequences)
-    rows = np.empty_like(flat)
-    for epoch in np.unique(epochs):
-        order = np.random.default_rng([seed, int(epoch)]).permutation(num_sequences)
-        rows[epochs == epoch] = order[offsets[epochs == epoch]]
-    return rows
-
-
 # --- held-out acceptance ---
 
 def heldout_acceptance(target: Model, draft: Model, prompts, *, k: int = 4, max_new_tokens: int = 32,
@@ -225,20 +198,10 @@ def _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_st
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft vocab_size ({draft.config.vocab_size}) must equal the target's "
                          f"({target.config.vocab_size}): distillation matches distributions over the same tokens")
-    for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("warmup_steps", warmup_steps, 0),
-                             ("checkpoint_every", checkpoint_every, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
-        raise ValueError(f"eval_every must be None or an int >= 1, got {eval_every!r}")
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
-        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+    check_optimizer_args(steps, learning_rate, batch_size, warmup_steps, weight_decay, clip_norm, checkpoint_every,
+                         eval_every)
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-    if clip_norm is not None and (not isinstance(clip_norm, (int, float)) or clip_norm <= 0):
-        raise ValueError(f"clip_norm must be None (no clipping) or > 0, got {clip_norm!r}")
     temperatures = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature]
     if not temperatures:
         raise ValueError("temperature must be a number >= 0 or a non-empty list of them")
@@ -323,22 +286,31 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
     settings = {"steps": steps, "learning_rate": learning_rate, "seed": seed, "loss": loss,
                 "batch_size": batch_size, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
                 "clip_norm": clip_norm, "data": data_digest, "draft": draft.config.to_dict()}
-    manager = _checkpoint_manager(checkpoint_dir, checkpoint_every) if checkpoint_dir is not None else None
-    hparams, schedule, params, opt_state, start, history = _start(draft, settings, manager, checkpoint_dir)
+    hparams = (float(learning_rate), steps, warmup_steps, float(weight_decay),
+               None if clip_norm is None else float(clip_norm))
+    history = {"step": [], "loss": [], "learning_rate": [], "grad_norm": [], "eval_step": [],
+               "acceptance_rate": [], "mean_accepted_length": []}
+    schedule, params, opt_state, start, history, checkpoints = start_run(draft.params, hparams, settings,
+                                                                         checkpoint_dir, checkpoint_every, history)
 
     def evaluate(step, p):
-        r = heldout_acceptance(target, _as_draft(draft, p), heldout_ids, k=eval_k, max_new_tokens=eval_new, seed=seed)
-        history["eval_step"].append(step)
-        history["acceptance_rate"].append(r["acceptance_rate"])
-        history["mean_accepted_length"].append(r["mean_accepted_length"])
+        return heldout_acceptance(target, _as_draft(draft, p), heldout_ids, k=eval_k, max_new_tokens=eval_new,
+                                  seed=seed)
 
     if heldout_ids is not None and start == 0:
-        evaluate(0, params)
-    run = dict(target_params=target.params, tokens_nt=tokens_nt, mask_nt=mask_nt, seed=seed, batch_size=batch_size,
-               schedule=schedule, settings=settings, checkpoint_every=checkpoint_every,
-               static=dict(draft_graphdef=draft.graphdef, target_graphdef=target.graphdef, hparams=hparams, loss=loss))
-    evaluate_at = heldout_ids and (lambda done: (eval_every and done % eval_every == 0) or done == steps)
-    params = _train(params, opt_state, start, steps, history, run, evaluate, evaluate_at, manager, progress, callback)
+        record_eval(history, 0, evaluate(0, params))
+    static = dict(draft_graphdef=draft.graphdef, target_graphdef=target.graphdef, hparams=hparams, loss=loss)
+
+    def step_fn(params, opt_state, step):
+        rows = batch_indices(seed, step, batch_size, len(tokens_nt))
+        params, opt_state, metrics = _train_step(params, opt_state, target.params, jnp.asarray(tokens_nt[rows]),
+                                                 jnp.asarray(mask_nt[rows]), **static)
+        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
+        return params, opt_state, {**metrics, "learning_rate": float(schedule(step))}
+
+    params = run_steps(step_fn, params, opt_state, start=start, steps=steps, history=history,
+                       checkpoints=checkpoints, evaluate=evaluate if heldout_ids is not None else None,
+                       eval_every=eval_every, progress=progress, desc="distill", callback=callback)
     return _as_draft(draft, params), history
 
 
@@ -346,103 +318,6 @@ def _as_draft(draft: Model, params) -> Model:
     """The draft with trained float32 `params`, cast to the draft's own dtypes."""
     cast = jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, draft.params)
     return Model(draft.config, cast, dtype=draft.dtype, tokenizer=draft.tokenizer)
-
-
-def _start(draft: Model, settings: dict, manager, checkpoint_dir):
-    """The optimizer and the float32 params and optimizer state to train from: fresh, or restored
-    from the latest checkpoint in `manager` (made with the same `settings`)."""
-    hparams = (float(settings["learning_rate"]), int(settings["steps"]), int(settings["warmup_steps"]),
-               float(settings["weight_decay"]), None if settings["clip_norm"] is None else float(settings["clip_norm"]))
-    optimizer, schedule = make_optimizer(*hparams)
-    # Train in float32 whatever the draft's dtype: Adam's small updates vanish in bfloat16.
-    params = jax.tree.map(lambda x: jnp.array(x, dtype=_F32), draft.params)
-    opt_state = optimizer.init(params)
-    history = {"step": [], "loss": [], "learning_rate": [], "grad_norm": [], "eval_step": [],
-               "acceptance_rate": [], "mean_accepted_length": []}
-    start = 0
-    if manager is not None and manager.latest_step() is not None:
-        params, opt_state, start, history = _restore(manager, params, opt_state, settings, checkpoint_dir)
-    return hparams, schedule, params, opt_state, start, history
-
-
-def _train(params, opt_state, start: int, steps: int, history: dict, run: dict, evaluate, evaluate_at, manager,
-           progress: bool, callback):
-    """The optimizer steps `start` .. `steps` of `distill`, with evaluations, checkpoints and the
-    progress bar; returns the trained float32 params."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=steps, initial=start, desc="distill", disable=not progress)
-    try:
-        for step in range(start, steps):
-            rows = batch_indices(run["seed"], step, run["batch_size"], len(run["tokens_nt"]))
-            params, opt_state, metrics = _train_step(params, opt_state, run["target_params"],
-                                                     jnp.asarray(run["tokens_nt"][rows]),
-                                                     jnp.asarray(run["mask_nt"][rows]), **run["static"])
-            metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
-            done = step + 1
-            history["step"].append(done)
-            history["loss"].append(metrics["loss"])
-            history["grad_norm"].append(metrics["grad_norm"])
-            history["learning_rate"].append(float(run["schedule"](step)))
-            if evaluate_at and evaluate_at(done):
-                evaluate(done, params)
-            if manager is not None and (done % run["checkpoint_every"] == 0 or done == steps):
-                _save(manager, done, params, opt_state, history, run["settings"], run["batch_size"])
-            postfix = {"loss": f"{metrics['loss']:.4f}"}
-            if history["acceptance_rate"]:
-                postfix["heldout_acc"] = f"{history['acceptance_rate'][-1]:.3f}"
-            bar.set_postfix(postfix, refresh=False)
-            bar.update(1)
-            if callback is not None:
-                callback(done, metrics)
-    finally:
-        bar.close()
-        if manager is not None:
-            manager.wait_until_finished()
-            manager.close()
-    return params
-
-
-# --- checkpoints ---
-
-def _checkpoint_manager(directory, every: int):
-    import orbax.checkpoint as ocp
-
-    # Saving is decided here (every `every` steps and at the end), so orbax keeps every save asked for.
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
-
-
-def _save(manager, step, params, opt_state, history, settings, batch_size):
-    import orbax.checkpoint as ocp
-
-    state = {"params": params, "opt_state": opt_state, "step": np.int64(step),
-             "sequences_seen": np.int64(step * batch_size)}
-    # A snapshot: orbax writes in the background while the loop goes on appending to `history`.
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                               history=ocp.args.JsonSave(_json_roundtrip(history)),
-                                               settings=ocp.args.JsonSave(settings)), force=True)
-
-
-def _restore(manager, params, opt_state, settings, directory):
-    import orbax.checkpoint as ocp
-
-    step = manager.latest_step()
-    saved = manager.restore(step, args=ocp.args.Composite(settings=ocp.args.JsonRestore()))["settings"]
-    different = sorted(k for k in settings if saved.get(k) != _json_roundtrip(settings[k]))
-    if different:
-        raise ValueError(f"checkpoint_dir {str(directory)!r} holds a run with different "
-                         f"{', '.join(different)}; use a new checkpoint_dir or the same settings")
-    abstract = {"params": params, "opt_state": opt_state, "step": np.int64(0), "sequences_seen": np.int64(0)}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), abstract)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                             history=ocp.args.JsonRestore()))
-    state = restored["state"]
-    return state["params"], state["opt_state"], int(state["step"]), restored["history"]
-
-
-def _json_roundtrip(value):
-    return json.loads(json.dumps(value))
 
 
 __all__ = ["LOSSES", "batch_indices", "distill", "distribution_loss", "draft_from_target", "heldout_acceptance",

@@ -127,18 +127,31 @@ def catch_up(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATC
     nothing is missing and the loop does not run; after steps that skipped drafting (the goodput
     policy's k = 0) each row feeds its missing tokens, `chunk` at a time, at its own position.
     """
+    return feed_missing(graphdef, params, cache, seq_bl, upto_b, chunk)[0]
+
+
+def feed_missing(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATCH_UP_CHUNK, reader=None):
+    """`catch_up`, returning (cache, reader state); `reader` = (drafter, params, state) of a drafter
+    reading this model's features (an EAGLE head under a chain level), which absorbs every token
+    fed. Its state must hold exactly the rows of the trusted cache (`EagleDrafter.truncate`)."""
     cache = cache.commit(jnp.minimum(cache.lengths, upto_b))
     offsets = jnp.arange(chunk, dtype=jnp.int32)
+    drafter, drafter_params, drafter_state = reader if reader is not None else (None, None, ())
+    features = drafter.feature_layers if reader is not None else ()
 
-    def feed(cache):
-        n_b = jnp.minimum(upto_b - cache.lengths, chunk)
-        tokens_bc = jnp.take_along_axis(seq_bl, jnp.minimum(cache.lengths[:, None] + offsets, seq_bl.shape[1] - 1),
-                                        axis=1)
-        _, written = forward(graphdef, params, tokens_bc, cache, jnp.zeros_like(tokens_bc[:, :1]))
+    def feed(carry):
+        cache, drafter_state = carry
+        n_b = jnp.maximum(jnp.minimum(upto_b - cache.lengths, chunk), 0)
+        at_bc = jnp.minimum(cache.lengths[:, None] + offsets, seq_bl.shape[1] - 1)
+        tokens_bc = jnp.take_along_axis(seq_bl, at_bc, axis=1)
+        out = forward(graphdef, params, tokens_bc, cache, jnp.zeros_like(tokens_bc[:, :1]), features=features)
+        if features:
+            next_bc = jnp.take_along_axis(seq_bl, jnp.minimum(at_bc + 1, seq_bl.shape[1] - 1), axis=1)
+            drafter_state = drafter.absorb(drafter_params, drafter_state, out[2], next_bc, n_b)
         # Rows already caught up wrote only past their committed length: harmless, never read.
-        return written.commit(cache.lengths + n_b)
+        return out[1].commit(cache.lengths + n_b), drafter_state
 
-    return jax.lax.while_loop(lambda c: jnp.any(c.lengths < upto_b), feed, cache)
+    return jax.lax.while_loop(lambda c: jnp.any(c[0].lengths < upto_b), feed, (cache, drafter_state))
 
 
 @struct.dataclass
@@ -337,6 +350,11 @@ class EagleDrafter(Drafter):
         logits_bw = jnp.where(kept_b[:, None], jnp.take_along_axis(logits_bww, last_b1[:, :, None], axis=1)[:, 0],
                               state.logits_bw)
         return _EagleState(cache=cache.commit(state.cache.lengths + count_b), hidden_bd=hidden_bd, logits_bw=logits_bw)
+
+    def truncate(self, state, length_b):
+        """The state with the head's rows from `length_b` on dropped (they are absorbed again);
+        its last output is stale until the next `absorb`."""
+        return state.replace(cache=state.cache.commit(jnp.minimum(state.cache.lengths, length_b)))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef, vocab = self.head.graphdef, self.head.config.target_vocab_size

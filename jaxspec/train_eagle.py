@@ -1,13 +1,15 @@
 """Training EAGLE-3 heads on the target's own features and distributions.
 
-Shape key: b batch rows, t positions, f fused features, d head width, w draft vocabulary,
-v target vocabulary, s training-time-test steps.
+Shape key: n sequences, b batch rows, t positions, f fused features, d widths, w draft
+vocabulary, v target vocabulary, s training-time-test steps.
 
-Each step runs the target once over a batch of sequences inside the compiled step (under
-`stop_gradient`): its features of the chosen layers and its next-token distributions are the
-head's inputs and labels, so no [n, t, v] tensor is stored. Labels are the target's distribution
-renormalised over the draft vocabulary (soft targets), so any text teaches the head to predict the
-target, not the text's author.
+The target runs once over the corpus (`feature_cache`): for every token, the fused features of the
+chosen layers, the target's final hidden state and its own next-token choice go to memory-mapped
+files on disk (bfloat16 bits), written chunk by chunk so a killed run resumes where it stopped.
+Training steps read batches from there and never run the target: the labels, the target's
+distribution renormalised over the draft vocabulary, are the target's LM head over the draft ids
+applied to the stored final hidden state (exactly the target's logits at those ids). Soft labels
+teach the head to predict the target, not the text's author.
 
 Training-time test (EAGLE-3): the head is unrolled over `ttt_steps` steps as it drafts. At step s,
 row j feeds the head's own output of step s - 1 (the fused target features at step 0) with the
@@ -15,11 +17,13 @@ true token at j + 1 + s, at rotary position j + s; it attends to the step-0 keys
 to its own keys of steps 1..s (the rows drafting reads from the cache), and is scored against the
 target's distribution of the token at j + 2 + s. The loss is the sum over steps of 0.8^s times the
 cross-entropy, at positions where the target's own choice lies in the draft vocabulary.
+Optimizer, data order, orbax checkpoints and the loop are `jaxspec.training`'s.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +31,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxspec.distill import batch_indices, make_optimizer
+from jaxspec import training
+from jaxspec.feature_cache import feature_cache, stored
 from jaxspec.models.eagle import EagleHead
 from jaxspec.models.model import Model
 
@@ -72,24 +77,21 @@ def ttt_logits(graphdef, params, embed_vd, features_btf, tokens_bt, steps: int) 
     return logits
 
 
-def _target_pass(target_graphdef, target_params, tokens_bt, features):
-    decoder = nnx.merge(target_graphdef, target_params)
-    hidden_btd, features_btf = decoder.hidden_uncached(tokens_bt, features)
-    return features_btf, decoder.head(hidden_btd)
-
-
-def eagle_loss(params, target_logits_btv, features_btf, tokens_bt, lengths_b, embed_vd, draft_ids, *, graphdef,
+def eagle_loss(params, labels_btw, choice_bt, features_btf, tokens_bt, lengths_b, embed_vd, draft_ids, *, graphdef,
                steps: int):
-    """EAGLE-3's training loss and each step's top-1 agreement with the target (module docstring)."""
-    b, t, _ = features_btf.shape
-    target_bTw = jnp.pad(target_logits_btv[..., draft_ids], ((0, 0), (0, steps + 1), (0, 0)))
-    choice_bT = jnp.pad(jnp.argmax(target_logits_btv, axis=-1), ((0, 0), (0, steps + 1)))
-    in_draft_v = jnp.zeros((target_logits_btv.shape[-1],), bool).at[draft_ids].set(True)
+    """EAGLE-3's training loss and each step's top-1 agreement with the target (module docstring).
+
+    labels_btw: the target's logits at the draft ids; choice_bt: the target's own next token.
+    """
+    t = features_btf.shape[1]
+    labels_bTw = jnp.pad(labels_btw, ((0, 0), (0, steps + 1), (0, 0)))
+    choice_bT = jnp.pad(choice_bt, ((0, 0), (0, steps + 1)))
+    in_draft = jnp.zeros((embed_vd.shape[0],), bool).at[draft_ids].set(True)[choice_bT]
     total, agree = 0.0, []
     for s, logits_btw in enumerate(ttt_logits(graphdef, params, embed_vd, features_btf, tokens_bt, steps)):
         at = slice(1 + s, 1 + s + t)
-        p_btw = jax.nn.softmax(target_bTw[:, at].astype(_F32), axis=-1)
-        mask_bt = ((jnp.arange(t)[None, :] + 1 + s < lengths_b[:, None]) & in_draft_v[choice_bT[:, at]]).astype(_F32)
+        p_btw = jax.nn.softmax(labels_bTw[:, at].astype(_F32), axis=-1)
+        mask_bt = ((jnp.arange(t)[None, :] + 1 + s < lengths_b[:, None]) & in_draft[:, at]).astype(_F32)
         xent_bt = -jnp.sum(p_btw * jax.nn.log_softmax(logits_btw.astype(_F32), axis=-1), axis=-1)
         count = jnp.maximum(jnp.sum(mask_bt), 1.0)
         total = total + STEP_WEIGHT ** s * jnp.sum(xent_bt * mask_bt) / count
@@ -98,90 +100,177 @@ def eagle_loss(params, target_logits_btv, features_btf, tokens_bt, lengths_b, em
     return total, jnp.stack(agree)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "target_graphdef", "features", "hparams", "steps"),
-                   donate_argnums=(0, 1))
-def _train_step(params, opt_state, target_params, tokens_bt, lengths_b, draft_ids, *, graphdef, target_graphdef,
-                features, hparams: tuple, steps: int):
-    optimizer, _ = make_optimizer(*hparams)
-    features_btf, target_logits_btv = jax.lax.stop_gradient(
-        _target_pass(target_graphdef, target_params, tokens_bt, features))
+def _loss_inputs(target_graphdef, target_params, batch, draft_ids):
+    """The loss's arguments from a batch of the feature cache (`feature_cache.stored` arrays)."""
+    decoder = nnx.merge(target_graphdef, target_params)
+    labels_btw = decoder.head(stored(batch["hidden"]), ids=draft_ids)
+    return (jax.lax.stop_gradient(labels_btw), batch["choice"], stored(batch["features"]), batch["tokens"],
+            batch["lengths"], target_params["embed_vd"], draft_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "target_graphdef", "hparams", "steps"), donate_argnums=(0, 1))
+def _train_step(params, opt_state, target_params, batch, draft_ids, *, graphdef, target_graphdef, hparams: tuple,
+                steps: int):
+    optimizer, _ = training.make_optimizer(*hparams)
     loss_fn = functools.partial(eagle_loss, graphdef=graphdef, steps=steps)
     (value, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, target_logits_btv, features_btf, tokens_bt, lengths_b, target_params["embed_vd"], draft_ids)
+        params, *_loss_inputs(target_graphdef, target_params, batch, draft_ids))
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {"loss": value, "agree": agree,
                                                              "grad_norm": optax.tree.norm(grads)}
 
 
-def _sequences(target: Model, data, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token sequences [n, seq_len] (cut, zero-padded) and their lengths; texts are encoded."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "target_graphdef", "steps"))
+def _eval_loss(params, target_params, batch, draft_ids, *, graphdef, target_graphdef, steps: int):
+    return eagle_loss(params, *_loss_inputs(target_graphdef, target_params, batch, draft_ids), graphdef=graphdef,
+                      steps=steps)
+
+
+def sequences(target: Model, data, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows [n, seq_len] (zero-padded) and their lengths: each item of `data` (a text, which
+    the target's tokenizer encodes, or a token-id list) cut into consecutive pieces of `seq_len`;
+    pieces shorter than 3 tokens are dropped."""
     rows = []
     for item in data:
         if isinstance(item, str):
             if target.tokenizer is None:
                 raise ValueError("data holds texts but the target has no tokenizer; pass token-id lists")
             item = target.tokenizer.encode(item)
-        rows.append([int(x) for x in item][:seq_len])
-    rows = [row for row in rows if len(row) >= 3]
+        item = np.asarray(item, np.int64).reshape(-1)
+        if item.size and (item.max() >= target.config.vocab_size or item.min() < 0):
+            raise ValueError(f"data token ids must lie in [0, {target.config.vocab_size})")
+        rows += [item[i:i + seq_len] for i in range(0, len(item), seq_len) if len(item) - i >= 3]
     if not rows:
         raise ValueError("data must hold at least one sequence of 3 or more tokens")
     tokens = np.zeros((len(rows), seq_len), np.int32)
     for i, row in enumerate(rows):
-        if max(row) >= target.config.vocab_size or min(row) < 0:
-            raise ValueError(f"data token ids must lie in [0, {target.config.vocab_size})")
         tokens[i, :len(row)] = row
     return tokens, np.array([len(row) for row in rows], np.int32)
 
 
-def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate: float, seed: int = 0, *,
-                batch_size: int = 8, seq_len: int = 128, ttt_steps: int = 3, warmup_steps: int | None = None,
-                weight_decay: float = 0.0, clip_norm: float | None = 0.5, callback=None):
-    """Trains `head` to draft for `target` on `data`; returns (trained head, history).
+def heldout_loss(target: Model, head: EagleHead, data, *, seq_len: int = 128, ttt_steps: int = 3,
+                 batch_size: int = 8) -> float:
+    """The training loss (module docstring) of `head` on `data`, which it was not trained on."""
+    tokens, lengths = sequences(target, data, seq_len)
+    cache = feature_cache(target, head.config.feature_layers, tokens, lengths, None, batch_size=batch_size,
+                          progress=False)
+    draft_ids = jnp.asarray(head.draft_ids)
+    total, weight = 0.0, 0
+    for start in range(0, len(tokens), batch_size):
+        rows = np.arange(start, min(start + batch_size, len(tokens)))
+        value, _ = _eval_loss(head.params, target.params, _batch(cache, np.resize(rows, batch_size)), draft_ids,
+                              graphdef=head.graphdef, target_graphdef=target.graphdef, steps=ttt_steps)
+        total, weight = total + float(value) * len(rows), weight + len(rows)
+    return total / weight
 
-    Args:
-      target: the model the head drafts for (frozen).
-      head: an `EagleHead` for this target (`EagleHead.init(target)`).
-      data: texts (the target's tokenizer encodes them) or token-id lists; each is cut to
-        `seq_len` tokens.
-      steps, learning_rate: optimizer steps; AdamW's peak rate (linear warm-up over
-        `warmup_steps`, default 5% of the steps, then cosine decay to 10%).
-      seed: the batch order (a function of seed and step, `distill.batch_indices`).
-      ttt_steps: training-time-test unroll (module docstring).
-      callback: called as `callback(step, metrics)` after each step.
 
-    Returns:
-      (EagleHead with the trained weights, history: one dict per step with loss, agree (per
-      unrolled step: top-1 agreement with the target) and grad_norm).
-    """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if not learning_rate > 0:
-        raise ValueError(f"learning_rate must be > 0, got {learning_rate!r}")
-    if not isinstance(ttt_steps, int) or ttt_steps < 1:
-        raise ValueError(f"ttt_steps must be a positive int, got {ttt_steps!r}")
+def _batch(cache: dict, rows) -> dict:
+    return {name: jnp.asarray(array[rows]) for name, array in cache.items()}
+
+
+def _check(target, head, steps, learning_rate, batch_size, seq_len, ttt_steps, warmup_steps, weight_decay, clip_norm,
+           checkpoint_every, eval_every):
+    training.check_optimizer_args(steps, learning_rate, batch_size, warmup_steps, weight_decay, clip_norm,
+                                  checkpoint_every, eval_every)
+    training.check_int("ttt_steps", ttt_steps, 1)
+    training.check_int("seq_len", seq_len, 3)
+    if not isinstance(head, EagleHead):
+        raise ValueError(f"head must be a jaxspec.EagleHead, got {type(head).__name__}")
     if head.config.target_hidden_size != target.config.hidden_size or (
             head.config.target_vocab_size != target.config.vocab_size):
         raise ValueError("head does not fit target: its target_hidden_size / target_vocab_size are "
                          f"{head.config.target_hidden_size} / {head.config.target_vocab_size}, the target's "
                          f"{target.config.hidden_size} / {target.config.vocab_size}")
-    tokens, lengths = _sequences(target, data, seq_len)
+
+
+def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate: float, seed: int = 0, *,
+                batch_size: int = 8, seq_len: int = 128, ttt_steps: int = 3, warmup_steps: int | None = None,
+                weight_decay: float = 0.0, clip_norm: float | None = 0.5, feature_cache_dir=None,
+                checkpoint_dir=None, checkpoint_every: int = 100, heldout=None, eval_every: int | None = None,
+                eval_k: int = 4, eval_max_new_tokens: int = 32, progress: bool = True, callback=None):
+    """Trains `head` to draft for `target` on `data`; returns (trained head, history).
+
+    Args:
+      target: the model the head drafts for (frozen).
+      head: an `EagleHead` for this target (`EagleHead.init(target)`); not modified.
+      data: texts (the target's tokenizer encodes them) or token-id lists, cut into pieces of
+        `seq_len` tokens (`sequences`).
+      steps, learning_rate: optimizer steps of the run (a resumed run counts those done); AdamW's
+        peak rate (linear warm-up over `warmup_steps`, default 5% of the steps, then cosine decay
+        to 10%).
+      seed: the batch order (a function of seed and step, `training.batch_indices`).
+      ttt_steps: training-time-test unroll (module docstring).
+      feature_cache_dir: folder for the target's features (`feature_cache`); reused when made
+        from the same target, layers and data, resumed when incomplete. None: a temporary folder.
+      checkpoint_dir: where orbax keeps training-state checkpoints, every `checkpoint_every`
+        steps and at the end; an existing run there resumes (with the same settings and data).
+      heldout: data kept out of training (texts or token-id lists, cut like `data`): before
+        training, every `eval_every` steps and at the end, the training loss on them and greedy
+        speculative decoding with the head (k = eval_k) of each piece's first half as a prompt,
+        eval_max_new_tokens tokens each.
+      progress: tqdm bars for the feature pass and the steps.
+      callback: called as `callback(step, metrics)` after each step and its checkpoint; raising
+        from it stops the run, which a later call with the same checkpoint_dir resumes.
+
+    Returns:
+      (EagleHead with the trained weights in the head's dtype, history: lists "step", "loss",
+      "agree" (per step, the top-1 agreement with the target of each unrolled step),
+      "grad_norm", "learning_rate", and per evaluation "eval_step", "heldout_loss",
+      "heldout_acceptance_rate", "heldout_accepted_length").
+    """
+    _check(target, head, steps, learning_rate, batch_size, seq_len, ttt_steps, warmup_steps, weight_decay, clip_norm,
+           checkpoint_every, eval_every)
+    tokens, lengths = sequences(target, data, seq_len)
+    cache = feature_cache(target, head.config.feature_layers, tokens, lengths, feature_cache_dir, progress=progress)
     warmup = max(1, steps // 20) if warmup_steps is None else warmup_steps
-    hparams = (float(learning_rate), steps, warmup, float(weight_decay), clip_norm)
-    optimizer, _ = make_optimizer(*hparams)
-    params = jax.tree.map(jnp.array, head.params)   # a copy: the steps donate their inputs
-    opt_state = optimizer.init(params)
+    clip = None if clip_norm is None else float(clip_norm)
+    hparams = (float(learning_rate), steps, warmup, float(weight_decay), clip)
+    settings = {"hparams": hparams, "seed": seed, "batch_size": batch_size, "ttt_steps": ttt_steps,
+                "data": hashlib.sha256(tokens.tobytes() + lengths.tobytes()).hexdigest()[:16],
+                "head": repr(head.config), "draft_ids": hashlib.sha256(head.draft_ids.tobytes()).hexdigest()[:16]}
+    schedule, params, opt_state, start, history, checkpoints = training.start_run(
+        head.params, hparams, settings, checkpoint_dir, checkpoint_every, {})
     draft_ids = jnp.asarray(head.draft_ids)
-    history = []
-    for step in range(steps):
-        rows = batch_indices(seed, step, batch_size, len(tokens))
-        params, opt_state, metrics = _train_step(
-            params, opt_state, target.params, jnp.asarray(tokens[rows]), jnp.asarray(lengths[rows]), draft_ids,
-            graphdef=head.graphdef, target_graphdef=target.graphdef, features=head.config.feature_layers,
-            hparams=hparams, steps=ttt_steps)
-        metrics = {"step": step + 1, "loss": float(metrics["loss"]), "agree": [float(a) for a in metrics["agree"]],
-                   "grad_norm": float(metrics["grad_norm"])}
-        history.append(metrics)
-        if callback is not None:
-            callback(step + 1, metrics)
-    trained = EagleHead(head.config, head.graphdef, params, head.draft_ids, head.embed_vd)
-    return trained, history
+    static = dict(graphdef=head.graphdef, target_graphdef=target.graphdef, hparams=hparams, steps=ttt_steps)
+
+    def step_fn(params, opt_state, step):
+        rows = training.batch_indices(seed, step, batch_size, len(tokens))
+        params, opt_state, m = _train_step(params, opt_state, target.params, _batch(cache, rows), draft_ids, **static)
+        m = jax.device_get(m)
+        return params, opt_state, {"loss": float(m["loss"]), "agree": [float(a) for a in m["agree"]],
+                                   "grad_norm": float(m["grad_norm"]), "learning_rate": float(schedule(step))}
+
+    evaluate = None
+    if heldout is not None:
+        def evaluate(step, p):
+            return _evaluate(target, _with_params(head, p), heldout, seq_len, ttt_steps, batch_size, eval_k,
+                             eval_max_new_tokens, seed)
+        if start == 0:
+            training.record_eval(history, 0, evaluate(0, params))
+    params = training.run_steps(step_fn, params, opt_state, start=start, steps=steps, history=history,
+                                checkpoints=checkpoints, evaluate=evaluate, eval_every=eval_every,
+                                progress=progress, desc="train-eagle", callback=callback)
+    return _with_params(head, params), history
+
+
+def _with_params(head: EagleHead, params) -> EagleHead:
+    cast = jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, head.params)
+    return EagleHead(head.config, head.graphdef, cast, head.draft_ids, head.embed_vd)
+
+
+def _evaluate(target, head, heldout, seq_len, ttt_steps, batch_size, k, max_new_tokens, seed) -> dict:
+    from jaxspec.drafters import EagleDrafter
+    from jaxspec.engine import SpeculativeDecoder
+    from jaxspec.spec import SpecConfig
+
+    tokens, lengths = sequences(target, heldout, seq_len)
+    prompts = [row[:max(1, n // 2)].tolist() for row, n in zip(tokens, lengths)]
+    stats = SpeculativeDecoder(target, EagleDrafter(head), spec=SpecConfig(k=k)).generate(
+        prompts, max_new_tokens=max_new_tokens, seed=seed).stats
+    return {"heldout_loss": heldout_loss(target, head, heldout, seq_len=seq_len, ttt_steps=ttt_steps,
+                                         batch_size=batch_size),
+            "heldout_acceptance_rate": float(stats.acceptance_rate),
+            "heldout_accepted_length": float(stats.mean_accepted_length)}
+
+
+__all__ = ["STEP_WEIGHT", "eagle_loss", "heldout_loss", "sequences", "train_eagle", "ttt_logits"]

@@ -308,7 +308,7 @@ def test_missing_files_are_one_line_errors(tiny_path, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("command, options", [
-    ([], ["generate", "profile", "bench", "distill"]),
+    ([], ["generate", "profile", "bench", "distill", "train-eagle"]),
     (["generate"], ["--target", "--draft", "--prompts", "--output", "--max-new-tokens", "--k", "--selection",
                     "--temperature", "--batch-size", "--policy", "--cost-model", "--chat", "--skip-bad-lines",
                     "resum"]),
@@ -316,6 +316,8 @@ def test_missing_files_are_one_line_errors(tiny_path, tmp_path, capsys):
     (["bench"], ["--quick", "--only", "tetris"]),
     (["distill"], ["--target", "--draft", "--init-layers", "--prompts", "--heldout", "--steps", "--loss",
                    "--checkpoint-dir", "--data-cache", "--output"]),
+    (["train-eagle"], ["--target", "--data", "stdlib", "shakespeare", "--prompts", "--feature-cache",
+                       "--draft-vocab-size", "--checkpoint-dir", "--heldout-items", "--output"]),
 ])
 def test_help_of_every_command(capsys, command, options):
     with pytest.raises(SystemExit) as exit_info:
@@ -336,6 +338,7 @@ def test_bench_runs_the_chosen_script(capsys):
                                             "bench_goodput_sliced.py"))
 
 
+@pytest.mark.slow   # 12 shapes compiled: 40 s; the profiler itself is tested in test_cost
 def test_profile_writes_a_loadable_cost_model(tmp_path, capsys):
     out = tmp_path / "cost.json"
     assert cli.main(["profile", "--target", "preset:tiny", "--draft", "preset:tiny", "--batches", "1,4",
@@ -383,3 +386,25 @@ def test_distill_bad_arguments_are_one_line_errors(tiny_path, tmp_path, capsys):
                          "--no-progress", "--init-layers", "1", *flags]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err and not (tmp_path / "d").exists()
+
+
+def test_train_eagle_then_generate_with_the_head_is_lossless(tiny_path, tiny_model, tmp_path, capsys):
+    """A head trained by `jaxspec train-eagle` on the target's continuations of token prompts
+    loads with jaxspec.load and drafts losslessly through `jaxspec generate --draft HEAD`."""
+    prompts = write_jobs(tmp_path / "train.jsonl", token_jobs(12, seed=7))
+    out = tmp_path / "head"
+    assert cli.main(["train-eagle", "--target", tiny_path, "--prompts", prompts, "--max-new-tokens", "12",
+                     "--heldout-items", "2", "--steps", "3", "--batch-size", "4", "--seq-len", "24",
+                     "--draft-vocab-size", "128", "--output", str(out), "--no-progress"]) == 0
+    assert "wrote the head" in capsys.readouterr().out
+    head = jaxspec.load(str(out), target=tiny_model)
+    assert head.config.layer.vocab_size == 128
+    assert json.loads((out / "history.json").read_text())["eval_step"] == [0, 3]
+    jobs_path = write_jobs(tmp_path / "in.jsonl", token_jobs(3, seed=8))
+    assert cli.main(generate_args(tiny_path, jobs_path, tmp_path / "out.jsonl", "--draft", str(out), "--k", "3",
+                                  "--max-new-tokens", "10")) == 0
+    got = read_output(tmp_path / "out.jsonl")
+    want = jaxspec.generate(tiny_model, [r["prompt"] for r in token_jobs(3, seed=8)], max_new_tokens=10).tokens
+    assert [got[f"r{i}"]["tokens"] for i in range(3)] == want
+    assert cli.main(["train-eagle", "--target", tiny_path, "--output", str(tmp_path / "h2"), "--no-progress"]) == 2
+    assert "--data" in capsys.readouterr().err

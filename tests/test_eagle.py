@@ -1,10 +1,14 @@
 """EAGLE-3 heads (`jaxspec.models.eagle`) and the target features they read, against
 transformers' hidden states and an independent numpy forward."""
 
+import functools
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from test_loading import hf_reference
 
 import jaxspec
@@ -222,24 +226,93 @@ def test_the_head_state_after_decoding_equals_a_recomputation_from_scratch(vocab
                      max_new, eos, out_len)
     assert int(state.counters.accepted.sum()) > 0
     pending = np.asarray(state.target_cache.lengths)
-    got = state.draft_state
-    np.testing.assert_array_equal(np.asarray(got.cache.lengths), pending)
-    for r in range(b):
-        seq = np.asarray(state.seq_bl[r, :pending[r] + 1])[None]
-        _, _, f = forward(target.graphdef, target.params, jnp.asarray(seq[:, :-1]), target.init_cache(1, 64),
-                          empty=True, features=drafter.feature_layers)
+    assert_head_state_is_recomputed(target, head, state.draft_state, np.asarray(state.seq_bl), pending, pending + 1)
+
+
+def assert_head_state_is_recomputed(model, head, got, seq_bl, committed_b, known_b):
+    """The head's committed rows (one per `model` cache position, `committed_b`) equal the head run
+    once over the row's sequence with `model`'s features recomputed from scratch: keys of the rows
+    whose next token is known (below `known_b`), last output and first-draft logits when known."""
+    np.testing.assert_array_equal(np.asarray(got.cache.lengths), committed_b)
+    for r in range(len(committed_b)):
+        n = min(committed_b[r], known_b[r] - 1)
+        seq = seq_bl[r:r + 1, :n + 1]
+        _, _, f = forward(model.graphdef, model.params, jnp.asarray(seq[:, :-1]), model.init_cache(1, 64),
+                          empty=True, features=head.config.feature_layers)
         hidden = eagle.fuse(head.graphdef, head.params, f)
         logits, out, cache = eagle.head_forward(head.graphdef, head.params, head.embed_vd, hidden,
                                                 jnp.asarray(seq[:, 1:]), head.init_cache(1, 64))
-        np.testing.assert_allclose(np.asarray(got.logits_bw[r]), np.asarray(logits[0, -1]), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(got.hidden_bd[r]), np.asarray(out[0, -1]), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(got.cache.k[0][r, :pending[r]]), np.asarray(cache.k[0][0, :pending[r]]),
+        np.testing.assert_allclose(np.asarray(got.cache.k[0][r, :n]), np.asarray(cache.k[0][0, :n]),
                                    rtol=1e-4, atol=1e-4)
+        if n == committed_b[r]:
+            np.testing.assert_allclose(np.asarray(got.logits_bw[r]), np.asarray(logits[0, -1]), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(got.hidden_bd[r]), np.asarray(out[0, -1]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_under_a_chain_level_follows_that_levels_model(vocab6_heads):
+    """EAGLE as the lowest level of a chain (target <- middle model <- head on the middle model's
+    features): after proposals followed by partial and full acceptance and by several plain outer
+    steps (the level catches up), the head's state equals a recomputation from scratch; and the
+    chain's greedy output is the target's own, also under the goodput policy."""
+    from jaxspec.engine.chain import ChainDrafter
+
+    target = vocab6_heads[0]
+    middle = jaxspec.Model.random(target.config.replace(num_layers=3, name="tiny-v6-3L"), seed=7)
+    head = eagle.EagleHead.init(middle, seed=8)
+    inner = jaxspec.SpeculativeDecoder(middle, jaxspec.EagleDrafter(head), spec=jaxspec.SpecConfig(k=2))
+    chain, k, cache_len = ChainDrafter(inner), 3, 64
+    rng = np.random.default_rng(10)
+    prompts = [list(rng.integers(0, 6, n)) for n in (3, 8, 5)]
+    p = max(map(len, prompts))
+    seq = np.zeros((3, cache_len), np.int32)
+    for r, row in enumerate(prompts):
+        seq[r, :len(row) + 1] = row + [int(rng.integers(0, 6))]    # the prompt and the target's first token
+    lengths = np.array([len(row) for row in prompts], np.int32)
+    state = chain.init(chain.params, jnp.asarray(seq[:, :p]), jnp.asarray(lengths), cache_len)
+    propose = jax.jit(chain.propose, static_argnums=(4, 6))
+    pending = lengths.copy()
+    for accepted in ([0, 3, 1], [3, 0, 2], [-6, 1, -4], [2, -5, 3]):   # negative: that many plain steps
+        proposal, state = propose(chain.params, state, jnp.asarray(seq), jnp.asarray(pending), k,
+                                  jax.random.split(jax.random.key(0), 3), SamplingConfig())
+        drafts = np.asarray(proposal.tokens_bk)
+        known = pending + 1 + k
+        full = seq.copy()
+        for r in range(3):
+            full[r, pending[r] + 1:pending[r] + 1 + k] = drafts[r]
+        assert_head_state_is_recomputed(middle, head, state.inner_state, full, np.asarray(state.cache.lengths), known)
+        for r, a in enumerate(accepted):
+            kept = list(drafts[r, :max(a, 0)]) + list(rng.integers(0, 6, 1 if a >= 0 else -a))
+            seq[r, pending[r] + 1:pending[r] + 1 + len(kept)] = kept
+            pending[r] += len(kept)
+    prompts = [list(rng.integers(0, 6, n)) for n in (3, 9, 5, 12)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    for spec in (jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_CHEAP_HEAD)):
+        assert jaxspec.SpeculativeDecoder(target, inner, spec=spec).generate(prompts, max_new_tokens=20).tokens == want
+
+
+def test_eagle_on_a_tensor_parallel_target_is_lossless(vocab6_heads):
+    """The head on the target's (data 2 x tensor 2) mesh, sharded by the same rules; a separate
+    draft slice is refused."""
+    from jaxspec.parallel.sharding import is_sharded
+
+    target, _, reduced = vocab6_heads
+    rng = np.random.default_rng(15)
+    prompts = [list(rng.integers(0, 6, n)) for n in (3, 9, 5, 12)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    mesh = jaxspec.MeshConfig(target_tp=2, target_dp=2, draft_tp=0)
+    decoder = jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(reduced), spec=jaxspec.SpecConfig(k=3),
+                                         mesh=mesh)
+    assert is_sharded(decoder.drafter.head.params["q_xnh"]) and is_sharded(decoder.drafter.head.params["lm_head_dw"])
+    got = decoder.generate(prompts, max_new_tokens=20)
+    assert got.tokens == want and got.stats.acceptance_rate > 0
+    with pytest.raises(ValueError, match="separate draft slice"):
+        jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(reduced), mesh=jaxspec.MeshConfig(target_tp=2,
+                                                                                                   draft_tp=1))
 
 
 # --- training ---
 
-from jaxspec.train_eagle import train_eagle, ttt_logits  # noqa: E402
+from jaxspec.train_eagle import heldout_loss, train_eagle, ttt_logits  # noqa: E402
 
 
 def test_the_unrolled_training_forward_is_sequential_teacher_forced_drafting(head_and_target):
@@ -272,19 +345,37 @@ def test_the_unrolled_training_forward_is_sequential_teacher_forced_drafting(hea
             step_logits, h = step_logits[:, 0], h[:, 0]
 
 
-@pytest.mark.slow
-def test_training_raises_agreement_and_held_out_acceptance():
-    """On a tiny target's own greedy continuations, a trained head agrees with the target far more
-    often than the fresh one, and greedy decoding of held-out prompts with it accepts far more
-    drafts (and stays lossless)."""
+@functools.cache
+def tiny_setup():
+    """A tiny target, its own greedy continuations as data (256 to train on, 8 held out) and a fresh head."""
     target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4, vocab_size=64), seed=11)
     rng = np.random.default_rng(12)
     prompts = [list(rng.integers(0, 64, 4)) for _ in range(264)]
     data = [p + t for p, t in zip(prompts, jaxspec.generate(target, prompts, max_new_tokens=28).tokens)]
-    head = eagle.EagleHead.init(target, seed=13)
-    trained, history = train_eagle(target, head, data[:256], steps=200, learning_rate=3e-3, batch_size=32,
-                                   seq_len=32, ttt_steps=2)
-    assert min(history[-1]["agree"]) > max(history[0]["agree"]) + 0.25
+    return target, eagle.EagleHead.init(target, seed=13), data
+
+
+def tiny_run(steps: int, **kwargs):
+    """`tiny_setup` and the result of training its head for `steps`."""
+    target, head, data = tiny_setup()
+    return (target, head, data) + train_eagle(target, head, data[:256], steps=steps, learning_rate=3e-3,
+                                              batch_size=32, seq_len=32, ttt_steps=2, progress=False, **kwargs)
+
+
+def test_training_lowers_held_out_loss_and_raises_acceptance():
+    """Trained on a tiny target's own greedy continuations, the head agrees with the target far
+    more often; on held-out sequences its loss falls and greedy decoding accepts far more drafts
+    (and stays lossless)."""
+    target, head, data, trained, history = tiny_run(160, heldout=tiny_setup()[2][256:], eval_every=80, eval_k=2,
+                                                    eval_max_new_tokens=20)
+    assert min(history["agree"][-1]) > max(history["agree"][0]) + 0.25
+    assert history["eval_step"] == [0, 80, 160]
+    accepted = history["heldout_accepted_length"]
+    # Soft labels: the loss's floor is the target's own entropy (high for a random tiny target).
+    assert history["heldout_loss"][-1] < history["heldout_loss"][0] - 0.5 and accepted[-1] > accepted[0] + 0.2, (
+        history["heldout_loss"], accepted)
+    assert heldout_loss(target, trained, data[256:], seq_len=32, ttt_steps=2) == pytest.approx(
+        history["heldout_loss"][-1], rel=1e-3)   # full held-out sequences
     held_out = [row[:6] for row in data[256:]]
     want = jaxspec.generate(target, held_out, max_new_tokens=20).tokens
     rates = []
@@ -294,6 +385,72 @@ def test_training_raises_agreement_and_held_out_acceptance():
         assert result.tokens == want
         rates.append(result.stats.acceptance_rate)
     assert rates[1] > max(5 * rates[0], rates[0] + 0.1), rates
+
+
+def test_a_killed_training_run_resumes_to_the_same_params(tmp_path):
+    """Killed after step 5 with checkpoints every 2 steps, a rerun resumes from step 4 (and from
+    the finished feature cache) and ends with the uninterrupted run's params and history."""
+    *_, full, full_history = tiny_run(8)
+
+    def kill_after_5(step, metrics):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    where = dict(checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2, feature_cache_dir=tmp_path / "features")
+    with pytest.raises(KeyboardInterrupt):
+        tiny_run(8, callback=kill_after_5, **where)
+    seen = []
+    *_, resumed, history = tiny_run(8, callback=lambda step, m: seen.append(step), **where)
+    assert seen == [5, 6, 7, 8]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+                 resumed.params, full.params)
+    assert history["loss"] == pytest.approx(full_history["loss"], rel=1e-5)
+    target, head, data = tiny_setup()
+    with pytest.raises(ValueError, match="checkpoint_dir.*hparams"):
+        train_eagle(target, head, data[:256], steps=8, learning_rate=1e-3, batch_size=32, seq_len=32, ttt_steps=2,
+                    progress=False, checkpoint_dir=tmp_path / "ckpt")
+
+
+def test_the_feature_cache_holds_the_targets_features_and_labels_and_resumes(tmp_path, monkeypatch):
+    """Stored features are the layer inputs of an uncached pass, stored choices are the target's
+    argmax and the stored hidden states give the target's logits at any ids (labels); a build
+    killed after two chunks resumes and ends with the same files as one uninterrupted build."""
+    from jaxspec import feature_cache as fc
+
+    target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4), seed=5)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(0, 256, (20, 12)).astype(np.int32)
+    lengths = rng.integers(3, 13, 20).astype(np.int32)
+    layers = (0, 2, 3)
+    whole = fc.feature_cache(target, layers, tokens, lengths, None, batch_size=4, progress=False)
+    logits = np.asarray(target.logits(jnp.asarray(tokens)))
+    np.testing.assert_array_equal(whole["choice"], logits.argmax(-1))
+    decoder = nnx.merge(target.graphdef, target.params)
+    ids = jnp.asarray([3, 17, 200])
+    labels = decoder.head(fc.stored(whole["hidden"]).astype(jnp.float32), ids=ids)
+    np.testing.assert_allclose(np.asarray(labels), logits[..., np.asarray(ids)], atol=0.05)
+    _, feats = decoder.hidden_uncached(jnp.asarray(tokens), layers)
+    np.testing.assert_allclose(np.asarray(fc.stored(whole["features"]), np.float32), np.asarray(feats),
+                               rtol=1e-2, atol=1e-2)
+    calls = []
+    real = fc._target_pass
+
+    def dies_on_the_third_chunk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fc, "_target_pass", dies_on_the_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        fc.feature_cache(target, layers, tokens, lengths, tmp_path, batch_size=4, progress=False)
+    assert json.loads((tmp_path / "meta.json").read_text())["rows_done"] == 8
+    resumed = fc.feature_cache(target, layers, tokens, lengths, tmp_path, batch_size=4, progress=False)
+    assert len(calls) == 3 + 3      # the two finished chunks were not recomputed
+    for name in ("features", "hidden", "choice"):
+        np.testing.assert_array_equal(np.asarray(resumed[name]), whole[name])
+    other = fc.feature_cache(target, (1, 2, 3), tokens, lengths, tmp_path, batch_size=4, progress=False)
+    assert len(calls) == 6 + 5 and other["features"].shape == whole["features"].shape   # other layers: rebuilt
 
 
 # --- checkpoints in the published EAGLE-3 layout ---

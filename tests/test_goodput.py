@@ -27,7 +27,8 @@ BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, t
 @pytest.mark.parametrize("selection", ["standard", pytest.param("tetris", marks=pytest.mark.slow)])
 def test_goodput_policy_is_lossless(pair, selection):
     target, draft = pair
-    for d, seed in ((target, 0), (draft, 1), (jaxspec.NgramDrafter(max_ngram=2), 2)):
+    del draft   # a perfect drafter and a poor one (the switch to plain steps and back)
+    for d, seed in ((target, 0), (jaxspec.NgramDrafter(max_ngram=2), 2)):
         prompts = prompts16(seed)
         want = jaxspec.generate(target, prompts, max_new_tokens=24).tokens
         spec = jaxspec.SpecConfig(k=4, extra=2 if selection == "tetris" else 0, selection=selection,

@@ -9,9 +9,12 @@ model's (transformed) distribution exactly; that distribution is what the level 
 the level above, whose rejection sampling is then lossless too. The final output follows the
 target's distribution exactly; only the acceptance rates depend on how close the levels are.
 
-Bookkeeping. Each propose first re-feeds the committed token before the pending one to the middle
-model (its cache may miss it after a fully accepted window), then runs inner steps until every row
-has k tokens. The middle model's cache is never cleared: lowering its lengths rolls back.
+Bookkeeping. The middle model's cache is trusted as far as the tokens it was fed agree with the
+row (it also holds this level's proposals, of which the level above keeps a prefix, and plain
+steps above may have emitted other tokens since). Each propose feeds what is missing (`catch_up`),
+re-feeds the committed token before the pending one, then runs inner steps until every row has k
+tokens. The cache is never cleared: lowering its lengths rolls back. An EAGLE head as the middle
+model's drafter follows the same lengths and absorbs every token fed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import tetris
-from jaxspec.drafters import Drafter, Proposal, catch_up, prefill_cache
+from jaxspec.drafters import Drafter, Proposal, feed_missing, init_cache, prefill_cache
 from jaxspec.engine.step import Counters, DecodeState, StepPlan, speculative_step
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward
@@ -34,6 +37,12 @@ _NO_EOS = -1
 class _ChainState:
     cache: KVCache        # the middle model's cache
     inner_state: object   # the state of the middle model's own drafter
+    seen_bl: jax.Array    # the tokens that cache was fed ([b, cache_len]; past its lengths: anything)
+
+
+def _fit(x_bl, width: int):
+    """The first `width` columns of x, zero-padded."""
+    return jnp.pad(x_bl, ((0, 0), (0, max(0, width - x_bl.shape[1]))))[:, :width]
 
 
 class ChainDrafter(Drafter):
@@ -74,9 +83,15 @@ class ChainDrafter(Drafter):
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
         model_params, inner_params = params
-        cache = prefill_cache(self.model.graphdef, model_params, tokens_bp, prompt_len_b, cache_len)
         inner_state = self.inner.init(inner_params, tokens_bp, prompt_len_b, cache_len)
-        return _ChainState(cache=cache, inner_state=inner_state)
+        if not self.inner.feature_layers:
+            cache = prefill_cache(self.model.graphdef, model_params, tokens_bp, prompt_len_b, cache_len)
+            return _ChainState(cache=cache, inner_state=inner_state, seen_bl=_fit(tokens_bp, cache_len))
+        # The head under this level reads its features: it takes in the prompt's as the cache does.
+        cache = init_cache(self.model.graphdef, model_params, tokens_bp.shape[0], cache_len)
+        cache, inner_state = feed_missing(self.model.graphdef, model_params, cache, tokens_bp, prompt_len_b - 1,
+                                          chunk=tokens_bp.shape[1], reader=(self.inner, inner_params, inner_state))
+        return _ChainState(cache=cache, inner_state=inner_state, seen_bl=_fit(tokens_bp, cache_len))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         model_params, inner_params = params
@@ -84,12 +99,27 @@ class ChainDrafter(Drafter):
         b = seq_bl.shape[0]
         # Catch up: the token before the pending one may be missing after a full accept (and more
         # after steps without drafting).
-        cache = catch_up(graphdef, model_params, state.cache, seq_bl, pending_b - 1)
+        # Position p of the cache is trusted while the tokens it was fed through p + 1 are this
+        # row's (an EAGLE head's row p reads token p + 1): the cache may hold this level's
+        # proposals past what the level above kept, and plain steps may have come since.
+        w = min(state.seen_bl.shape[1], seq_bl.shape[1])
+        same_b = jnp.sum(jnp.cumprod(state.seen_bl[:, :w] == seq_bl[:, :w], axis=1), axis=1).astype(jnp.int32)
+        cache = state.cache.commit(jnp.minimum(state.cache.lengths, jnp.minimum(same_b, pending_b) - 1))
+        inner_state = state.inner_state
+        if self.inner.feature_layers:   # an EAGLE head: its rows follow this level's cache exactly
+            inner_state = self.inner.truncate(inner_state, cache.lengths)
+        cache, inner_state = feed_missing(graphdef, model_params, cache, seq_bl, pending_b - 1,
+                                          reader=(self.inner, inner_params, inner_state))
         before_b1 = jnp.take_along_axis(seq_bl, pending_b[:, None] - 1, axis=1)
-        _, cache = forward(graphdef, model_params, before_b1, cache, jnp.zeros_like(before_b1))
-        cache = cache.commit(pending_b)
+        out = forward(graphdef, model_params, before_b1, cache, jnp.zeros_like(before_b1),
+                      features=self.inner.feature_layers)
+        if self.inner.feature_layers:
+            inner_state = self.inner.absorb(inner_params, inner_state, out[2],
+                                            jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1),
+                                            jnp.ones_like(pending_b))
+        cache = out[1].commit(pending_b)
         inner = DecodeState(
-            target_cache=cache, draft_state=state.inner_state, seq_bl=seq_bl,
+            target_cache=cache, draft_state=inner_state, seq_bl=seq_bl,
             out_bo=jnp.zeros((b, k), jnp.int32), n_out_b=jnp.zeros((b,), jnp.int32),
             done_b=jnp.zeros((b,), bool), counters=Counters.zeros(b), steps=jnp.int32(0),
             probs_bov=jnp.zeros((b, k, self.vocab_size), jnp.float32), logprob_bo=jnp.zeros((b, k), jnp.float32))
@@ -109,4 +139,5 @@ class ChainDrafter(Drafter):
         inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, inner)
         proposal = Proposal(tokens_bk=inner.out_bo, q_bkv=inner.probs_bov, logprob_bk=inner.logprob_bo,
                             num_drafts_b=jnp.full((b,), k, jnp.int32))
-        return proposal, _ChainState(cache=inner.target_cache, inner_state=inner.draft_state)
+        return proposal, _ChainState(cache=inner.target_cache, inner_state=inner.draft_state,
+                                     seen_bl=_fit(inner.seq_bl, state.seen_bl.shape[1]))

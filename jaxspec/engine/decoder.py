@@ -63,22 +63,25 @@ class SpeculativeDecoder:
             raise ValueError(f"mesh must be None or a jaxspec.MeshConfig, got {type(mesh).__name__}")
         self.mesh = mesh
         self._sliced = self.spec.pipeline or (mesh is not None and mesh.separate_draft)
+        if isinstance(draft, Drafter) and draft.feature_layers:
+            _check_feature_drafter(draft, target.config, self._sliced)
         if mesh is not None:
             if isinstance(draft, SpeculativeDecoder):
                 raise ValueError("a multi-level chain draft cannot be placed on a MeshConfig yet; pass mesh=None")
-            mesh.check(target.config, draft.config if isinstance(draft, Model) else None)
+            mesh.check(target.config, draft.config if isinstance(draft, Model) else
+                       draft.head.config.layer if isinstance(draft, EagleDrafter) else None)
             self._target_mesh, self._draft_mesh = mesh.target_mesh(), mesh.draft_mesh()
             target = sharding_lib.place_params(target, self._target_mesh)
             if isinstance(draft, Model):
                 draft = sharding_lib.place_params(draft, self._draft_mesh)
+            elif isinstance(draft, EagleDrafter) and not self._sliced:   # the head on the target's devices
+                draft = EagleDrafter(sharding_lib.place_head(draft.head, self._target_mesh, target))
         elif self._sliced:
             self._target_mesh = self._draft_mesh = MeshConfig(target_tp=1, draft_tp=0).target_mesh()
         else:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target.config.vocab_size, self.spec)
-        if self.drafter.feature_layers:
-            _check_feature_drafter(self.drafter, target.config, mesh, self._sliced)
         self.draft = draft
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
@@ -325,12 +328,12 @@ def _as_drafter(draft, vocab_size: int, spec: SpecConfig) -> Drafter:
                      f"SpeculativeDecoder, got {type(draft).__name__}")
 
 
-def _check_feature_drafter(drafter: Drafter, config, mesh, sliced: bool) -> None:
+def _check_feature_drafter(drafter: Drafter, config, sliced: bool) -> None:
     """A drafter reading the target's features (EAGLE) must fit the target, and runs where the
     target does (its features do not cross to a separate draft slice)."""
-    if sliced or mesh is not None:
-        raise ValueError("an EAGLE drafter runs on the target's own device (mesh=None, pipeline=False) for now; "
-                         "the target's features do not cross to a separate draft slice")
+    if sliced:
+        raise ValueError("an EAGLE drafter runs on the target's own devices (pipeline=False and a MeshConfig "
+                         "with draft_tp=0): the target's features do not cross to a separate draft slice")
     if max(drafter.feature_layers) >= config.num_layers:
         raise ValueError(f"the drafter's feature_layers {drafter.feature_layers} must be below the target's "
                          f"num_layers ({config.num_layers})")

@@ -159,14 +159,17 @@ class Decoder(nnx.Module):
     def embed(self, tokens):
         return jnp.take(self.embed_vd[...], tokens, axis=0)
 
-    def head(self, x_md):
-        """Final norm and LM head of flat tokens [m, d] (any leading axes); logits in float32."""
+    def head(self, x_md, ids=None):
+        """Final norm and LM head of flat tokens [m, d] (any leading axes); logits in float32, of
+        the vocabulary or of the token ids `ids` only."""
         lead, d = x_md.shape[:-1], x_md.shape[-1]
         y = self.final_norm(x_md.reshape(-1, d))
         if self.lm_head_dv is None:
-            logits = jnp.einsum("md,vd->mv", y, self.embed_vd[...], preferred_element_type=_F32)
+            w_vd = self.embed_vd[...] if ids is None else jnp.take(self.embed_vd[...], ids, axis=0)
+            logits = jnp.einsum("md,vd->mv", y, w_vd, preferred_element_type=_F32)
         else:
-            logits = jnp.dot(y, self.lm_head_dv[...], preferred_element_type=_F32)
+            w_dv = self.lm_head_dv[...] if ids is None else jnp.take(self.lm_head_dv[...], ids, axis=1)
+            logits = jnp.dot(y, w_dv, preferred_element_type=_F32)
         return logits.reshape(*lead, -1)
 
     def _run_blocks(self, x_md, carry, body, features=()):

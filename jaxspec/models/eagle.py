@@ -224,6 +224,14 @@ class EagleHead:
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.init(self.config.layer, batch, max_len, self.params["fc_fd"].dtype)
 
+    @property
+    def logical_axes(self) -> dict:
+        """Nested dict parallel to `params` of logical axis-name tuples (as `Model.logical_axes`)."""
+        from jaxspec.models.model import _logical_axes
+
+        abstract = nnx.eval_shape(lambda: EagleModule(self.config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        return _logical_axes(nnx.split(abstract)[1])
+
     def save(self, path) -> None:
         """Writes the head in the published EAGLE-3 folder layout (`save_head`)."""
         save_head(self, path)

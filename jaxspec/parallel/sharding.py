@@ -60,19 +60,31 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def place_params(model, mesh: Mesh):
-    """`model` with its params on `mesh` by the rules (each device receives only its shard)."""
-    from jaxspec.models.model import Model
-    shardings = param_shardings(model, mesh)
-
+def _place(params, shardings):
     def put(x, s):
         if getattr(x, "sharding", None) == s:
             return x
         # A mesh spanning processes: every process holds the same host value and sends its shards.
         return jax.device_put(x if s.is_fully_addressable else np.asarray(x), s)
 
-    params = jax.tree.map(put, model.params, shardings)
+    return jax.tree.map(put, params, shardings)
+
+
+def place_params(model, mesh: Mesh):
+    """`model` with its params on `mesh` by the rules (each device receives only its shard)."""
+    from jaxspec.models.model import Model
+
+    params = _place(model.params, param_shardings(model, mesh))
     return Model(model.config, params, dtype=model.dtype, tokenizer=model.tokenizer)
+
+
+def place_head(head, mesh: Mesh, target):
+    """An EAGLE head's params on its (placed) target's mesh by the rules, bound to the target's
+    embedding as placed there."""
+    from jaxspec.models.eagle import EagleHead
+
+    params = _place(head.params, param_shardings(head, mesh))
+    return EagleHead(head.config, head.graphdef, params, head.draft_ids, target.params["embed_vd"])
 
 
 def put(tree, sharding: NamedSharding):
