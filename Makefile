@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced mesh-sweep multilevel policy-sim distill-smollm2 clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced bench-eagle mesh-sweep multilevel policy-sim distill-smollm2 train-eagle-smollm2 train-eagle-qwen clean
 
 .venv: $(STAMP)
 
@@ -71,6 +71,19 @@ policy-sim: $(STAMP)
 # A distilled SmolLM2 draft in models/smollm2-draft (fixed seed; resumes from models/smollm2-draft-work).
 distill-smollm2: $(STAMP)
 	$(BIN)/python scripts/distill_smollm2.py
+
+# EAGLE-3 heads (fixed seeds; a rerun resumes from models/<pair>-eagle3-work): SmolLM2 on its own
+# answers to chat prompts, Qwen2.5-Coder 1.5B on the Python standard library's source.
+train-eagle-smollm2: $(STAMP)
+	$(BIN)/python scripts/bench_eagle.py --pair smollm2 --train-only
+
+train-eagle-qwen: $(STAMP) models-qwen
+	$(BIN)/python scripts/bench_eagle.py --pair qwen --train-only --steps 600 --batch-size 4 --seq-len 256 --draft-vocab 16384
+
+# The heads above against autoregressive decoding and the other drafters (trains them first if missing).
+bench-eagle: $(STAMP)
+	$(BIN)/python scripts/bench_eagle.py --pair smollm2
+	$(BIN)/python scripts/bench_eagle.py --pair qwen --steps 600 --batch-size 4 --seq-len 256 --draft-vocab 16384
 
 clean:
 	rm -rf $(VENV) .pytest_cache
