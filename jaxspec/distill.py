@@ -36,7 +36,6 @@ from jaxspec.training import (
     check_optimizer_args,
     make_optimizer,
     params_digest,
-    record_eval,
     run_steps,
     start_run,
 )
@@ -236,29 +235,24 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
       target: the jaxspec.Model the draft will serve.
       draft: the starting draft (same vocabulary), e.g. from `draft_from_target`. Not modified.
       prompts: token-id lists (or strings, with a tokenizer) the target continues to make the data.
-      steps: total optimizer steps of the run (a resumed run counts the steps already done).
-      learning_rate: peak AdamW learning rate.
+      steps, learning_rate: optimizer steps of the run (a resumed run counts those done); peak rate.
       seed: seeds the data order and the target's sampling (when temperature > 0).
       loss: "tvd" (default), "forward_kl" or "reverse_kl"; see `distribution_loss`.
-      batch_size: sequences per step.
-      max_new_tokens: continuation length generated per prompt.
+      batch_size, max_new_tokens: sequences per step; continuation length generated per prompt.
       temperature: sampling temperature of the target's continuations (0 = greedy), or a list of
         temperatures to generate one set of continuations per entry (e.g. [0.0, 1.0] for both).
       eos_token_id: continuations stop after this token; None: never.
-      warmup_steps: linear warm-up from 0 before the cosine decay (to 10% of the peak at `steps`).
-      weight_decay: AdamW decoupled weight decay.
-      clip_norm: gradients are rescaled to at most this global norm; None disables clipping.
-      checkpoint_dir: where orbax keeps training-state checkpoints; an existing run there resumes
-        from its latest checkpoint (and must have been started with the same settings and data).
-      checkpoint_every: steps between checkpoints (the last step is always saved).
+      warmup_steps, weight_decay, clip_norm: AdamW's (`training.make_optimizer`); clip_norm None:
+        no clipping.
+      checkpoint_dir, checkpoint_every: orbax checkpoints every that many steps and at the end; an
+        existing run there resumes (it must have the same settings and data).
       data_cache: a folder for the generated continuations (data.npz + meta.json); reused when
         made with the same target, prompts and generation settings, so a restart does not regenerate.
       heldout_prompts: prompts kept out of training on which greedy speculative acceptance
         (SpeculativeDecoder, k=eval_k) is measured before training, every `eval_every` steps and
         at the end. None: no evaluation.
-      eval_every: steps between held-out evaluations; None: only before and after training.
-      eval_k: draft tokens per speculative step during evaluation.
-      eval_max_new_tokens: tokens generated per held-out prompt; None: max_new_tokens.
+      eval_every, eval_k: steps between held-out evaluations (None: before and after training
+        only); draft length. eval_max_new_tokens: per held-out prompt (None: max_new_tokens).
       progress: show a tqdm bar with the loss and the last held-out acceptance.
       callback: called as `callback(step, metrics)` after each step (and its checkpoint); raising
         from it stops the run, which a later call with the same checkpoint_dir resumes.
@@ -286,19 +280,14 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
     settings = {"steps": steps, "learning_rate": learning_rate, "seed": seed, "loss": loss,
                 "batch_size": batch_size, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
                 "clip_norm": clip_norm, "data": data_digest, "draft": draft.config.to_dict()}
-    hparams = (float(learning_rate), steps, warmup_steps, float(weight_decay),
-               None if clip_norm is None else float(clip_norm))
+    hparams = (float(learning_rate), steps, warmup_steps, float(weight_decay), clip_norm and float(clip_norm))
     history = {"step": [], "loss": [], "learning_rate": [], "grad_norm": [], "eval_step": [],
                "acceptance_rate": [], "mean_accepted_length": []}
     schedule, params, opt_state, start, history, checkpoints = start_run(draft.params, hparams, settings,
                                                                          checkpoint_dir, checkpoint_every, history)
 
-    def evaluate(step, p):
-        return heldout_acceptance(target, _as_draft(draft, p), heldout_ids, k=eval_k, max_new_tokens=eval_new,
-                                  seed=seed)
-
-    if heldout_ids is not None and start == 0:
-        record_eval(history, 0, evaluate(0, params))
+    evaluate = None if heldout_ids is None else (lambda step, p: heldout_acceptance(
+        target, _as_draft(draft, p), heldout_ids, k=eval_k, max_new_tokens=eval_new, seed=seed))
     static = dict(draft_graphdef=draft.graphdef, target_graphdef=target.graphdef, hparams=hparams, loss=loss)
 
     def step_fn(params, opt_state, step):
@@ -309,7 +298,7 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
         return params, opt_state, {**metrics, "learning_rate": float(schedule(step))}
 
     params = run_steps(step_fn, params, opt_state, start=start, steps=steps, history=history,
-                       checkpoints=checkpoints, evaluate=evaluate if heldout_ids is not None else None,
+                       checkpoints=checkpoints, evaluate=evaluate,
                        eval_every=eval_every, progress=progress, desc="distill", callback=callback)
     return _as_draft(draft, params), history
 

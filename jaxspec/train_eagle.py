@@ -223,8 +223,7 @@ def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate:
     tokens, lengths = sequences(target, data, seq_len)
     cache = feature_cache(target, head.config.feature_layers, tokens, lengths, feature_cache_dir, progress=progress)
     warmup = max(1, steps // 20) if warmup_steps is None else warmup_steps
-    clip = None if clip_norm is None else float(clip_norm)
-    hparams = (float(learning_rate), steps, warmup, float(weight_decay), clip)
+    hparams = (float(learning_rate), steps, warmup, float(weight_decay), clip_norm and float(clip_norm))
     settings = {"hparams": hparams, "seed": seed, "batch_size": batch_size, "ttt_steps": ttt_steps,
                 "data": hashlib.sha256(tokens.tobytes() + lengths.tobytes()).hexdigest()[:16],
                 "head": repr(head.config), "draft_ids": hashlib.sha256(head.draft_ids.tobytes()).hexdigest()[:16]}
@@ -245,8 +244,6 @@ def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate:
         def evaluate(step, p):
             return _evaluate(target, _with_params(head, p), heldout, seq_len, ttt_steps, batch_size, eval_k,
                              eval_max_new_tokens, seed)
-        if start == 0:
-            training.record_eval(history, 0, evaluate(0, params))
     params = training.run_steps(step_fn, params, opt_state, start=start, steps=steps, history=history,
                                 checkpoints=checkpoints, evaluate=evaluate, eval_every=eval_every,
                                 progress=progress, desc="train-eagle", callback=callback)

@@ -143,12 +143,16 @@ def run_steps(step_fn: Callable, params, opt_state, *, start: int, steps: int, h
 
     `step_fn(params, opt_state, step)` returns (params, opt_state, metrics): floats (or lists of
     floats) appended to `history[name]` with "step". `evaluate(done, params)` returns a dict of
-    floats appended with "eval_step"; it runs every `eval_every` steps and after the last.
+    floats appended with "eval_step"; it runs before a fresh run, every `eval_every` steps and
+    after the last.
     """
     from tqdm.auto import tqdm
 
     bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress)
     shown = {}
+    if evaluate is not None and start == 0:
+        shown = evaluate(0, params)
+        record_eval(history, 0, shown)
     try:
         for step in range(start, steps):
             params, opt_state, metrics = step_fn(params, opt_state, step)

@@ -141,6 +141,14 @@ def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params
     return drafter.propose(draft_params, draft_state, seq_bl, pending_b, k, draft_key_b, sampling)
 
 
+def _absorbed_features(drafter, state) -> tuple:
+    """The layers whose features the drafter absorbs after this pass: none without a drafter state
+    (a schedule that never drafts, e.g. k = 0, has no head to feed)."""
+    if drafter is None or (isinstance(state.draft_state, tuple) and not state.draft_state):
+        return ()
+    return drafter.feature_layers
+
+
 def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
                  proposal: Proposal, request_keys_b, max_new_b, eos_id, out_len: int, budget=None, drafter=None,
                  draft_params=None) -> DecodeState:
@@ -154,7 +162,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
         features of the kept tokens here, in the same step; others are not called.
     """
     b, k = state.seq_bl.shape[0], plan.k
-    features = drafter.feature_layers if drafter is not None else ()
+    features = _absorbed_features(drafter, state)
     if k == 0 and state.probs_bov is None:
         return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
                           out_len, drafter, draft_params)
@@ -216,7 +224,7 @@ def plain_step(target_graphdef, sampling: SamplingConfig, target_params, state: 
     live_b = ~state.done_b
     pending_b = state.target_cache.lengths
     pending_tok_b = state.seq_bl[rows, pending_b]
-    features = drafter.feature_layers if drafter is not None else ()
+    features = _absorbed_features(drafter, state)
     out = forward(target_graphdef, target_params, pending_tok_b[:, None], state.target_cache, features=features)
     logits_b1v, cache = out[:2]
     if sampling.greedy:

@@ -75,17 +75,18 @@ def _step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: 
     return run
 
 
-def time_points(target: Model, draft: Model | None, shapes, *, passes: int = 3, seed: int = 0) -> list[tuple]:
+def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0) -> list[tuple]:
     """Times the decode step at each `(batch, k, cache_len)` shape in `passes` passes over all the
     shapes, each pass in a fresh shuffled order, and returns `(batch, k, cache_len, seconds)` with
     the median over passes. Timed one shape after another, a machine's drift lands on whole
     stretches of the grid; shuffled passes spread it as noise, and the median drops a stalled pass.
-    `draft` None: drafts come from n-gram lookup."""
+    `draft`: a Model, a drafter (an `EagleDrafter`), or None: drafts come from n-gram lookup."""
     if not isinstance(target, Model):
         raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
-    if draft is not None and not isinstance(draft, Model):
-        raise ValueError(f"draft must be a jaxspec.Model or None, got {type(draft).__name__}")
-    drafter = ModelDrafter(draft) if draft is not None else NgramDrafter().bind_vocab(target.config.vocab_size)
+    if draft is not None and not isinstance(draft, (Model, Drafter)):
+        raise ValueError(f"draft must be a jaxspec.Model, a drafter or None, got {type(draft).__name__}")
+    drafter = (ModelDrafter(draft) if isinstance(draft, Model) else draft if draft is not None
+               else NgramDrafter().bind_vocab(target.config.vocab_size))
     shapes = [tuple(int(v) for v in shape) for shape in shapes]
     # Every shape's programs are compiled (and run once) side by side first, a thread per core:
     # at the qwen2.5 shapes a program takes about 18 s to compile on an H200's host.
