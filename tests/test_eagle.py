@@ -505,8 +505,9 @@ def _reference_checkpoint(folder, target, w, layers, seed=21):
     return tensors, ids
 
 
-def reference_layout_head(t, config, embed_vd, features_tf, tokens_t):
-    """EAGLE-3's step on the reference's tensors as stored (x @ W.T), one sequence, causal."""
+def reference_layout_head(t, config, embed_vd, features_tf, tokens_t, norm_before_residual=False):
+    """EAGLE-3's step on the reference's tensors as stored (x @ W.T), one sequence, causal; with
+    `norm_before_residual` (vLLM's reading of speculators heads) the residual is the normed hidden."""
     c = config.layer
     eps, n, k, h = c.rms_norm_eps, c.num_heads, c.num_kv_heads, c.resolved_head_dim
     hidden = features_tf @ t["fc.weight"].T
@@ -516,7 +517,8 @@ def reference_layout_head(t, config, embed_vd, features_tf, tokens_t):
     q = _rotary((x @ t["midlayer.self_attn.q_proj.weight"].T).reshape(size, n, h), c.rope_theta)
     kk = _rotary((x @ t["midlayer.self_attn.k_proj.weight"].T).reshape(size, k, h), c.rope_theta)
     v = (x @ t["midlayer.self_attn.v_proj.weight"].T).reshape(size, k, h)
-    x = hidden + _causal_gqa(q, kk, v).reshape(size, -1) @ t["midlayer.self_attn.o_proj.weight"].T
+    residual = _rms(hidden, t["midlayer.hidden_norm.weight"], eps) if norm_before_residual else hidden
+    x = residual + _causal_gqa(q, kk, v).reshape(size, -1) @ t["midlayer.self_attn.o_proj.weight"].T
     y = _rms(x, t["midlayer.post_attention_layernorm.weight"], eps)
     gate = y @ t["midlayer.mlp.gate_proj.weight"].T
     mlp = gate / (1 + np.exp(-gate)) * (y @ t["midlayer.mlp.up_proj.weight"].T)
@@ -538,11 +540,60 @@ def test_a_reference_written_checkpoint_loads_and_scores_like_the_reference(tmp_
                                       eagle.fuse(head.graphdef, head.params, jnp.asarray(features)),
                                       jnp.asarray(tokens), head.init_cache(1, 16))
     np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=2e-4, atol=2e-4)
+    # The reference's own releases store pytorch_model.bin (float16): the same head.
+    import torch
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "eagle" / "config.json").read_text())
+    torch.save({name: torch.from_numpy(value).to(torch.float16) if value.dtype == np.float32 else
+                torch.from_numpy(value) for name, value in tensors.items()}, tmp_path / "bin" / "pytorch_model.bin")
+    from_bin = jaxspec.load(tmp_path / "bin", target=target)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3), from_bin.params, head.params)
     # jaxspec writes the same layout back: a round trip keeps every tensor.
     head.save(tmp_path / "again")
     again = jaxspec.load(tmp_path / "again", target=target)
     jax.tree.map(np.testing.assert_array_equal, again.params, head.params)
     np.testing.assert_array_equal(again.draft_ids, ids)
+
+
+def test_a_speculators_format_head_loads_and_scores_like_the_reference(tmp_path):
+    """The speculators layout (`transformer_layer_config`, tensors under `layers.0.`), with
+    norm_before_residual set, scores like the reference forward with that variant, and saves back
+    to the EAGLE-3 layout with the flag kept."""
+    import json
+
+    from safetensors.numpy import save_file
+    target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4), seed=0)
+    tensors, ids = _reference_checkpoint(tmp_path / "ref", target, 40, (0, 2, 3))
+    ref = json.loads((tmp_path / "ref" / "config.json").read_text())
+    layer = {key: ref[key] for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                       "num_key_value_heads", "num_hidden_layers", "rms_norm_eps", "rope_theta",
+                                       "vocab_size")}
+    folder = tmp_path / "spec"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
+        "draft_vocab_size": 40, "norm_before_residual": True, "target_hidden_size": 64,
+        "eagle_aux_hidden_state_layer_ids": [0, 2, 3],
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}}}))
+    save_file({name.replace("midlayer.", "layers.0."): value for name, value in tensors.items()},
+              str(folder / "model.safetensors"))
+    head = jaxspec.load(folder, target=target)
+    assert head.config.norm_before_residual and head.config.feature_layers == (0, 2, 3)
+    np.testing.assert_array_equal(head.draft_ids, ids)
+    rng = np.random.default_rng(23)
+    features = rng.normal(size=(1, 7, head.config.feature_size)).astype(np.float32)
+    tokens = rng.integers(0, 256, (1, 7))
+    want = reference_layout_head(tensors, head.config, np.asarray(target.params["embed_vd"]), features[0], tokens[0],
+                                 norm_before_residual=True)
+    logits, _, _ = eagle.head_forward(head.graphdef, head.params, head.embed_vd,
+                                      eagle.fuse(head.graphdef, head.params, jnp.asarray(features)),
+                                      jnp.asarray(tokens), head.init_cache(1, 16))
+    np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=2e-4, atol=2e-4)
+    head.save(tmp_path / "again")
+    again = jaxspec.load(tmp_path / "again", target=target)
+    assert again.config.norm_before_residual
+    jax.tree.map(np.testing.assert_array_equal, again.params, head.params)
 
 
 def test_bad_checkpoints_name_the_tensor_or_the_limit(tmp_path):

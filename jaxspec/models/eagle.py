@@ -50,12 +50,15 @@ class EagleConfig:
       target_hidden_size: the width of each target feature.
       target_vocab_size: the target's vocabulary.
       feature_layers: target layers whose inputs are fused, ascending.
+      norm_before_residual: the residual around attention is the normalised hidden input (a
+        variant of the speculators format), not the hidden input itself.
     """
 
     layer: ModelConfig
     target_hidden_size: int
     target_vocab_size: int
     feature_layers: tuple[int, ...]
+    norm_before_residual: bool = False
 
     def __post_init__(self):
         if self.layer.num_layers != 1:
@@ -79,7 +82,7 @@ class EagleModule(nnx.Module):
         d, n, k, h, u, w = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim, c.intermediate_size,
                             c.vocab_size)
         f = config.feature_size
-        self.theta, self.head_dim = c.rope_theta, h
+        self.theta, self.head_dim, self.norm_before_residual = c.rope_theta, h, config.norm_before_residual
         self.fc_fd = nnx.Param(_normal(rngs.params(), (f, d), f ** -0.5, dtype), axes=("features", "embed"))
         self.input_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
@@ -113,7 +116,8 @@ class EagleModule(nnx.Module):
     def finish(self, hidden_md, attn_mnh):
         """Attention's output added to the hidden input, then the MLP block (pre-norm output)."""
         m, d = hidden_md.shape
-        x = hidden_md + attn_mnh.reshape(m, -1) @ self.o_nhd[...].reshape(-1, d)
+        residual = self.hidden_norm(hidden_md) if self.norm_before_residual else hidden_md
+        x = residual + attn_mnh.reshape(m, -1) @ self.o_nhd[...].reshape(-1, d)
         y = self.mlp_norm(x)
         return x + (jax.nn.silu(y @ self.gate_du[...]) * (y @ self.up_du[...])) @ self.down_ud[...]
 
@@ -282,7 +286,7 @@ def save_head(head: EagleHead, path) -> None:
           "max_position_embeddings": c.max_position_embeddings, "vocab_size": config.target_vocab_size,
           "draft_vocab_size": c.vocab_size, "target_hidden_size": config.target_hidden_size,
           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
-                           "use_aux_hidden_state": True}}
+                           "use_aux_hidden_state": True}, "norm_before_residual": config.norm_before_residual}
     (path / "config.json").write_text(json.dumps(hf, indent=2))
     tensors = {}
     for name, (keys, to_ckpt, _) in _layout(config).items():
@@ -302,19 +306,28 @@ def is_eagle_folder(path) -> bool:
     return config.exists() and any("Eagle3" in a for a in json.loads(config.read_text()).get("architectures", []))
 
 
+def _speculators(hf: dict, tensors: dict) -> tuple[dict, dict]:
+    """A speculators-format head (`speculators_model_type` "eagle3") as the reference layout: the
+    layer's fields from `transformer_layer_config`, tensors `layers.0.*` as `midlayer.*`."""
+    layer = dict(hf["transformer_layer_config"])
+    layer.update({key: hf[key] for key in ("draft_vocab_size", "target_hidden_size", "norm_before_residual")
+                  if key in hf})
+    layer["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": hf.get("eagle_aux_hidden_state_layer_ids")}
+    return layer, {name.replace("layers.0.", "midlayer.", 1): value for name, value in tensors.items()}
+
+
 def load_head(path, target, dtype=None) -> EagleHead:
     """Reads an EAGLE-3 folder (`save_head`'s layout, the reference's) as a head bound to `target`.
 
     Raises ValueError naming the field or tensor when the folder does not fit the target or
     misses a tensor, or a tensor has the wrong shape.
     """
-    from safetensors.numpy import load_file
-
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
+    tensors = _read_tensors(path)
+    if hf.get("speculators_model_type") == "eagle3":
+        hf, tensors = _speculators(hf, tensors)
     tc = target.config
-    if not (path / "model.safetensors").exists():
-        raise ValueError(f"{str(path)!r} has no model.safetensors (pytorch_model.bin is not read: convert it)")
     if hf.get("vocab_size", tc.vocab_size) != tc.vocab_size:
         raise ValueError(f"the head's vocab_size ({hf['vocab_size']}) differs from the target's ({tc.vocab_size})")
     if hf.get("target_hidden_size", hf["hidden_size"]) != tc.hidden_size:
@@ -331,8 +344,8 @@ def load_head(path, target, dtype=None) -> EagleHead:
                         rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf["rms_norm_eps"]),
                         head_dim=hf.get("head_dim"), name=f"{tc.name}-eagle3")
     config = EagleConfig(layer=layer, target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
-                         feature_layers=tuple(sorted(int(i) for i in layers)))
-    tensors = load_file(str(path / "model.safetensors"))
+                         feature_layers=tuple(sorted(int(i) for i in layers)),
+                         norm_before_residual=bool(hf.get("norm_before_residual", False)))
     dtype = target.dtype if dtype is None else dtype
     module = nnx.eval_shape(lambda: EagleModule(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(module)
@@ -358,6 +371,24 @@ def load_head(path, target, dtype=None) -> EagleHead:
     if unexpected:
         raise ValueError(f"unexpected tensors in {str(path)!r}: {unexpected}")
     return EagleHead(config, graphdef, params, draft_ids, target.params["embed_vd"])
+
+
+def _read_tensors(path: Path) -> dict:
+    """The folder's tensors as numpy: model.safetensors, or pytorch_model.bin (the EAGLE reference's
+    own releases; reading it needs torch)."""
+    if (path / "model.safetensors").exists():
+        from safetensors.numpy import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    if not (path / "pytorch_model.bin").exists():
+        raise ValueError(f"{str(path)!r} has neither model.safetensors nor pytorch_model.bin")
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"reading {str(path / 'pytorch_model.bin')!r} needs torch (pip install torch), or "
+                         "convert it to model.safetensors") from None
+    state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return {name: (t.float() if t.is_floating_point() else t).numpy() for name, t in state.items()}
 
 
 def _from_checkpoint(value, keys, config: EagleConfig):
