@@ -43,7 +43,8 @@ QWEN, QWEN_DRAFT = (REPO / "models" / f"qwen2.5-coder-{s}-instruct-q4_k_m.gguf" 
 
 
 def smollm2_data(target, args):
-    """(training token lists: prompt + the target's answer; held-out prompt token lists)."""
+    """(training token lists: prompt + the target's answer; the same for held-out prompts; the
+    held-out prompts)."""
     from distill_smollm2 import TOPICS, build_prompts, chat, shakespeare_texts
 
     texts, rng = shakespeare_texts(), random.Random(args.seed)
@@ -54,26 +55,34 @@ def smollm2_data(target, args):
     train = chat(target.tokenizer, build_prompts(texts, [w for w in works if w not in heldout_works],
                                                  args.per_work, topics[6:], rng))[:args.prompts]
     heldout = chat(target.tokenizer, build_prompts(texts, heldout_works, 2, topics[:6], rng))[:16]
-    ids = [target.tokenizer.encode(t) for t in train]
-    eos = target.tokenizer.eos_token_id
+    heldout = [target.tokenizer.encode(t) for t in heldout]
+    return _answered(target, train, "continuations", args), _answered(target, heldout, "heldout", args), heldout
+
+
+def _answered(target, prompts, name, args) -> list[list[int]]:
+    """Each prompt followed by the target's greedy answer (cached in the work folder)."""
+    ids = [target.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
     tokens, mask, _ = load_or_generate_data(target, ids, max_new_tokens=args.max_new_tokens, temperatures=[0.0],
-                                            seed=args.seed, eos_token_id=eos, max_len=args.seq_len,
-                                            data_cache=str(args.work / "continuations"))
+                                            seed=args.seed, eos_token_id=target.tokenizer.eos_token_id,
+                                            max_len=args.seq_len, data_cache=str(args.work / name))
     lengths = [int(np.flatnonzero(m).max()) + 2 if m.any() else len(p) for p, m in zip(ids, mask)]
-    return [row[:n].tolist() for row, n in zip(tokens, lengths)], [target.tokenizer.encode(t) for t in heldout]
+    return [row[:n].tolist() for row, n in zip(tokens, lengths)]
 
 
 def qwen_data(target, args):
+    """(standard-library modules, about `epochs` passes in `steps`; 8 other modules' first pieces
+    held out; the code prompts of data/)."""
     texts = source_texts("stdlib")
     random.Random(args.seed).shuffle(texts)
     budget, data = args.steps * args.batch_size * args.seq_len // args.epochs, []
-    for text in texts:   # about `epochs` passes over the data in `steps`
+    for text in texts[8:]:
         data.append(target.tokenizer.encode(text))
         budget -= len(data[-1])
         if budget <= 0:
             break
+    heldout = [target.tokenizer.encode(text)[:args.seq_len] for text in texts[:8]]
     lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
-    return data, [target.tokenizer.encode(line["prompt"]) for line in lines]
+    return data, heldout, [target.tokenizer.encode(line["prompt"]) for line in lines]
 
 
 def train(target, data, heldout, args):
@@ -112,6 +121,7 @@ def speed_rows(target, drafts: dict, prompts, args, batch: int, eos):
             results[label] = jax.block_until_ready(fn())
             seconds[label].append(time.perf_counter() - start)
     ar, rows = np.asarray(seconds["autoregressive"]), []
+    args.reference[batch] = results["autoregressive"].tokens
     for label, res in results.items():
         rows.append({"batch": batch, "method": label, "tok_s": res.stats.new_tokens / float(np.median(seconds[label])),
                      "vs_ar": float(np.median(ar / np.asarray(seconds[label]))),
@@ -160,16 +170,19 @@ def main() -> None:
     p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 5])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--work", help="features, continuations and checkpoints (default models/<pair>-eagle3-work)")
+    p.add_argument("--output", help="the head (default models/<pair>-eagle3)")
     args = p.parse_args()
-    args.work, args.output = REPO / "models" / f"{args.pair}-eagle3-work", REPO / "models" / f"{args.pair}-eagle3"
+    args.work = Path(args.work or REPO / "models" / f"{args.pair}-eagle3-work")
+    args.output = Path(args.output or REPO / "models" / f"{args.pair}-eagle3")
     if args.pair == "qwen" and not QWEN.exists():
         raise SystemExit(f"{QWEN} is missing: run `make models-qwen`")
     target = jaxspec.load(smollm2_gguf_path() if args.pair == "smollm2" else QWEN)
-    data, heldout = (smollm2_data if args.pair == "smollm2" else qwen_data)(target, args)
+    data, heldout, prompts = (smollm2_data if args.pair == "smollm2" else qwen_data)(target, args)
     head = jaxspec.load(args.output, target=target) if args.eval_only else train(target, data, heldout, args)
     if args.train_only:
         return
-    bench(target, head, heldout, args)
+    bench(target, head, prompts, args)
 
 
 def bench(target, head, heldout, args) -> None:
@@ -179,11 +192,18 @@ def bench(target, head, heldout, args) -> None:
         drafts["n-gram k=4"] = (jaxspec.NgramDrafter(max_ngram=3), 4)
     else:
         drafts["0.5B draft k=3"] = (jaxspec.load(QWEN_DRAFT), 3)
-    rows = []
+    rows, args.reference = [], {}
     for batch in args.batches:
         rows += speed_rows(target, drafts, heldout, args, batch, eos)
         print(table(rows[-len(drafts) - 1:]), flush=True)
         jax.clear_caches()
+    if args.pair == "qwen" and 1 in args.batches:
+        # transformers on the same prompt (batch 1), timed after the jaxspec rows: a rougher ratio.
+        from bench_speculative import transformers_rows
+
+        ar_b1 = next(r["tok_s"] for r in rows if r["batch"] == 1 and r["method"] == "autoregressive")
+        for r in transformers_rows("qwen", heldout, args.new_tokens, args.reference, ar_b1):
+            rows.append({key: r[key] for key in ("batch", "method", "tok_s", "vs_ar", "same_output")})
     fraction = head_step_fraction(target, head)
     history = json.loads((Path(args.output) / "history.json").read_text())
     info = json.loads((Path(args.output) / "training.json").read_text())
@@ -201,6 +221,7 @@ def bench(target, head, heldout, args) -> None:
         "Held-out loss and greedy acceptance (k = 3, tokens per step) against training tokens seen:", "",
         table(curve)])
     print("\n" + md)
+    del args.reference
     write_results(f"bench_eagle_{args.pair}", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
                                                 "head_step_fraction": fraction, "curve": curve, "training": info}, md)
 
