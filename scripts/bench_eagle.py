@@ -107,27 +107,44 @@ def train(target, data, heldout, args):
     return head
 
 
+class _Runs:
+    """The first `count` prompts decoded `batch` at a time; tokens and statistics summed."""
+
+    def __init__(self, generate, prompts, batch: int, count: int):
+        self.calls = [lambda p=prompts[i:i + batch]: generate(p) for i in range(0, count, batch)]
+
+    def __call__(self):
+        results = [jax.block_until_ready(call()) for call in self.calls]
+        return {"tokens": [t for r in results for t in r.tokens], "new": sum(r.stats.new_tokens for r in results),
+                "drafted": sum(r.stats.drafted_tokens for r in results),
+                "accepted": sum(r.stats.acceptance_rate * r.stats.drafted_tokens for r in results),
+                "steps": sum(r.stats.steps for r in results),
+                "per_step": sum(r.stats.mean_accepted_length * r.stats.steps for r in results)}
+
+
 def speed_rows(target, drafts: dict, prompts, args, batch: int, eos):
-    ids = prompts[:batch]
-    fns = {"autoregressive": lambda: jaxspec.generate(target, ids, max_new_tokens=args.new_tokens, eos_token_id=eos)}
+    count = max(batch, min(len(prompts), args.bench_prompts) // batch * batch)
+    new = dict(max_new_tokens=args.new_tokens, eos_token_id=eos)
+    fns = {"autoregressive": _Runs(lambda p: jaxspec.generate(target, p, **new), prompts, batch, count)}
     for label, (draft, k) in drafts.items():
         decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k))
-        fns[label] = lambda d=decoder: d.generate(ids, max_new_tokens=args.new_tokens, eos_token_id=eos)
+        fns[label] = _Runs(lambda p, d=decoder: d.generate(p, **new), prompts, batch, count)
     results = {label: fn() for label, fn in fns.items()}   # warm-up (compiles)
     seconds = {label: [] for label in fns}
     for _ in range(args.rounds):
         for label, fn in fns.items():
             start = time.perf_counter()
-            results[label] = jax.block_until_ready(fn())
+            results[label] = fn()
             seconds[label].append(time.perf_counter() - start)
     ar, rows = np.asarray(seconds["autoregressive"]), []
-    args.reference[batch] = results["autoregressive"].tokens
+    args.reference[batch] = results["autoregressive"]["tokens"]
     for label, res in results.items():
-        rows.append({"batch": batch, "method": label, "tok_s": res.stats.new_tokens / float(np.median(seconds[label])),
+        rows.append({"batch": batch, "prompts": count, "method": label,
+                     "tok_s": res["new"] / float(np.median(seconds[label])),
                      "vs_ar": float(np.median(ar / np.asarray(seconds[label]))),
-                     "acceptance": None if label == "autoregressive" else res.stats.acceptance_rate,
-                     "tokens_per_step": res.stats.mean_accepted_length,
-                     "same_output": res.tokens == results["autoregressive"].tokens})
+                     "acceptance": res["accepted"] / res["drafted"] if res["drafted"] else None,
+                     "tokens_per_step": res["per_step"] / res["steps"] if res["steps"] else None,
+                     "same_output": res["tokens"] == results["autoregressive"]["tokens"]})
     return rows
 
 
@@ -169,6 +186,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 5])
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--bench-prompts", type=int, default=8, help="held-out prompts decoded per timed run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--work", help="features, continuations and checkpoints (default models/<pair>-eagle3-work)")
     p.add_argument("--output", help="the head (default models/<pair>-eagle3)")
@@ -214,8 +232,10 @@ def bench(target, head, heldout, args) -> None:
     md = "\n".join([
         f"{target.config.name} (float32) with an EAGLE-3 head trained here: {args.steps} steps of batch "
         f"{args.batch_size} x {args.seq_len} tokens on {info['sequences']} sequences ({info['tokens']} tokens; "
-        f"draft vocabulary {head.config.layer.vocab_size}, covering {info['draft_vocab_coverage']:.3f} of them). "
-        f"Measured on {len(heldout)} held-out prompts, greedy, {args.new_tokens} new tokens; tok/s medians over "
+        f"draft vocabulary {head.config.layer.vocab_size}, covering {info['draft_vocab_coverage']:.3f} of them; "
+        f"the optimizer steps took {info['train_minutes_this_run']:.0f} min). "
+        f"Measured on the first {args.bench_prompts} of {len(heldout)} held-out prompts (decoded `batch` at a time), "
+        f"greedy, {args.new_tokens} new tokens; tok/s medians over "
         f"{args.rounds} round-robin rounds after warm-up. One head step costs {fraction:.3f} of a one-token target "
         f"step (batch 1). Machine: {m['processor']}, {m['cpu_count']} cores, jax {m['jax']}.", "", table(rows), "",
         "Held-out loss and greedy acceptance (k = 3, tokens per step) against training tokens seen:", "",
