@@ -19,7 +19,7 @@ import jaxspec
 from jaxspec import jobs as jobs_lib
 from jaxspec.benchmarking import table
 from jaxspec.cli_tools import _ints, _warn, load_model
-from jaxspec.distill import load_or_generate_data
+from jaxspec.distill import answered
 
 SUFFIXES = (".py", ".txt", ".md")
 
@@ -126,12 +126,8 @@ def _continuations(target, args) -> list[list[int]]:
                                                       add_generation_prompt=True) for t in texts]
     ids = prompts_lib.encode_prompts(texts, target.tokenizer, target.config.vocab_size)
     eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
-    tokens, mask, _ = load_or_generate_data(target, ids, max_new_tokens=args.max_new_tokens, temperatures=[0.0],
-                                            seed=args.seed, eos_token_id=eos,
-                                            max_len=target.config.max_position_embeddings,
-                                            data_cache=args.data_cache, progress=not args.no_progress)
-    ends = [max(len(p), int(m.nonzero()[0].max()) + 2 if m.any() else len(p)) for p, m in zip(ids, mask)]
-    return [row[:end].tolist() for row, end in zip(tokens, ends)]
+    return answered(target, ids, max_new_tokens=args.max_new_tokens, seed=args.seed, eos_token_id=eos,
+                    data_cache=args.data_cache, progress=not args.no_progress)
 
 
 def _add_train_eagle(sub) -> None:

@@ -168,6 +168,18 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
     return tokens_nt, mask_nt, _data_digest(tokens_nt, mask_nt)
 
 
+def answered(target: Model, prompt_ids, *, max_new_tokens: int, seed: int = 0, eos_token_id=None, max_len=None,
+             data_cache=None, progress: bool = True) -> list[list[int]]:
+    """Each prompt followed by the target's greedy continuation (within `max_len` tokens, default
+    the context), as token ids (`load_or_generate_data`'s, cached in `data_cache`)."""
+    tokens_nt, mask_nt, _ = load_or_generate_data(
+        target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=[0.0], seed=seed, eos_token_id=eos_token_id,
+        max_len=max_len or target.config.max_position_embeddings, data_cache=data_cache, progress=progress)
+    # The mask marks positions that predict a continuation token: the sequence ends one past the last.
+    ends = [int(np.flatnonzero(m).max()) + 2 if m.any() else len(p) for p, m in zip(prompt_ids, mask_nt)]
+    return [row[:end].tolist() for row, end in zip(tokens_nt, ends)]
+
+
 def _data_digest(tokens_nt, mask_nt) -> str:
     return hashlib.sha256(tokens_nt.tobytes() + mask_nt.tobytes()).hexdigest()[:16]
 
@@ -309,5 +321,5 @@ def _as_draft(draft: Model, params) -> Model:
     return Model(draft.config, cast, dtype=draft.dtype, tokenizer=draft.tokenizer)
 
 
-__all__ = ["LOSSES", "batch_indices", "distill", "distribution_loss", "draft_from_target", "heldout_acceptance",
-           "load_or_generate_data", "make_optimizer"]
+__all__ = ["LOSSES", "answered", "batch_indices", "distill", "distribution_loss", "draft_from_target",
+           "heldout_acceptance", "load_or_generate_data", "make_optimizer"]

@@ -34,7 +34,7 @@ import numpy as np
 import jaxspec
 from jaxspec.benchmarking import machine, table, write_results
 from jaxspec.cli_eagle import source_texts
-from jaxspec.distill import load_or_generate_data
+from jaxspec.distill import answered
 from jaxspec.models.loading import smollm2_gguf_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,13 +60,9 @@ def smollm2_data(target, args):
 
 
 def _answered(target, prompts, name, args) -> list[list[int]]:
-    """Each prompt followed by the target's greedy answer (cached in the work folder)."""
     ids = [target.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-    tokens, mask, _ = load_or_generate_data(target, ids, max_new_tokens=args.max_new_tokens, temperatures=[0.0],
-                                            seed=args.seed, eos_token_id=target.tokenizer.eos_token_id,
-                                            max_len=args.seq_len, data_cache=str(args.work / name))
-    lengths = [int(np.flatnonzero(m).max()) + 2 if m.any() else len(p) for p, m in zip(ids, mask)]
-    return [row[:n].tolist() for row, n in zip(tokens, lengths)]
+    return answered(target, ids, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                    eos_token_id=target.tokenizer.eos_token_id, max_len=args.seq_len, data_cache=str(args.work / name))
 
 
 def qwen_data(target, args):
