@@ -201,7 +201,7 @@ def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate:
       seed: the batch order (a function of seed and step, `training.batch_indices`).
       ttt_steps: training-time-test unroll (module docstring).
       feature_cache_dir: folder for the target's features (`feature_cache`); reused when made
-        from the same target, layers and data, resumed when incomplete. None: a temporary folder.
+        from the same target, layers and data, resumed when incomplete. None: in memory.
       checkpoint_dir: where orbax keeps training-state checkpoints, every `checkpoint_every`
         steps and at the end; an existing run there resumes (with the same settings and data).
       heldout: data kept out of training (texts or token-id lists, cut like `data`): before
