@@ -50,13 +50,6 @@ def register_step_timer(timer) -> None:
     _step_timer = timer
 
 
-def _draft_name(draft) -> str:
-    if draft is None:
-        return "ngram"
-    head = getattr(draft, "head", None)   # an EagleDrafter
-    return draft.config.name if hasattr(draft, "config") else head.config.layer.name if head else type(draft).__name__
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Fitted latency coefficients (seconds) and where they were measured.
@@ -168,8 +161,7 @@ class CostModel:
 
         Args:
           target: the target jaxspec.Model.
-          draft: the draft jaxspec.Model, a drafter (`EagleDrafter`: the head's step), or None:
-            drafts then come from n-gram lookup.
+          draft: the draft jaxspec.Model, an `EagleDrafter`, or None (n-gram lookup drafts).
           batches, ks, cache_lens: the grid of shapes timed (ks must include 0 and two values >= 1).
         """
         if 0 not in ks or len({k for k in ks if k >= 1}) < 2:
@@ -182,7 +174,8 @@ class CostModel:
         shapes = [(b, k, s) for b in batches for k in ks for s in cache_lens]
         points = _step_timer(target, draft, shapes, passes=passes, seed=seed)
         cost = cls.fit_points(points, target_name=target.config.name,
-                              draft_name=_draft_name(draft), dtype=str(target.dtype),
+                              draft_name="ngram" if draft is None else draft.config.name if hasattr(
+                                  draft, "config") else draft.head.config.layer.name, dtype=str(target.dtype),
                               mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind)
         cost.fit["step"].update(passes=passes)
         return cost
