@@ -97,9 +97,7 @@ class ChainDrafter(Drafter):
         model_params, inner_params = params
         graphdef = self.model.graphdef
         b = seq_bl.shape[0]
-        # Catch up: the token before the pending one may be missing after a full accept (and more
-        # after steps without drafting).
-        # Position p of the cache is trusted while the tokens it was fed through p + 1 are this
+        # Catch up. Position p of the cache is trusted while the tokens it was fed through p + 1 are this
         # row's (an EAGLE head's row p reads token p + 1): the cache may hold this level's
         # proposals past what the level above kept, and plain steps may have come since.
         w = min(state.seen_bl.shape[1], seq_bl.shape[1])
