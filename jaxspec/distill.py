@@ -206,6 +206,8 @@ def _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_st
         raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
     if not isinstance(draft, Model):
         raise ValueError(f"draft must be a jaxspec.Model, got {type(draft).__name__}")
+    if draft.quantization is not None:
+        raise ValueError(f"draft is {draft.quantization}-quantized: distill the float draft, quantize it after")
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft vocab_size ({draft.config.vocab_size}) must equal the target's "
                          f"({target.config.vocab_size}): distillation matches distributions over the same tokens")

@@ -137,7 +137,7 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
       get: reads one tensor (float numpy, HF layout) by name.
       names: every tensor name in the checkpoint (to report unexpected ones).
       source: "hf" or "gguf" (which name column to use).
-      convert_leaf: turns one finished numpy weight into the stored array (dtype, device).
+      convert_leaf: (numpy weight in our layout, its params path) -> what the params store.
 
     Raises:
       ValueError: a tensor is missing, unexpected, or of the wrong shape (named, both shapes).
@@ -161,7 +161,7 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
                                  f"needs {expected}")
             if source == "gguf" and rule.gguf_heads is not None and cfg.architecture == "llama":
                 tensor = _unpermute_gguf(tensor, rule.gguf_heads(cfg))
-            _assign(params, path, convert_leaf(rule.to_ours(tensor, cfg)))
+            _assign(params, path, convert_leaf(rule.to_ours(tensor, cfg), path))
             used.add(name)
     leftover = sorted(n for n in names - used if not _harmless(n, cfg, source))
     if leftover:

@@ -10,7 +10,8 @@ weights under `lax.scan` costs a copy of that layer on CPU (about 3x slower matm
 The KV cache is a tuple of per-layer buffers; each block writes and reads its own.
 
 Numerics: weights and activations in the compute dtype (float32 or bfloat16); RMSNorm statistics,
-rotary angles, attention softmax and logits in float32.
+rotary angles, attention softmax and logits in float32. With `quantized`, the matrices are int8
+with per-output-channel float32 scales (`jaxspec.models.quant`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.models import quant
 from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
 
@@ -39,6 +41,19 @@ class RMSNorm(nnx.Module):
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         # Same order as transformers: normalise in float32, cast, then scale.
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def _matrix(module, name: str, shape, fan_in: int, axes, dtype, rngs, quantized: bool) -> None:
+    """Adds the weight `name` (random, std 1/sqrt(fan_in)) to `module`, with its `<name>_scale`
+    (None unless `quantized`: then the weight is int8 and the scales span its output axes)."""
+    w = _normal(rngs.params(), shape, fan_in ** -0.5, dtype)
+    scale = None
+    if quantized:
+        in_axes = quant.BLOCK_MATRICES.get(name, 1)
+        w, s = quant.int8_like(w, in_axes)
+        scale = nnx.Param(s, axes=axes[in_axes:])
+    setattr(module, name, nnx.Param(w, axes=axes))
+    setattr(module, quant.scale_name(name), scale)
 
 
 def rotary(x_mah, pos_m, theta: float):
@@ -84,18 +99,17 @@ class Block(nnx.Module):
     cache, or the tokens themselves) and in which layout attention runs.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantized: bool = False):
         d, n, k = config.hidden_size, config.num_heads, config.num_kv_heads
         h, f = config.resolved_head_dim, config.intermediate_size
         self.theta = config.rope_theta
         self.head_dim = h
         self.attn_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
-        self.q_dnh = nnx.Param(_normal(rngs.params(), (d, n, h), d ** -0.5, dtype),
-                               axes=("embed", "heads", "head_dim"))
-        self.k_dkh = nnx.Param(_normal(rngs.params(), (d, k, h), d ** -0.5, dtype),
-                               axes=("embed", "kv_heads", "head_dim"))
-        self.v_dkh = nnx.Param(_normal(rngs.params(), (d, k, h), d ** -0.5, dtype),
-                               axes=("embed", "kv_heads", "head_dim"))
+        attention = {"q_dnh": ((d, n, h), d, ("embed", "heads", "head_dim")),
+                     "k_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim")),
+                     "v_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim"))}
+        for name, (shape, fan_in, axes) in attention.items():
+            _matrix(self, name, shape, fan_in, axes, dtype, rngs, quantized)
         if config.attention_bias:
             self.q_bias_nh = nnx.Param(_normal(rngs.params(), (n, h), 0.1, dtype),
                                        axes=("heads", "head_dim"))
@@ -105,12 +119,17 @@ class Block(nnx.Module):
                                        axes=("kv_heads", "head_dim"))
         else:
             self.q_bias_nh = self.k_bias_kh = self.v_bias_kh = None
-        self.o_nhd = nnx.Param(_normal(rngs.params(), (n, h, d), (n * h) ** -0.5, dtype),
-                               axes=("heads", "head_dim", "embed"))
+        _matrix(self, "o_nhd", (n, h, d), n * h, ("heads", "head_dim", "embed"), dtype, rngs, quantized)
         self.mlp_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
-        self.gate_df = nnx.Param(_normal(rngs.params(), (d, f), d ** -0.5, dtype), axes=("embed", "mlp"))
-        self.up_df = nnx.Param(_normal(rngs.params(), (d, f), d ** -0.5, dtype), axes=("embed", "mlp"))
-        self.down_fd = nnx.Param(_normal(rngs.params(), (f, d), f ** -0.5, dtype), axes=("mlp", "embed"))
+        for name, shape, axes in (("gate_df", (d, f), ("embed", "mlp")), ("up_df", (d, f), ("embed", "mlp")),
+                                  ("down_fd", (f, d), ("mlp", "embed"))):
+            _matrix(self, name, shape, shape[0], axes, dtype, rngs, quantized)
+
+    def _mm(self, x_mi, name: str):
+        """x [m, i] through the matrix `name` (int8 or float) -> [m, o]."""
+        scale = getattr(self, quant.scale_name(name))
+        return quant.matmul(x_mi, getattr(self, name)[...], None if scale is None else scale[...],
+                            quant.BLOCK_MATRICES[name])
 
     def qkv(self, x_md, pos_m):
         """Queries, keys and values (rotated) of m tokens at positions pos_m.
@@ -118,11 +137,11 @@ class Block(nnx.Module):
         Token-wise work runs on a flat [m, d] buffer with 2-D weight views: XLA's CPU dot is
         several times slower on the equivalent multi-axis einsums (measured in bench notes).
         """
-        m, d = x_md.shape
+        m = x_md.shape[0]
         y = self.attn_norm(x_md)
-        q = (y @ self.q_dnh[...].reshape(d, -1)).reshape(m, -1, self.head_dim)
-        k = (y @ self.k_dkh[...].reshape(d, -1)).reshape(m, -1, self.head_dim)
-        v = (y @ self.v_dkh[...].reshape(d, -1)).reshape(m, -1, self.head_dim)
+        q = self._mm(y, "q_dnh").reshape(m, -1, self.head_dim)
+        k = self._mm(y, "k_dkh").reshape(m, -1, self.head_dim)
+        v = self._mm(y, "v_dkh").reshape(m, -1, self.head_dim)
         if self.q_bias_nh is not None:
             q = q + self.q_bias_nh[...]
             k = k + self.k_bias_kh[...]
@@ -131,30 +150,29 @@ class Block(nnx.Module):
 
     def finish(self, x_md, attn_mnh):
         """Output projection, residual, and the MLP half of the block."""
-        m, d = x_md.shape
-        x = x_md + attn_mnh.reshape(m, -1) @ self.o_nhd[...].reshape(-1, d)
+        x = x_md + self._mm(attn_mnh.reshape(x_md.shape[0], -1), "o_nhd")
         y = self.mlp_norm(x)
-        hidden = jax.nn.silu(y @ self.gate_df[...]) * (y @ self.up_df[...])
-        return x + hidden @ self.down_fd[...]
+        hidden = jax.nn.silu(self._mm(y, "gate_df")) * self._mm(y, "up_df")
+        return x + self._mm(hidden, "down_fd")
 
 
 class Decoder(nnx.Module):
     """Token embedding, a stack of blocks, final norm and LM head (tied or not)."""
 
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, quantized: bool = False):
         d, v = config.hidden_size, config.vocab_size
         self.config = config
         # Embedding std 1/sqrt(d) keeps tied random models' logits at unit scale, so their
         # argmax is well separated (tests compare greedy paths token for token).
         self.embed_vd = nnx.Param(_normal(rngs.params(), (v, d), d ** -0.5, dtype),
                                   axes=("vocab", "embed"))
-        self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, quantized=quantized)
+                                for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
         if config.tie_word_embeddings:
-            self.lm_head_dv = None
+            self.lm_head_dv = self.lm_head_dv_scale = None
         else:
-            self.lm_head_dv = nnx.Param(_normal(rngs.params(), (d, v), d ** -0.5, dtype),
-                                        axes=("embed", "vocab"))
+            _matrix(self, "lm_head_dv", (d, v), d, ("embed", "vocab"), dtype, rngs, quantized)
 
     def embed(self, tokens):
         return jnp.take(self.embed_vd[...], tokens, axis=0)
@@ -169,7 +187,10 @@ class Decoder(nnx.Module):
             logits = jnp.einsum("md,vd->mv", y, w_vd, preferred_element_type=_F32)
         else:
             w_dv = self.lm_head_dv[...] if ids is None else jnp.take(self.lm_head_dv[...], ids, axis=1)
-            logits = jnp.dot(y, w_dv, preferred_element_type=_F32)
+            logits = jnp.dot(y, w_dv.astype(y.dtype), preferred_element_type=_F32)
+            if self.lm_head_dv_scale is not None:
+                scale_v = self.lm_head_dv_scale[...]
+                logits = logits * (scale_v if ids is None else jnp.take(scale_v, ids))
         return logits.reshape(*lead, -1)
 
     def _run_blocks(self, x_md, carry, body, features=()):

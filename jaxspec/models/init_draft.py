@@ -50,6 +50,9 @@ def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None
     """
     cfg = target.config
     dtype = target.dtype if dtype is None else dtype
+    if target.quantization is not None:
+        raise ValueError(f"target is {target.quantization}-quantized: build the draft from the float model "
+                         f"and quantize both afterwards")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
     width = cfg.hidden_size if hidden_size is None else hidden_size

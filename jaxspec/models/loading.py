@@ -16,13 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.models import quant
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.convert import convert_tensors
 from jaxspec.models.eagle import is_eagle_folder, load_head
 from jaxspec.models.model import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST, Model, _abstract_decoder, resolve_dtype
 
 
-def load(path, dtype="float32", *, tokenizer: bool = True, target: Model | None = None):
+def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool = True,
+         target: Model | None = None):
     """Loads a model from a `.gguf` file, an HF folder, or a folder written by `Model.save`; with
     `target`, an EAGLE-3 head for that target (an `EagleHead`, in the target's dtype) from a
     folder in the published EAGLE-3 layout (`EagleHead.save`'s).
@@ -31,6 +33,9 @@ def load(path, dtype="float32", *, tokenizer: bool = True, target: Model | None 
       path: the file or folder.
       dtype: "float32" or "bfloat16" (weights are converted; GGUF quantised weights are
         dequantised to float32 first).
+      quantize: None, or "int8": weight-only int8 matrices with per-channel scales
+        (`Model.quantize`), quantized tensor by tensor as they are read, so no float copy of the
+        whole model is ever held.
       tokenizer: attach the source's tokenizer when it has one.
       target: the model an EAGLE-3 head drafts for.
 
@@ -40,32 +45,41 @@ def load(path, dtype="float32", *, tokenizer: bool = True, target: Model | None 
     """
     path = Path(path)
     dtype = resolve_dtype(dtype)
+    quant.check_method(quantize)
     if path.is_dir() and is_eagle_folder(path):
+        if quantize is not None:
+            raise ValueError("quantize applies to decoders, not to EAGLE-3 heads (they follow the target's dtype)")
         if target is None:
             raise ValueError(f"{str(path)!r} is an EAGLE-3 head: it needs target= (the model it drafts for)")
         return load_head(path, target)
     if target is not None:
         raise ValueError(f"target= is for EAGLE-3 head folders; {str(path)!r} is not one")
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, tokenizer)
+        return _load_gguf(path, dtype, tokenizer, quantize)
     if path.is_dir() and (path / CHECKPOINT_MANIFEST).exists():
-        return _load_jaxspec(path, dtype, tokenizer)
+        return _load_jaxspec(path, dtype, tokenizer, quantize)
     if path.is_dir() and (path / "config.json").exists():
-        return _load_hf(path, dtype, tokenizer)
+        return _load_hf(path, dtype, tokenizer, quantize)
     if not path.exists():
         raise ValueError(f"model path {str(path)!r} does not exist")
     raise ValueError(f"{str(path)!r} is not a .gguf file, an HF folder with config.json, or a "
                      f"jaxspec checkpoint folder with {CHECKPOINT_MANIFEST}")
 
 
-def _our_shapes(config: ModelConfig, dtype) -> dict:
+def _our_shapes(config: ModelConfig, dtype, quantize: str | None = None) -> dict:
     from flax import nnx
-    return nnx.to_pure_dict(nnx.state(_abstract_decoder(config, dtype)))
+    return nnx.to_pure_dict(nnx.state(_abstract_decoder(config, dtype, quantize)))
 
 
-def _to_device(dtype):
-    def convert(value: np.ndarray):
-        return jnp.asarray(value.astype(np.float32, copy=False), dtype=dtype)
+def _to_device(dtype, quantize: str | None):
+    """Converts one finished float weight to what the params store: an array in `dtype`, or for
+    a matrix that int8 quantizes, its (int8 values, scales) pair (`quant.split_pairs`)."""
+    def convert(value: np.ndarray, path: tuple):
+        value = value.astype(np.float32, copy=False)
+        in_axes = quant.quantized_leaf(path) if quantize else None
+        if in_axes is not None:
+            return tuple(jnp.asarray(a) for a in quant.quantize_array(value, in_axes))
+        return jnp.asarray(value, dtype=dtype)
     return convert
 
 
@@ -93,16 +107,16 @@ def _dequantize(tensor) -> np.ndarray:
     return np.asarray(values, np.float32).reshape(shape)
 
 
-def _load_gguf(path: Path, dtype, want_tokenizer: bool) -> Model:
+def _load_gguf(path: Path, dtype, want_tokenizer: bool, quantize: str | None) -> Model:
     metadata, tensors = read_gguf(path)
     config = ModelConfig.from_gguf_metadata(metadata, tensors.keys(), name=path.stem)
     params = convert_tensors(config, _our_shapes(config, dtype), lambda n: _dequantize(tensors[n]),
-                             tensors.keys(), source="gguf", convert_leaf=_to_device(dtype))
+                             tensors.keys(), source="gguf", convert_leaf=_to_device(dtype, quantize))
     tok = None
     if want_tokenizer and "tokenizer.ggml.tokens" in metadata:
         from jaxspec.models.gguf_tokenizer import tokenizer_from_gguf_metadata
         tok = tokenizer_from_gguf_metadata(metadata, str(path))
-    return Model(config, params, dtype=dtype, tokenizer=tok)
+    return Model(config, quant.split_pairs(params), dtype=dtype, tokenizer=tok, quantization=quantize)
 
 
 # --- HF folders ---
@@ -118,7 +132,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _load_hf(folder: Path, dtype, want_tokenizer: bool) -> Model:
+def _load_hf(folder: Path, dtype, want_tokenizer: bool, quantize: str | None) -> Model:
     from safetensors import safe_open
     config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()),
                                         name=folder.name)
@@ -136,9 +150,9 @@ def _load_hf(folder: Path, dtype, want_tokenizer: bool) -> Model:
         return np.asarray(handles[name].get_tensor(name), np.float32)
 
     params = convert_tensors(config, _our_shapes(config, dtype), get, handles.keys(), source="hf",
-                             convert_leaf=_to_device(dtype))
+                             convert_leaf=_to_device(dtype, quantize))
     tok = _hf_tokenizer(folder) if want_tokenizer else None
-    return Model(config, params, dtype=dtype, tokenizer=tok)
+    return Model(config, quant.split_pairs(params), dtype=dtype, tokenizer=tok, quantization=quantize)
 
 
 def _hf_tokenizer(folder: Path):
@@ -155,7 +169,7 @@ def _hf_tokenizer(folder: Path):
 
 # --- jaxspec checkpoints (orbax) ---
 
-def _load_jaxspec(path: Path, dtype, want_tokenizer: bool) -> Model:
+def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None) -> Model:
     import orbax.checkpoint as ocp
     path = path.absolute()
     manifest = json.loads((path / CHECKPOINT_MANIFEST).read_text())
@@ -163,17 +177,20 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool) -> Model:
         raise ValueError(f"{path / CHECKPOINT_MANIFEST} has format {manifest.get('format')!r}; this jaxspec "
                          f"reads format {CHECKPOINT_FORMAT}")
     config = ModelConfig.from_dict(manifest["config"])
-    stored = resolve_dtype(manifest["dtype"])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, stored), _our_shapes(config, stored))
+    stored, stored_quant = resolve_dtype(manifest["dtype"]), manifest.get("quantization")
+    if stored_quant is not None and quantize not in (None, stored_quant):
+        raise ValueError(f"{path} holds {stored_quant} weights; it cannot be loaded with quantize={quantize!r}")
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), _our_shapes(config, stored, stored_quant))
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(path / "params", target)
     if stored != dtype:
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
+        params = quant.cast_floats(params, dtype)
     tok = None
     if want_tokenizer and (path / "tokenizer").exists():
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
-    return Model(config, params, dtype=dtype, tokenizer=tok)
+    model = Model(config, params, dtype=dtype, tokenizer=tok, quantization=stored_quant)
+    return model.quantize(quantize) if quantize is not None and stored_quant is None else model
 
 
 def smollm2_gguf_path() -> str:

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
+from jaxspec.models import quant
 from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.decoder import Decoder
@@ -60,8 +61,8 @@ class _GraphDef(graphlib.GraphDef):
 jax.tree_util.register_static(_GraphDef)
 
 
-def _abstract_decoder(config: ModelConfig, dtype) -> Decoder:
-    return nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+def _abstract_decoder(config: ModelConfig, dtype, quantize: str | None = None) -> Decoder:
+    return nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0), quantized=quantize == "int8"))
 
 
 def _logical_axes(state) -> dict:
@@ -151,14 +152,18 @@ class Model:
       config: the ModelConfig.
       params: the weights, a nested dict of jax.Arrays (one entry per block under "layers").
       tokenizer: a transformers tokenizer, or None (random models).
-      dtype: the compute and storage dtype of the weights.
+      dtype: the compute dtype (and the storage dtype of every weight that is not quantized).
+      quantization: None, or "int8": the matrices are int8 with per-channel scales
+        (`jaxspec.models.quant`; `Model.quantize`).
       logical_axes: nested dict parallel to `params` of logical axis-name tuples.
     """
 
-    def __init__(self, config: ModelConfig, params: dict, *, dtype="float32", tokenizer=None):
+    def __init__(self, config: ModelConfig, params: dict, *, dtype="float32", tokenizer=None,
+                 quantization: str | None = None):
         self.config = config
         self.dtype = resolve_dtype(dtype)
-        abstract = _abstract_decoder(config, self.dtype)
+        self.quantization = quant.check_method(quantization)
+        abstract = _abstract_decoder(config, self.dtype, self.quantization)
         graphdef, abstract_state = nnx.split(abstract)
         self.graphdef = _GraphDef(nodes=graphdef.nodes, attributes=graphdef.attributes, num_leaves=graphdef.num_leaves)
         self.logical_axes = _logical_axes(abstract_state)
@@ -178,8 +183,19 @@ class Model:
 
     def __repr__(self):
         tok = type(self.tokenizer).__name__ if self.tokenizer is not None else None
+        q = f", quantization={self.quantization!r}" if self.quantization else ""
         return (f"Model({self.config.name!r}, layers={self.config.num_layers}, "
-                f"params={self.config.num_params / 1e6:.1f}M, dtype={self.dtype.name}, tokenizer={tok})")
+                f"params={self.config.num_params / 1e6:.1f}M, dtype={self.dtype.name}{q}, tokenizer={tok})")
+
+    def quantize(self, method: str = "int8") -> Model:
+        """This model with weight-only quantized matrices (`jaxspec.models.quant`); the embedding
+        and norms stay in `dtype`, and so does the compute."""
+        if quant.check_method(method) is None:
+            raise ValueError("quantize: method must be one of " + str(list(quant.METHODS)))
+        if self.quantization is not None:
+            raise ValueError(f"this model is already quantized ({self.quantization!r})")
+        return Model(self.config, quant.quantize_params(self.params), dtype=self.dtype, tokenizer=self.tokenizer,
+                     quantization=method)
 
     # --- pure functions for compiled code: the params are always an explicit argument ---
 
@@ -225,7 +241,8 @@ class Model:
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(params_dir, self.params)
             ckpt.wait_until_finished()
-        manifest = {"format": CHECKPOINT_FORMAT, "dtype": self.dtype.name, "config": self.config.to_dict()}
+        manifest = {"format": CHECKPOINT_FORMAT, "dtype": self.dtype.name, "config": self.config.to_dict(),
+                    "quantization": self.quantization}
         (path / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(path / "tokenizer"))
@@ -250,3 +267,5 @@ def _check_same_structure(expected: Any, got: Any, path: str = "") -> None:
         return
     if tuple(expected.shape) != tuple(np.shape(got)):
         raise ValueError(f"params{path}: expected shape {tuple(expected.shape)}, got {tuple(np.shape(got))}")
+    if (expected.dtype == jnp.int8) != (np.dtype(getattr(got, "dtype", np.float32)) == np.int8):
+        raise ValueError(f"params{path}: expected dtype {expected.dtype}, got {got.dtype}")

@@ -75,7 +75,7 @@ def place_params(model, mesh: Mesh):
     from jaxspec.models.model import Model
 
     params = _place(model.params, param_shardings(model, mesh))
-    return Model(model.config, params, dtype=model.dtype, tokenizer=model.tokenizer)
+    return Model(model.config, params, dtype=model.dtype, tokenizer=model.tokenizer, quantization=model.quantization)
 
 
 def place_head(head, mesh: Mesh, target):

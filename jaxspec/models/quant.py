@@ -1,0 +1,113 @@
+"""Weight-only int8 quantization with one scale per output channel.
+
+A quantized matrix is stored as int8 values `w` and float32 scales `s` over its output axes, with
+w * s approximating the float weight (symmetric, scale = max |w| over the input axes / 127). A
+matmul runs on the int8 values converted to the compute dtype and multiplies its float32 output by
+the scales, so no float copy of a weight is ever stored; on a GPU the conversion fuses into the
+matmul and a decode step reads half the bytes of bfloat16.
+
+Which weights: every matrix of the blocks and an untied LM head, i.e. everything a decode step
+reads that is bigger than a vector. The embedding table stays in the compute dtype: a step gathers
+only b rows of it, and an EAGLE-3 head shares it (a tied LM head therefore reads it unquantized).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+METHODS = ("int8",)
+
+# Quantized weight -> how many of its leading axes are input axes (the scales cover the rest).
+BLOCK_MATRICES = {"q_dnh": 1, "k_dkh": 1, "v_dkh": 1, "o_nhd": 2, "gate_df": 1, "up_df": 1, "down_fd": 1}
+HEAD_MATRIX = ("lm_head_dv", 1)
+
+
+def check_method(quantize) -> str | None:
+    if quantize is not None and quantize not in METHODS:
+        raise ValueError(f"quantize must be None or one of {list(METHODS)}, got {quantize!r}")
+    return quantize
+
+
+def scale_name(name: str) -> str:
+    return f"{name}_scale"
+
+
+def quantize_array(w, in_axes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 values, float32 scales over the output axes) of one float matrix, computed on the
+    host in numpy (so every path that quantizes a weight gets the same bits)."""
+    w32 = np.asarray(w, np.float32)
+    absmax = np.max(np.abs(w32), axis=tuple(range(in_axes)))
+    scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(w32 / scale), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def int8_like(w, in_axes: int):
+    """The same rule traced in jax (builds a quantized module's structure under `nnx.eval_shape`)."""
+    absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=tuple(range(in_axes)))
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
+
+
+def quantized_leaf(path: tuple) -> int | None:
+    """Input-axis count of the weight at this params path if int8 quantizes it, else None."""
+    name = path[-1]
+    if len(path) == 3 and path[0] == "layers":
+        return BLOCK_MATRICES.get(name)
+    return HEAD_MATRIX[1] if path == (HEAD_MATRIX[0],) else None
+
+
+def quantize_params(params: dict) -> dict:
+    """A float decoder's params with every quantizable matrix replaced by int8 values and its
+    `<name>_scale` entry added (`Model.quantize`)."""
+    def walk(node, path):
+        out = {}
+        for key, child in node.items():
+            here = path + (key,)
+            in_axes = quantized_leaf(here)
+            if isinstance(child, dict):
+                out[key] = walk(child, here)
+            elif in_axes is not None:
+                out[key], out[scale_name(key)] = (jnp.asarray(a) for a in quantize_array(child, in_axes))
+            else:
+                out[key] = child
+        return out
+    return walk(params, ())
+
+
+def split_pairs(params: dict) -> dict:
+    """Params whose quantized leaves were built as (values, scales) pairs -> `<name>_scale`
+    entries (the loaders quantize leaf by leaf, so no float copy of the model exists)."""
+    out = {}
+    for key, child in params.items():
+        if isinstance(child, dict):
+            out[key] = split_pairs(child)
+        elif isinstance(child, tuple):
+            out[key], out[scale_name(key)] = child
+        else:
+            out[key] = child
+    return out
+
+
+def matmul(x_mi, w, scale, in_axes: int = 1):
+    """x [m, i] times the weight w [in axes..., out axes...] -> [m, o] in x's dtype; with `scale`
+    (int8 w) the int8 values are converted inside the dot and the output is scaled in float32."""
+    w_io = w.reshape(math.prod(w.shape[:in_axes]), -1)
+    if scale is None:
+        return x_mi @ w_io
+    y = jnp.dot(x_mi, w_io.astype(x_mi.dtype), preferred_element_type=jnp.float32)
+    return (y * scale.reshape(-1)).astype(x_mi.dtype)
+
+
+def cast_floats(params: dict, dtype) -> dict:
+    """Params in another compute dtype: int8 values and float32 scales stay as they are."""
+    def cast(path, x):
+        name = path[-1].key
+        if x.dtype == jnp.int8 or name.endswith("_scale"):
+            return x
+        return x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, params)

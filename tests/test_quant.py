@@ -1,0 +1,131 @@
+"""Weight-only int8: the rounding per output channel, the model it defines, lossless decoding with
+int8 targets and drafts (one device and a tensor-parallel mesh), loading and saving."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_prompts
+from test_loading import write_hf_folder
+
+import jaxspec
+from jaxspec.benchmarking import layer_skip_pair
+from jaxspec.models import quant
+
+CFG = jaxspec.ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4,
+                          intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False,
+                          attention_bias=True, name="quant-test")
+BUDGETS = [12, 30, 5, 21]
+
+
+def reference_quantize(w: np.ndarray, in_axes: int):
+    """Channel by channel, the textbook symmetric rule: scale = max |w| / 127, q = round(w / scale)."""
+    flat = w.reshape(int(np.prod(w.shape[:in_axes])), -1)
+    q, s = np.zeros(flat.shape, np.int8), np.zeros(flat.shape[1], np.float32)
+    for c in range(flat.shape[1]):
+        s[c] = np.abs(flat[:, c]).max() / 127.0
+        q[:, c] = np.rint(flat[:, c] / s[c])
+    return q.reshape(w.shape), s.reshape(w.shape[in_axes:])
+
+
+@pytest.mark.parametrize("shape, in_axes", [((48, 4, 8), 1), ((4, 8, 48), 2), ((48, 96), 1)])
+def test_quantize_array_matches_per_channel_rounding(shape, in_axes):
+    w = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    want_q, want_s = reference_quantize(w, in_axes)
+    for impl in (np.asarray, jnp.asarray):   # the loaders quantize numpy, Model.quantize jax arrays
+        q, s = quant.quantize_array(impl(w), in_axes)
+        np.testing.assert_array_equal(np.asarray(q), want_q)
+        np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-6)
+    err = np.abs(want_q * want_s - w)
+    assert (err <= want_s / 2 + 1e-6).all()
+
+
+def dequantized(model):
+    """The float model whose weights are the int8 model's values times their scales."""
+    def walk(node):
+        out = {}
+        for key, child in node.items():
+            if isinstance(child, dict):
+                out[key] = walk(child)
+            elif not str(key).endswith("_scale"):
+                scale = node.get(quant.scale_name(key)) if isinstance(key, str) else None
+                out[key] = child if scale is None else np.asarray(child, np.float32) * np.asarray(scale)
+        return out
+    return jaxspec.Model(model.config, jax.tree.map(jnp.asarray, walk(model.params)))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_int8_model_computes_with_its_dequantized_weights(tie):
+    model = jaxspec.Model.random(CFG.replace(tie_word_embeddings=tie), seed=3)
+    q = model.quantize("int8")
+    layer = q.params["layers"][0]
+    assert layer["q_dnh"].dtype == jnp.int8 and layer["q_dnh_scale"].shape == (8, 8)
+    assert layer["o_nhd_scale"].shape == (64,) and q.params["embed_vd"].dtype == jnp.float32
+    assert ("lm_head_dv_scale" in q.params) == (not tie)
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 24))
+    ref = dequantized(q)
+    np.testing.assert_allclose(np.asarray(q.logits(tokens)), np.asarray(ref.logits(tokens)), rtol=1e-4, atol=1e-4)
+    # ... and it is still the model: per-channel int8 of random weights moves logits by a few percent.
+    full = np.asarray(model.logits(tokens))
+    assert np.abs(np.asarray(q.logits(tokens)) - full).max() < 0.05 * np.abs(full).max()
+    prompts = random_prompts(np.random.default_rng(1), [5, 9], 256)
+    assert jaxspec.generate(q, prompts, max_new_tokens=16).tokens == \
+        jaxspec.generate(ref, prompts, max_new_tokens=16).tokens
+
+
+@pytest.fixture(scope="module")
+def int8_pair():
+    target, draft = layer_skip_pair(CFG, draft_layers=2, damping=0.3)
+    return target.quantize("int8"), draft.quantize("int8")
+
+
+@pytest.mark.parametrize("mode", ["standard", "tetris", "tp2"])
+def test_int8_speculative_greedy_equals_int8_target(int8_pair, mode):
+    target, draft = int8_pair
+    prompts = random_prompts(np.random.default_rng(2), [7, 3, 12, 5], CFG.vocab_size)
+    want = jaxspec.generate(target, prompts, max_new_tokens=BUDGETS).tokens
+    spec = jaxspec.SpecConfig(k=3, selection="tetris" if mode == "tetris" else "standard",
+                              extra=2 if mode == "tetris" else 0)
+    mesh = jaxspec.MeshConfig(target_tp=2, draft_tp=0) if mode == "tp2" else None
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec, mesh=mesh)
+    result = decoder.generate(prompts, max_new_tokens=BUDGETS)
+    assert result.tokens == want
+    assert result.stats.accepted_tokens > 0
+    if mesh is not None:
+        from jaxspec.parallel import sharding
+        layer = decoder.target.params["layers"][0]
+        assert layer["gate_df"].dtype == jnp.int8
+        assert sharding.is_sharded(layer["gate_df"]) and sharding.is_sharded(layer["gate_df_scale"])
+
+
+def test_int8_loads_tensor_by_tensor_and_round_trips(tmp_path):
+    model = jaxspec.Model.random(CFG, seed=4)
+    folder = write_hf_folder(tmp_path / "hf", model)
+    direct = jaxspec.load(folder, quantize="int8")
+    after = jaxspec.load(folder).quantize("int8")
+    assert direct.quantization == "int8"
+    jax.tree.map(np.testing.assert_array_equal, direct.params, after.params)
+    direct.save(tmp_path / "saved")
+    again = jaxspec.load(tmp_path / "saved")
+    assert again.quantization == "int8" and again.params["layers"][1]["up_df"].dtype == jnp.int8
+    jax.tree.map(np.testing.assert_array_equal, again.params, direct.params)
+    as_bf16 = jaxspec.load(tmp_path / "saved", dtype="bfloat16")
+    assert as_bf16.params["layers"][1]["up_df"].dtype == jnp.int8
+    assert as_bf16.params["layers"][1]["up_df_scale"].dtype == jnp.float32
+    assert as_bf16.params["embed_vd"].dtype == jnp.bfloat16
+    tokens = np.arange(1, 20)[None]
+    np.testing.assert_allclose(np.asarray(as_bf16.logits(tokens)), np.asarray(direct.logits(tokens)), atol=0.1)
+
+
+def test_bad_quantization_requests_are_named(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="quantize must be None or one of"):
+        tiny_model.quantize("int4")
+    with pytest.raises(ValueError, match="quantize must be None or one of"):
+        jaxspec.load(write_hf_folder(tmp_path / "hf", tiny_model), quantize="fp8")
+    q = tiny_model.quantize("int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        q.quantize("int8")
+    with pytest.raises(ValueError, match="draft is int8-quantized"):
+        jaxspec.distill(tiny_model, q, [[1, 2, 3]], steps=1, learning_rate=1e-3)
+    with pytest.raises(ValueError, match="target is int8-quantized"):
+        jaxspec.draft_from_target(q, 1)
