@@ -143,12 +143,12 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) 
 
 def write_results(name: str, payload: dict[str, Any], markdown: str | None = None) -> Path:
     """Writes docs/results/<name>.json (and <name>.md when given); returns the JSON path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    path = RESULTS_DIR / f"{name}.json"    # an absolute `name` writes there instead
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     if markdown is not None:
-        (RESULTS_DIR / f"{name}.md").write_text(markdown + "\n")
+        path.with_suffix(".md").write_text(markdown + "\n")
     return path
 
 

@@ -216,7 +216,7 @@ def test_profile_passes_spread_a_drifting_machine_over_the_grid(tiny_model, monk
 
     from jaxspec.engine import timing
     monkeypatch.setattr(timing, "time_steps", machine)
-    monkeypatch.setattr(timing, "_step_timer", lambda *args: (lambda steps: 0.0))
+    monkeypatch.setattr(timing, "step_timer", lambda *args: (lambda steps: 0.0))
     cost = CostModel.profile(tiny_model, None, batches=batches, ks=ks, cache_lens=cache_lens, passes=passes)
     assert sorted(calls) == sorted(shapes * passes)   # every shape once per pass
     assert cost.fit["step"]["passes"] == passes

@@ -33,7 +33,7 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     """Median seconds of one step with k drafts per row (k = 0: a plain decoding step). Where a
     stall makes the difference of the two loops implausibly small, a tenth of the long loop's
     average step stands in."""
-    run = _step_timer(target, drafter, k, batch, cache_len, iterations, seed)
+    run = step_timer(target, drafter, k, batch, cache_len, iterations, seed)
 
     def step() -> tuple[float, float]:
         long = run(1 + iterations)
@@ -44,8 +44,14 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     return max(float(np.median(times)), 0.1 * float(np.median(averages)), 1e-9)
 
 
-def _step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int):
-    """Prefills `batch` rows and returns a function timing `steps` steps from them."""
+def cache_len_for(context: int, k: int, iterations: int) -> int:
+    """The cache size at which `step_timer` prefills `context` tokens per row."""
+    return context + prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2) + prompts_lib.bucket_length(k + 2, 8)
+
+
+def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int):
+    """Prefills `batch` rows and returns a function timing `steps` steps from them (its
+    `hlo_text()` gives the compiled loop's program text)."""
     sampling = SamplingConfig()
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     prompt_len = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
@@ -64,14 +70,17 @@ def _step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: 
     prefilled = start_on_device(target.graphdef, drafter, prefill_schedule(schedule), sampling, target.params,
                                 drafter.params, tokens_bp, lengths_b, max_new_b, keys_b, eos, **static)
 
+    def args(state, steps):
+        return (target.graphdef, drafter, schedule, sampling, target.params, drafter.params, state, keys_b, max_new_b,
+                eos, np.int32(0), np.int32(0), np.int32(steps))
+
     def run(steps: int) -> float:
         state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
         start = time.perf_counter()
-        jax.block_until_ready(run_on_device(target.graphdef, drafter, schedule, sampling, target.params,
-                                            drafter.params, state, keys_b, max_new_b, eos, np.int32(0), np.int32(0),
-                                            np.int32(steps), **static))
+        jax.block_until_ready(run_on_device(*args(state, steps), **static))
         return time.perf_counter() - start
 
+    run.hlo_text = lambda: run_on_device.lower(*args(prefilled, 1), **static).compile().as_text()
     return run
 
 
@@ -90,7 +99,7 @@ def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0)
     shapes = [tuple(int(v) for v in shape) for shape in shapes]
     # Every shape's programs are compiled (and run once) side by side first, a thread per core:
     # at the qwen2.5 shapes a program takes about 18 s to compile on an H200's host.
-    side_by_side([functools.partial(lambda b, k, s: _step_timer(target, drafter, k, b, s, 6, seed)(1), *shape)
+    side_by_side([functools.partial(lambda b, k, s: step_timer(target, drafter, k, b, s, 6, seed)(1), *shape)
                   for shape in shapes])
     rng = np.random.default_rng(seed)
     seconds = [[] for _ in shapes]

@@ -76,6 +76,11 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
     Written as batched 2-D dots with (batch, kv head) leading, which XLA's CPU backend runs about
     2.5x faster than the equivalent multi-axis einsum.
     """
+    with jax.named_scope("attention"):
+        return _attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs)
+
+
+def _attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs):
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     g = n // k
@@ -128,8 +133,9 @@ class Block(nnx.Module):
     def _mm(self, x_mi, name: str):
         """x [m, i] through the matrix `name` (int8 or float) -> [m, o]."""
         scale = getattr(self, quant.scale_name(name))
-        return quant.matmul(x_mi, getattr(self, name)[...], None if scale is None else scale[...],
-                            quant.BLOCK_MATRICES[name])
+        with jax.named_scope(name):   # names the kernels in profiles (`jaxspec.profiling`)
+            return quant.matmul(x_mi, getattr(self, name)[...], None if scale is None else scale[...],
+                                quant.BLOCK_MATRICES[name])
 
     def qkv(self, x_md, pos_m):
         """Queries, keys and values (rotated) of m tokens at positions pos_m.
@@ -180,6 +186,10 @@ class Decoder(nnx.Module):
     def head(self, x_md, ids=None):
         """Final norm and LM head of flat tokens [m, d] (any leading axes); logits in float32, of
         the vocabulary or of the token ids `ids` only."""
+        with jax.named_scope("lm_head"):
+            return self._head(x_md, ids)
+
+    def _head(self, x_md, ids):
         lead, d = x_md.shape[:-1], x_md.shape[-1]
         y = self.final_norm(x_md.reshape(-1, d))
         if self.lm_head_dv is None:
