@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced bench-eagle mesh-sweep multilevel policy-sim distill-smollm2 train-eagle-smollm2 train-eagle-qwen clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced bench-eagle device-check device-wheels mesh-sweep multilevel policy-sim distill-smollm2 train-eagle-smollm2 train-eagle-qwen clean
 
 .venv: $(STAMP)
 
@@ -53,6 +53,14 @@ bench-goodput: $(STAMP)
 # On a GPU machine: qwen2.5-1.5b / 0.5b shapes in bfloat16, with the machine's own python3 and JAX.
 bench-goodput-gpu:
 	scripts/bench_goodput_gpu.sh docs/results/gpu
+
+# The prepared GPU check (scripts/device_check.sh); device-wheels fetches the flax this venv has, for
+# GPU machines whose preinstalled flax is older (carried there as .whl/).
+device-check:
+	scripts/device_check.sh
+
+device-wheels: $(STAMP)
+	$(BIN)/pip download --no-deps -d .whl flax==$$($(BIN)/python -c "import flax; print(flax.__version__)")
 
 mesh-sweep: $(STAMP)
 	$(BIN)/python scripts/mesh_sweep.py

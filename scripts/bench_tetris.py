@@ -118,10 +118,15 @@ def qwen_part(args):
 
 def packed_part(args):
     """Verification only: one target pass over N rows at context ~128, K = 8 drafts per row."""
-    config = jaxspec.ModelConfig.preset(args.packed_model)
-    model = jaxspec.Model.random(config, seed=0)
+    model = jaxspec.Model.random(jaxspec.ModelConfig.preset(args.packed_model), seed=0)
+    return packed_rows(model, args.packed_batches, args.repeats)
+
+
+def packed_rows(model, batches, repeats: int = 3) -> list[dict]:
+    """Packed (N + C tokens) against padded (N * 9) verification passes of `model` at each batch."""
+    config = model.config
     rows = []
-    for n in args.packed_batches:
+    for n in batches:
         width = 9
         cache = model.init_cache(n, 160)
         prompt = jax.random.randint(jax.random.key(1), (n, 128), 0, config.vocab_size)
@@ -130,13 +135,13 @@ def packed_part(args):
         window = jax.random.randint(jax.random.key(2), (n, width), 0, config.vocab_size)
         padded_fn = jax.jit(forward, static_argnums=0)
         padded_s, _ = timed(lambda: jax.block_until_ready(padded_fn(model.graphdef, model.params, window, cache)),
-                            repeats=args.repeats)
+                            repeats=repeats)
         packed_fn = jax.jit(forward_packed, static_argnums=(0, 5))
         for c in sorted({n // 4, n // 2, n, 2 * n, 4 * n, 8 * n}):
             # An even split of the budget over the rows: what the packed pass costs does not depend on it.
             counts = 1 + jnp.minimum(c // n + (jnp.arange(n) < c % n), width - 1).astype(jnp.int32)
             packed_s, _ = timed(lambda: jax.block_until_ready(
-                packed_fn(model.graphdef, model.params, window, counts, cache, n + c)), repeats=args.repeats)
+                packed_fn(model.graphdef, model.params, window, counts, cache, n + c)), repeats=repeats)
             row = {"model": config.name, "batch": n, "capacity": c, "packed_tokens": n + c,
                    "padded_tokens": n * width, "packed_ms": 1e3 * packed_s, "padded_ms": 1e3 * padded_s,
                    "packed_over_padded": packed_s / padded_s, "token_ratio": (n + c) / (n * width)}

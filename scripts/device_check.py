@@ -1,0 +1,158 @@
+"""The device check: what a short GPU lease should measure, in order, each section only if it can
+end before the deadline, results written after every section (`scripts/device_check.sh` runs it).
+
+Sections, at the qwen2.5-1.5b shape in bfloat16 with random weights (`--cpu-smoke`: a tiny shape):
+  step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.profiling`) at batch
+                1 / 8 / 32, bfloat16 and int8 weights; a 4-token verification against one token.
+  eagle_head    one EAGLE-3 head draft step against a one-token target step (batch 1).
+  tetris        `tetris.select` at N = 64, K = 8; packed against padded verification at batch 64.
+  speculative   plain against speculative decoding (draft model k = 1, 2, 4) at batch 1 and 16,
+                greedy, with the qwen2.5-0.5b-shaped draft of `benchmarking.skeleton_pair`: every
+                layer of both damped so the draft agrees with the target about 3 times in 4
+                (acceptance is reported; outputs checked token for token).
+
+    python scripts/device_check.py [--cpu-smoke] [--out docs/results/gpu] [--deadline 420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from bench_eagle import head_step_fraction
+from bench_tetris import packed_rows, select_seconds
+
+import jaxspec
+from jaxspec import profiling
+from jaxspec.benchmarking import machine, prompt_sets, round_robin, skeleton_pair, table, write_results
+
+SECTIONS = ("step_profile", "eagle_head", "tetris", "speculative")
+
+
+def shapes(smoke: bool) -> dict:
+    if smoke:
+        tiny = jaxspec.ModelConfig.preset("tiny")
+        return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [1, 4],
+                "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
+                "new_tokens": 16, "rounds": 1}
+    return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
+            "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
+            "ks": [1, 2, 4], "new_tokens": 64, "rounds": 3}
+
+
+def step_profile(target, s, out: dict, before_deadline) -> None:
+    bandwidth = profiling.read_bandwidth()
+    out["bandwidth_gb_s"] = {k: v / 1e9 for k, v in bandwidth.items()}
+    rows = out.setdefault("rows", [])
+    for model in (target, target.quantize("int8")):
+        for batch, k in [(b, 0) for b in s["batches"]] + [(1, 3)]:
+            if not before_deadline():
+                out.setdefault("skipped", []).append(f"{model.quantization or 'bf16'} b{batch} k{k}")
+                continue
+            r = profiling.profile_step(model, batch, s["context"], k=k, bandwidth=max(bandwidth.values()))
+            plain = next((x["step_ms"] for x in rows if x["batch"] == batch and x["k"] == 0
+                          and x["quantization"] == model.quantization), None)
+            r["vs_k0"] = 1.0 if k == 0 else r["step_ms"] / plain if plain else None
+            rows.append(r)
+            print(f"{model.quantization or model.dtype.name} batch {batch} k {k}: {r['step_ms']:.3f} ms, "
+                  f"{r['kernels_per_step']:.0f} kernels, bandwidth fraction {r['bandwidth_fraction']:.2f}", flush=True)
+        jax.clear_caches()
+
+
+def eagle_head(target, s, out: dict, before_deadline) -> None:
+    head = jaxspec.EagleHead.init(target, seed=0)
+    out["head_step_over_target_step"] = head_step_fraction(target, head)
+
+
+def tetris_section(target, s, out: dict, before_deadline) -> None:
+    n, k = s["select"]
+    out["select_us"] = {f"N={n} K={k} C={n * c}": 1e6 * select_seconds(n, k, n * c) for c in (1, 2, 4)}
+    out["packed"] = packed_rows(target, s["packed"], repeats=3)
+
+
+def speculative(target, s, out: dict, before_deadline) -> None:
+    target, draft = skeleton_pair(s["target"], s["draft"], damping=7e-4, sharpness=6.0, dtype="bfloat16")
+    rows = out.setdefault("rows", [])
+    for batch in s["spec_batches"]:
+        if not before_deadline():
+            out.setdefault("skipped", []).append(f"batch {batch}")
+            continue
+        prompts = prompt_sets(s["target"].vocab_size, batch, 1)[0]
+        fns = {"autoregressive": lambda on_finish: jaxspec.generate(target, prompts, max_new_tokens=s["new_tokens"])}
+        for k in s["ks"]:
+            decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k))
+            fns[f"k={k}"] = lambda on_finish, d=decoder: d.generate(prompts, max_new_tokens=s["new_tokens"],
+                                                                    on_finish=on_finish)
+        results, seconds, _ = round_robin(fns, s["rounds"])
+        for label, res in results.items():
+            rows.append({"batch": batch, "method": label,
+                         "tok_s": batch * s["new_tokens"] / float(np.median(seconds[label])),
+                         "vs_ar": float(np.median(seconds["autoregressive"] / seconds[label])),
+                         "acceptance": None if label == "autoregressive" else res.stats.acceptance_rate,
+                         "same_output": res.tokens == results["autoregressive"].tokens})
+        print(table(rows[-len(fns):]), flush=True)
+        jax.clear_caches()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes: the whole script in about a minute on CPU")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "results" / "gpu"))
+    p.add_argument("--deadline", type=float, default=420.0, help="seconds: start nothing after this")
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    args = p.parse_args()
+    start = time.time()
+    s = shapes(args.cpu_smoke)
+    device = re.sub(r"\W+", "_", jax.devices()[0].device_kind.lower()).strip("_")
+    name = str(Path(args.out).resolve() / f"device_check_{device}")
+    target = jaxspec.Model.random(s["target"], seed=0, dtype="bfloat16")
+    report = {"args": vars(args), "shapes": {k: str(v) for k, v in s.items()}, "sections": {}, "seconds": {}}
+    runs = {"step_profile": step_profile, "eagle_head": eagle_head, "tetris": tetris_section,
+            "speculative": speculative}
+    for section in args.sections:
+        if time.time() - start > args.deadline:
+            report["sections"][section] = "not run: past the deadline"
+            continue
+        began, out = time.time(), {}
+        report["sections"][section] = out
+        runs[section](target, s, out, lambda: time.time() - start < args.deadline)
+        report["seconds"][section] = time.time() - began
+        write_results(name, report, markdown(report))
+        print(f"{section} done in {report['seconds'][section]:.0f} s", flush=True)
+    print(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    m, sec = machine(), report["sections"]
+    parts = [f"Device check on {m['device_kind']} ({m['platform']}, jax {m['jax']}), shapes "
+             f"{report['shapes']['target']}; random weights, bfloat16 (`scripts/device_check.py`). Section times (s): "
+             + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()) + "."]
+    prof = sec.get("step_profile")
+    if isinstance(prof, dict) and prof.get("rows"):
+        parts += ["", f"Step anatomy (copy / matvec bandwidth {prof['bandwidth_gb_s']}):", "", table([
+            {"weights": r["quantization"] or r["dtype"], "batch": r["batch"], "k": r["k"],
+             "step_ms": round(r["step_ms"], 3), "vs_k0": r["vs_k0"] and round(r["vs_k0"], 2),
+             "kernels": round(r["kernels_per_step"]), "floor_ms": round(r["floor_ms"], 3),
+             "bw_frac": round(r["bandwidth_fraction"], 3),
+             "weight_MB": round(r["bytes"]["weights"] / 1e6, 3)} for r in prof["rows"]])]
+    if isinstance(sec.get("eagle_head"), dict) and sec["eagle_head"]:
+        fraction = sec["eagle_head"]["head_step_over_target_step"]
+        parts += ["", f"EAGLE-3 head step / target step (batch 1): {fraction:.3f}"]
+    tet = sec.get("tetris")
+    if isinstance(tet, dict) and tet:
+        parts += ["", f"tetris.select (µs): {tet['select_us']}", "", table(tet["packed"])]
+    spec = sec.get("speculative")
+    if isinstance(spec, dict) and spec.get("rows"):
+        parts += ["", "Plain against speculative decoding (skeleton pair, greedy):", "", table(spec["rows"])]
+    skipped = {k: v for k, v in sec.items() if isinstance(v, str) or (isinstance(v, dict) and v.get("skipped"))}
+    if skipped:
+        parts += ["", f"Not run (deadline): {skipped}"]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""scripts/device_check.sh --cpu-smoke: every section of the GPU check runs at a tiny shape, and
+what it reports holds together (the check must work the first time a GPU is lent)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_device_check_cpu_smoke(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": ""}
+    proc = subprocess.run(["scripts/device_check.sh", "--cpu-smoke", "--out", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "device_check_cpu.json").read_text())
+    sections = report["sections"]
+    assert set(sections) == {"step_profile", "eagle_head", "tetris", "speculative"}
+    assert (tmp_path / "device_check_cpu.md").read_text().startswith("Device check on cpu")
+
+    rows = sections["step_profile"]["rows"]
+    assert {(r["quantization"], r["batch"], r["k"]) for r in rows} == {
+        (q, b, k) for q in (None, "int8") for b, k in ((1, 0), (4, 0), (1, 3))}
+    for r in rows:
+        assert r["kernels_per_step"] > 10
+        assert abs(r["bandwidth_fraction"] - r["floor_ms"] / r["step_ms"]) < 1e-9
+        assert abs(sum(c["ms"] for c in r["by_category"].values()) - r["kernel_ms"]) < 1e-6
+        # rows * context * (keys, values) * layers * kv heads * head dim * 2 bytes (bfloat16)
+        assert r["bytes"]["kv_cache"] == r["batch"] * 32 * 2 * 2 * 2 * 16 * 2
+    bf16, int8 = ({r["batch"]: r["bytes"]["weights"] for r in rows if r["quantization"] == q} for q in (None, "int8"))
+    assert 0.45 < int8[1] / bf16[1] < 0.6   # int8 matrices: half of bfloat16's bytes, plus scales and norms
+
+    assert 0 < sections["eagle_head"]["head_step_over_target_step"]
+    assert all(r["packed_tokens"] == r["batch"] + r["capacity"] for r in sections["tetris"]["packed"])
+    spec = sections["speculative"]["rows"]
+    assert [r["method"] for r in spec] == ["autoregressive", "k=2"]
+    assert all(r["same_output"] for r in spec)
+    assert 0 < spec[1]["acceptance"] <= 1
