@@ -17,6 +17,7 @@ Sections, at the qwen2.5-1.5b shape in bfloat16 with random weights (`--cpu-smok
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import time
 from pathlib import Path
@@ -29,8 +30,11 @@ from bench_tetris import packed_rows, select_seconds
 import jaxspec
 from jaxspec import profiling
 from jaxspec.benchmarking import machine, prompt_sets, round_robin, skeleton_pair, table, write_results
+from jaxspec.drafters import NgramDrafter
+from jaxspec.engine import timing
 
 SECTIONS = ("step_profile", "eagle_head", "tetris", "speculative")
+STEPS = 8   # decode steps per timed / traced loop
 
 
 def shapes(smoke: bool) -> dict:
@@ -48,12 +52,18 @@ def step_profile(target, s, out: dict, before_deadline) -> None:
     bandwidth = profiling.read_bandwidth()
     out["bandwidth_gb_s"] = {k: v / 1e9 for k, v in bandwidth.items()}
     rows = out.setdefault("rows", [])
+    configs = [(b, 0) for b in s["batches"]] + [(1, 3)]
     for model in (target, target.quantize("int8")):
-        for batch, k in [(b, 0) for b in s["batches"]] + [(1, 3)]:
+        # Every configuration's programs compile side by side first (about 18 s each at this shape).
+        drafter = NgramDrafter().bind_vocab(model.config.vocab_size)
+        timing.side_by_side([functools.partial(timing.step_timer, model, drafter, k, b,
+                                               timing.cache_len_for(s["context"], k, STEPS), STEPS, 0)
+                             for b, k in configs])
+        for batch, k in configs:
             if not before_deadline():
                 out.setdefault("skipped", []).append(f"{model.quantization or 'bf16'} b{batch} k{k}")
                 continue
-            r = profiling.profile_step(model, batch, s["context"], k=k, bandwidth=max(bandwidth.values()))
+            r = profiling.profile_step(model, batch, s["context"], k=k, steps=STEPS, bandwidth=max(bandwidth.values()))
             plain = next((x["step_ms"] for x in rows if x["batch"] == batch and x["k"] == 0
                           and x["quantization"] == model.quantization), None)
             r["vs_k0"] = 1.0 if k == 0 else r["step_ms"] / plain if plain else None
