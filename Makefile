@@ -86,12 +86,12 @@ train-eagle-smollm2: $(STAMP)
 	$(BIN)/python scripts/bench_eagle.py --pair smollm2 --train-only
 
 train-eagle-qwen: $(STAMP) models-qwen
-	$(BIN)/python scripts/bench_eagle.py --pair qwen --train-only --steps 600 --batch-size 4 --seq-len 256 --draft-vocab 16384
+	$(BIN)/python scripts/bench_eagle.py --pair qwen --train-only --steps 240 --epochs 1.6 --batch-size 4 --seq-len 256 --draft-vocab 16384
 
 # The heads above against autoregressive decoding and the other drafters (trains them first if missing).
 bench-eagle: $(STAMP)
 	$(BIN)/python scripts/bench_eagle.py --pair smollm2
-	$(BIN)/python scripts/bench_eagle.py --pair qwen --steps 600 --batch-size 4 --seq-len 256 --draft-vocab 16384
+	$(BIN)/python scripts/bench_eagle.py --pair qwen --steps 240 --epochs 1.6 --batch-size 4 --seq-len 256 --draft-vocab 16384
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -70,7 +70,7 @@ def qwen_data(target, args):
     held out; the code prompts of data/)."""
     texts = source_texts("stdlib")
     random.Random(args.seed).shuffle(texts)
-    budget, data = args.steps * args.batch_size * args.seq_len // args.epochs, []
+    budget, data = int(args.steps * args.batch_size * args.seq_len / args.epochs), []
     for text in texts[8:]:
         data.append(target.tokenizer.encode(text))
         budget -= len(data[-1])
@@ -175,7 +175,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=800, help="smollm2: training prompts")
     p.add_argument("--per-work", type=int, default=24, help="smollm2: passages per training work")
     p.add_argument("--max-new-tokens", type=int, default=128, help="smollm2: answer length of the training data")
-    p.add_argument("--epochs", type=int, default=4, help="qwen: passes over the code in --steps")
+    p.add_argument("--epochs", type=float, default=4, help="qwen: passes over the code in --steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-only", action="store_true")
     p.add_argument("--eval-only", action="store_true", help="measure the head already in models/")

@@ -1,5 +1,6 @@
 """Weight-only int8: the rounding per output channel, the model it defines, lossless decoding with
-int8 targets and drafts (one device and a tensor-parallel mesh), loading and saving."""
+int8 targets and drafts (one device and a tensor-parallel mesh), loading and saving; and the SDPA
+attention path (`jax.nn.dot_product_attention`, cuDNN's interface on GPUs) against the plain one."""
 
 import jax
 import jax.numpy as jnp
@@ -129,3 +130,35 @@ def test_bad_quantization_requests_are_named(tiny_model, tmp_path):
         jaxspec.distill(tiny_model, q, [[1, 2, 3]], steps=1, learning_rate=1e-3)
     with pytest.raises(ValueError, match="target is int8-quantized"):
         jaxspec.draft_from_target(q, 1)
+
+
+@pytest.fixture
+def sdpa_attention():
+    """Attention through `jax.nn.dot_product_attention` (its XLA implementation: the interface,
+    masks and live lengths the cuDNN path on GPUs gets), compiled fresh and restored after."""
+    from jaxspec.models import decoder
+    jax.clear_caches()
+    decoder.ATTENTION = "xla"
+    yield
+    decoder.ATTENTION = "auto"
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("selection", ["standard", "tetris"])
+def test_sdpa_attention_is_lossless(int8_pair, sdpa_attention, selection):
+    """Greedy decoding with the SDPA path equals the plain path's output, for plain decoding and
+    for speculative windows (padded and packed verification), with int8 weights."""
+    from jaxspec.models import decoder
+    target, draft = int8_pair
+    prompts = random_prompts(np.random.default_rng(5), [9, 4, 15, 6], CFG.vocab_size)
+    tokens = np.random.default_rng(6).integers(0, 256, (2, 20))
+    got_logits = np.asarray(target.logits(tokens))
+    spec = jaxspec.SpecConfig(k=3, selection=selection, extra=2 if selection == "tetris" else 0)
+    got_plain = jaxspec.generate(target, prompts, max_new_tokens=BUDGETS).tokens
+    got_spec = jaxspec.SpeculativeDecoder(target, draft, spec=spec).generate(prompts, max_new_tokens=BUDGETS)
+    decoder.ATTENTION = "plain"
+    jax.clear_caches()
+    want = jaxspec.generate(target, prompts, max_new_tokens=BUDGETS).tokens
+    np.testing.assert_allclose(got_logits, np.asarray(target.logits(tokens)), rtol=1e-4, atol=1e-4)
+    assert got_plain == want and got_spec.tokens == want
+    assert got_spec.stats.accepted_tokens > 0
