@@ -122,8 +122,9 @@ def packed_part(args):
     return packed_rows(model, args.packed_batches, args.repeats)
 
 
-def packed_rows(model, batches, repeats: int = 3) -> list[dict]:
-    """Packed (N + C tokens) against padded (N * 9) verification passes of `model` at each batch."""
+def packed_rows(model, batches, repeats: int = 3, capacities=None) -> list[dict]:
+    """Packed (N + C tokens) against padded (N * 9) verification passes of `model` at each batch,
+    for C in `capacities` as multiples of N (default 1/4 to 8)."""
     config = model.config
     rows = []
     for n in batches:
@@ -137,7 +138,7 @@ def packed_rows(model, batches, repeats: int = 3) -> list[dict]:
         padded_s, _ = timed(lambda: jax.block_until_ready(padded_fn(model.graphdef, model.params, window, cache)),
                             repeats=repeats)
         packed_fn = jax.jit(forward_packed, static_argnums=(0, 5))
-        for c in sorted({n // 4, n // 2, n, 2 * n, 4 * n, 8 * n}):
+        for c in sorted({max(1, int(f * n)) for f in (capacities or (0.25, 0.5, 1, 2, 4, 8))}):
             # An even split of the budget over the rows: what the packed pass costs does not depend on it.
             counts = 1 + jnp.minimum(c // n + (jnp.arange(n) < c % n), width - 1).astype(jnp.int32)
             packed_s, _ = timed(lambda: jax.block_until_ready(

@@ -1,15 +1,16 @@
 """The device check: what a short GPU lease should measure, in order, each section only if it can
 end before the deadline, results written after every section (`scripts/device_check.sh` runs it).
 
-Sections, at the qwen2.5-1.5b shape in bfloat16 with random weights (`--cpu-smoke`: a tiny shape):
+Sections, in this order, at the qwen2.5-1.5b shape in bfloat16 with random weights (`--cpu-smoke`:
+a tiny shape):
   step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.profiling`) at batch
                 1 / 8 / 32, bfloat16 and int8 weights; a 4-token verification against one token.
-  eagle_head    one EAGLE-3 head draft step against a one-token target step (batch 1).
-  tetris        `tetris.select` at N = 64, K = 8; packed against padded verification at batch 64.
   speculative   plain against speculative decoding (draft model k = 1, 2, 4) at batch 1 and 16,
                 greedy, with the qwen2.5-0.5b-shaped draft of `benchmarking.skeleton_pair`: every
                 layer of both damped so the draft agrees with the target about 3 times in 4
                 (acceptance is reported; outputs checked token for token).
+  eagle_head    one EAGLE-3 head draft step against a one-token target step (batch 1).
+  tetris        `tetris.select` at N = 64, K = 8; packed against padded verification at batch 64.
 
     python scripts/device_check.py [--cpu-smoke] [--out docs/results/gpu] [--deadline 420]
 """
@@ -33,7 +34,7 @@ from jaxspec.benchmarking import machine, prompt_sets, round_robin, skeleton_pai
 from jaxspec.drafters import NgramDrafter
 from jaxspec.engine import timing
 
-SECTIONS = ("step_profile", "eagle_head", "tetris", "speculative")
+SECTIONS = ("step_profile", "speculative", "eagle_head", "tetris")   # in order of importance
 STEPS = 8   # decode steps per timed / traced loop
 
 
@@ -81,7 +82,7 @@ def eagle_head(target, s, out: dict, before_deadline) -> None:
 def tetris_section(target, s, out: dict, before_deadline) -> None:
     n, k = s["select"]
     out["select_us"] = {f"N={n} K={k} C={n * c}": 1e6 * select_seconds(n, k, n * c) for c in (1, 2, 4)}
-    out["packed"] = packed_rows(target, s["packed"], repeats=3)
+    out["packed"] = packed_rows(target, s["packed"], repeats=3, capacities=(0.5, 1, 2))
 
 
 def speculative(target, s, out: dict, before_deadline) -> None:
@@ -97,6 +98,7 @@ def speculative(target, s, out: dict, before_deadline) -> None:
             decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k))
             fns[f"k={k}"] = lambda on_finish, d=decoder: d.generate(prompts, max_new_tokens=s["new_tokens"],
                                                                     on_finish=on_finish)
+        timing.side_by_side([functools.partial(fn, None) for fn in fns.values()])   # compiles side by side
         results, seconds, _ = round_robin(fns, s["rounds"])
         for label, res in results.items():
             rows.append({"batch": batch, "method": label,
