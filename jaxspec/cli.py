@@ -109,13 +109,13 @@ def generate(args) -> int:
             _repair(args.output, scan)
         print(f"nothing to do: all {len(jobs)} requests are in {args.output}")
         return 0
-    target = load_model(args.target, args.dtype)
+    target = load_model(args.target, args.dtype, quantize=args.quantize)
     drafter = jaxspec.NgramDrafter(max_ngram=3)
     max_positions = target.config.max_position_embeddings
     if args.draft not in ("none", "ngram") and is_eagle_folder(args.draft):
         drafter = jaxspec.EagleDrafter(jaxspec.load(args.draft, target=target))
     elif args.draft not in ("none", "ngram"):
-        drafter = load_model(args.draft, args.dtype, seed=1)
+        drafter = load_model(args.draft, args.dtype, seed=1, quantize=args.quantize)
         max_positions = min(max_positions, drafter.config.max_position_embeddings)
     prompts, budgets = _encode_jobs(todo, target, args, max_positions)
     decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=spec, sampling=sampling, mesh=mesh)
@@ -197,6 +197,8 @@ def _add_generate(sub) -> None:
                              "(jaxspec train-eagle), 'ngram' (prompt lookup, the default) or 'none' (plain "
                              "autoregressive decoding)")
     models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    models.add_argument("--quantize", default="none", choices=["none", "int8"],
+                        help="int8 weights (one scale per output channel) for the target and a draft model")
     io = p.add_argument_group("input and output")
     io.add_argument("--prompts", required=True, metavar="IN.jsonl", help="requests, one JSON object per line")
     io.add_argument("--output", required=True, metavar="OUT.jsonl", help="results, appended (resumable)")

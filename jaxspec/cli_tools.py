@@ -22,12 +22,14 @@ def _warn(message: str) -> None:
     print(f"jaxspec: warning: {message}", file=sys.stderr, flush=True)
 
 
-def load_model(spec: str, dtype: str, *, seed: int = 0) -> jaxspec.Model:
-    """A model from a path or `preset:NAME` (random weights)."""
+def load_model(spec: str, dtype: str, *, seed: int = 0, quantize: str = "none") -> jaxspec.Model:
+    """A model from a path or `preset:NAME` (random weights), int8-quantized on request."""
+    quantize = None if quantize == "none" else quantize
     if spec.startswith("preset:"):
         config = jaxspec.ModelConfig.preset(spec.split(":", 1)[1])
-        return jaxspec.Model.random(config, seed=seed, dtype=dtype)
-    return jaxspec.load(spec, dtype=dtype)
+        model = jaxspec.Model.random(config, seed=seed, dtype=dtype)
+        return model.quantize(quantize) if quantize else model
+    return jaxspec.load(spec, dtype=dtype, quantize=quantize)
 
 
 def _ints(text: str, low: int = 1) -> tuple[int, ...]:
@@ -46,8 +48,9 @@ def _draft_lengths(text: str) -> tuple[int, ...]:
 
 
 def profile(args) -> int:
-    target = load_model(args.target, args.dtype)
-    draft = None if args.draft in ("none", "ngram") else load_model(args.draft, args.dtype, seed=1)
+    target = load_model(args.target, args.dtype, quantize=args.quantize)
+    draft = None if args.draft in ("none", "ngram") else load_model(args.draft, args.dtype, seed=1,
+                                                                       quantize=args.quantize)
     print(f"profiling {target.config.name} (target) and {draft.config.name if draft else 'no draft model'} "
           f"on {jax.devices()[0].device_kind} ...", flush=True)
     cost = CostModel.profile(target, draft, batches=args.batches, ks=args.ks,
@@ -241,6 +244,7 @@ def _add_profile(sub) -> None:
     p.add_argument("--target", required=True, help="path, or preset:NAME for random weights")
     p.add_argument("--draft", default="none", help="path, preset:NAME, or none/ngram (no draft model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="weight-only int8 target and draft")
     p.add_argument("--batches", type=_ints, default=(1, 2, 4, 8, 16), help="comma-separated batch sizes")
     p.add_argument("--ks", type=_draft_lengths, default=(0, 1, 2, 4),
                    help="draft lengths timed (0 and at least two values >= 1)")

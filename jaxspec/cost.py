@@ -173,9 +173,10 @@ class CostModel:
             raise RuntimeError("no step timer registered: import jaxspec (jaxspec.engine.timing registers it)")
         shapes = [(b, k, s) for b in batches for k in ks for s in cache_lens]
         points = _step_timer(target, draft, shapes, passes=passes, seed=seed)
+        dtype = "/".join(filter(None, (str(target.dtype), target.quantization)))
         cost = cls.fit_points(points, target_name=target.config.name,
                               draft_name="ngram" if draft is None else draft.config.name if hasattr(
-                                  draft, "config") else draft.head.config.layer.name, dtype=str(target.dtype),
+                                  draft, "config") else draft.head.config.layer.name, dtype=dtype,
                               mesh_shape=tuple(mesh_shape), device_kind=jax.devices()[0].device_kind)
         cost.fit["step"].update(passes=passes)
         return cost

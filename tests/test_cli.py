@@ -430,3 +430,16 @@ def test_train_eagle_data_sources(tmp_path):
             (tmp_path / "bad.jsonl").write_text('["text"]\n')
         with pytest.raises(ValueError, match=needle):
             source_texts(bad)
+
+
+def test_generate_with_int8_weights_is_the_int8_models_greedy_output(tiny_path, tmp_path):
+    records = token_jobs(4, seed=3)
+    prompts = write_jobs(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    assert cli.main(generate_args(tiny_path, prompts, out, "--max-new-tokens", "8", "--batch-size", "2",
+                                  "--draft", tiny_path, "--k", "2", "--quantize", "int8")) == 0
+    int8 = jaxspec.load(tiny_path, quantize="int8")
+    expected = jaxspec.generate(int8, [r["prompt"] for r in records], max_new_tokens=8).tokens
+    got = read_output(out)
+    assert [got[r["id"]]["tokens"] for r in records] == expected
+    assert sum(line["stats"]["accepted"] for line in got.values()) > 0   # the int8 draft is the int8 target
