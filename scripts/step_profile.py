@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import jax
 
@@ -64,8 +65,9 @@ def main() -> None:
             del model
             jax.clear_caches()
     m = machine()
+    what = Path(args.model).name if args.model else args.preset + " (random weights)"
     md = "\n".join([
-        f"Decode step anatomy, {args.model or args.preset + ' (random weights)'}, context {args.context} tokens per "
+        f"Decode step anatomy, {what}, context {args.context} tokens per "
         f"row; each step timed inside the engine's device loop (the median of loops of {args.steps} steps, minus a "
         f"1-step loop), kernels from a jax.profiler trace of such a loop. `floor_ms`: the bytes a step must read "
         f"(weights but the embedding table, plus the live KV cache) at the faster of the measured copy "
