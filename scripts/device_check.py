@@ -41,16 +41,16 @@ STEPS = 8   # decode steps per timed / traced loop
 def shapes(smoke: bool) -> dict:
     if smoke:
         tiny = jaxspec.ModelConfig.preset("tiny")
-        return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [1, 4],
+        return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [2],
                 "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
-                "new_tokens": 16, "rounds": 1}
+                "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24}
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
-            "ks": [1, 2, 4], "new_tokens": 64, "rounds": 3}
+            "ks": [1, 2, 4], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30}
 
 
 def step_profile(target, s, out: dict, before_deadline) -> None:
-    bandwidth = profiling.read_bandwidth()
+    bandwidth = profiling.read_bandwidth(nbytes=s["bandwidth_bytes"])
     out["bandwidth_gb_s"] = {k: v / 1e9 for k, v in bandwidth.items()}
     rows = out.setdefault("rows", [])
     configs = [(b, 0) for b in s["batches"]] + [(1, 3)]

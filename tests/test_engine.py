@@ -382,7 +382,10 @@ _COST = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e
                                             target_per_token=2e-4)
 
 
-@pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, extra=2, selection="tetris"),
+@pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3),
+                                  # plain TETRIS is also compiled by the tetris-goodput case: slow only
+                                  pytest.param(jaxspec.SpecConfig(k=3, extra=2, selection="tetris"),
+                                               marks=pytest.mark.slow),
                                   jaxspec.SpecConfig(k=2, extra=1, selection="tetris", policy="goodput",
                                                      cost_model=_COST)],
                          ids=["standard", "tetris", "tetris-goodput"])
