@@ -172,7 +172,9 @@ _CHEAP_HEAD = jaxspec.CostModel.from_coefficients(draft_fixed=1e-4, draft_per_to
 
 
 @pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3), jaxspec.SpecConfig(k=3, extra=1, selection="tetris"),
-                                  jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_CHEAP_HEAD)],
+                                  # one of the longest lossless runs: in the slow step (CI runs it)
+                                  pytest.param(jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_CHEAP_HEAD),
+                                               marks=pytest.mark.slow)],
                          ids=["standard", "tetris", "goodput"])
 def test_eagle_greedy_output_is_the_targets_own(vocab6_heads, spec):
     target, full, reduced = vocab6_heads

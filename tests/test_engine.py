@@ -456,7 +456,7 @@ def test_greedy_lossless_threshold_drafting(small):
     target, draft, smallest = small
     prompts = ragged_prompts(SMALL_VOCAB, 8)
     lengths = {}
-    for threshold in (0.9, 0.3, 0.01):
+    for threshold in (0.9, 0.01):
         specs = [jaxspec.SpecConfig(k=5, threshold=threshold),
                  jaxspec.SpecConfig(k=4, extra=2, selection="tetris", threshold=threshold)]
         stats_by_spec = check_greedy_lossless(target, draft, specs, prompts)
@@ -466,7 +466,7 @@ def test_greedy_lossless_threshold_drafting(small):
         lengths[threshold] = (standard.drafted_tokens / sum(standard.extra["per_request_steps"]),
                               packed.mean_draft_length)
     for i in range(2):  # a lower threshold keeps longer windows
-        assert lengths[0.9][i] < lengths[0.3][i] < lengths[0.01][i], lengths
+        assert lengths[0.9][i] < lengths[0.01][i], lengths
     chain = jaxspec.SpeculativeDecoder(draft, smallest, spec=jaxspec.SpecConfig(k=3, threshold=0.2))
     check_greedy_lossless(target, chain, [jaxspec.SpecConfig(k=3, threshold=0.2)], prompts)
 
