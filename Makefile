@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-# One pytest worker per core, at most 4 (most of the suite is single-threaded XLA compilation).
+# One pytest worker per core, at most 4 (most of the suite is single-threaded XLA compilation);
+# worksteal: an idle worker takes queued tests from a busy one, so the suite ends with both busy.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 # Real-model checks that need `make models-qwen` (run by .ci/run as its own bounded step).
 test-slow: $(STAMP)

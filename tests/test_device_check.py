@@ -11,7 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_device_check_cpu_smoke(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": ""}
+    # The persistent compilation cache lets the step profile's second compile of a program (for
+    # its text) load the first one's result.
+    env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jit"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     proc = subprocess.run(["scripts/device_check.sh", "--cpu-smoke", "--out", str(tmp_path)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
