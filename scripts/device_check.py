@@ -43,18 +43,20 @@ def shapes(smoke: bool) -> dict:
         tiny = jaxspec.ModelConfig.preset("tiny")
         return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [2],
                 "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
-                "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24}
+                "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24,
+                "int8_verify": False}
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
-            "ks": [1, 2, 4], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30}
+            "ks": [1, 2, 4], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30,
+            "int8_verify": True}
 
 
 def step_profile(target, s, out: dict, before_deadline) -> None:
     bandwidth = profiling.read_bandwidth(nbytes=s["bandwidth_bytes"])
     out["bandwidth_gb_s"] = {k: v / 1e9 for k, v in bandwidth.items()}
     rows = out.setdefault("rows", [])
-    configs = [(b, 0) for b in s["batches"]] + [(1, 3)]
     for model in (target, target.quantize("int8")):
+        configs = [(b, 0) for b in s["batches"]] + ([(1, 3)] if s["int8_verify"] or not model.quantization else [])
         # Every configuration's programs compile side by side first (about 18 s each at this shape).
         drafter = NgramDrafter().bind_vocab(model.config.vocab_size)
         timing.side_by_side([functools.partial(timing.step_timer, model, drafter, k, b,

@@ -48,7 +48,8 @@ def alone(pair, requests):
     (jaxspec.SpecConfig(k=2, extra=2, selection="tetris"), 4),
     # The synthetic cost model as given (measured, speculation would not pay for these tiny models
     # on a CPU, and the drafting paths under refills would go untested).
-    (jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_COST), 3),
+    pytest.param(jaxspec.SpecConfig(k=3, policy="goodput", cost_model=_COST), 3,
+                 marks=pytest.mark.slow),   # 20 s; goodput under refills stays covered by tetris-goodput-2
     (jaxspec.SpecConfig(k=2, extra=1, selection="tetris", policy="goodput", cost_model=_COST),
      2),
     (jaxspec.SpecConfig(k=0), 4),

@@ -196,7 +196,9 @@ def test_goodput_on_two_slices_picks_the_longest_window_at_full_acceptance(pair,
 
 
 @pytest.mark.parametrize("pipeline,selection", [pytest.param(False, "standard", marks=pytest.mark.slow),   # 18 s each
-                                                (True, "standard"),
+                                                # pipelined sampling stays in the default suite in
+                                                # test_batching (pipelined with refills, no policy)
+                                                pytest.param(True, "standard", marks=pytest.mark.slow),
                                                 pytest.param(True, "tetris", marks=pytest.mark.slow)],
                          ids=["draft-slice", "pipelined", "pipelined-tetris"])
 def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
