@@ -52,13 +52,14 @@ class RMSNorm(nnx.Module):
 
 def _matrix(module, name: str, shape, fan_in: int, axes, dtype, rngs, quantized: bool) -> None:
     """Adds the weight `name` (random, std 1/sqrt(fan_in)) to `module`, with its `<name>_scale`
-    (None unless `quantized`: then the weight is int8 and the scales span its output axes)."""
+    (None unless `quantized`: then an int8 weight and scales over its output axes, as structure
+    only: the values come from `quant.quantize_params` or the loaders)."""
     w = _normal(rngs.params(), shape, fan_in ** -0.5, dtype)
     scale = None
     if quantized:
         in_axes = quant.BLOCK_MATRICES.get(name, 1)
-        w, s = quant.int8_like(w, in_axes)
-        scale = nnx.Param(s, axes=axes[in_axes:])
+        w = jnp.zeros(shape, jnp.int8)
+        scale = nnx.Param(jnp.ones(shape[in_axes:], jnp.float32), axes=axes[in_axes:])
     setattr(module, name, nnx.Param(w, axes=axes))
     setattr(module, quant.scale_name(name), scale)
 

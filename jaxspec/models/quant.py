@@ -46,13 +46,6 @@ def quantize_array(w, in_axes: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def int8_like(w, in_axes: int):
-    """The same rule traced in jax (builds a quantized module's structure under `nnx.eval_shape`)."""
-    absmax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=tuple(range(in_axes)))
-    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
-
-
 def quantized_leaf(path: tuple) -> int | None:
     """Input-axis count of the weight at this params path if int8 quantizes it, else None."""
     name = path[-1]
