@@ -49,10 +49,46 @@ def test_multi_token_decode_at_per_row_positions_matches_uncached_logits(tiny_mo
         np.testing.assert_allclose(np.asarray(logits[b]), full, rtol=1e-4, atol=1e-4)
 
 
+def brute_attention(q_btnh, k_bskh, v_bskh, q_pos_bt):
+    """Softmax attention query by query, head by head, over the keys at slots <= the query's
+    position (slot j holds position j), in float64."""
+    b, t, n, h = q_btnh.shape
+    g = n // k_bskh.shape[2]
+    out = np.zeros(q_btnh.shape)
+    for i in range(b):
+        for j in range(t):
+            for head in range(n):
+                keys = k_bskh[i, :q_pos_bt[i, j] + 1, head // g].astype(np.float64)
+                w = np.exp(keys @ q_btnh[i, j, head] / np.sqrt(h) - (keys @ q_btnh[i, j, head] / np.sqrt(h)).max())
+                out[i, j, head] = (w / w.sum()) @ v_bskh[i, :q_pos_bt[i, j] + 1, head // g]
+    return out
+
+
+@pytest.mark.parametrize("impl, block", [("plain", 128), ("blocked", 128), ("blocked", 16), ("blocked", 7),
+                                         ("xla", 128)])
+def test_attention_over_the_cache_matches_brute_force(impl, block, monkeypatch):
+    """Each attention path over a cache buffer, with ragged rows (one past every live slot but
+    one) and several queries per row; the blocked path at blocks that split the buffer unevenly."""
+    from jaxspec.models import decoder
+    monkeypatch.setattr(decoder, "ATTENTION", impl)
+    monkeypatch.setattr(decoder, "BLOCK", block)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in ((3, 4, 6, 8), (3, 61, 2, 8), (3, 61, 2, 8)))
+    lengths = np.array([0, 20, 57])
+    q_pos = lengths[:, None] + np.arange(4)
+    got = decoder.attend_cache(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
+                               jnp.asarray(lengths + 4))
+    np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prefill_into_an_empty_cache_attends_to_the_prompt_only(tiny_model, dtype):
+def test_prefill_into_an_empty_cache_attends_to_the_prompt_only(tiny_model, dtype, monkeypatch):
     """`empty=True` (prefills) attends over the t new tokens instead of the whole buffer: the same
-    logits and the same cache as the general path, and the uncached model's logits."""
+    logits and the same cache as the general path (with plain attention, the same arithmetic), and
+    the uncached model's logits."""
+    from jaxspec.models import decoder
+    monkeypatch.setattr(decoder, "ATTENTION", "plain")
+    jax.clear_caches()   # programs traced with another path would be reused
     m = tiny_model if dtype == "float32" else jaxspec.Model(
         tiny_model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params), dtype="bfloat16")
     rng = np.random.default_rng(6)

@@ -1,6 +1,6 @@
 """Weight-only int8: the rounding per output channel, the model it defines, lossless decoding with
-int8 targets and drafts (one device and a tensor-parallel mesh), loading and saving; and the SDPA
-attention path (`jax.nn.dot_product_attention`, cuDNN's interface on GPUs) against the plain one."""
+int8 targets and drafts (one device and a tensor-parallel mesh), loading and saving; and the
+attention paths (SDPA, cuDNN's interface on GPUs; blocks up to the live length) against the plain one."""
 
 import jax
 import jax.numpy as jnp
@@ -132,22 +132,23 @@ def test_bad_quantization_requests_are_named(tiny_model, tmp_path):
         jaxspec.draft_from_target(q, 1)
 
 
-@pytest.fixture
-def sdpa_attention():
-    """Attention through `jax.nn.dot_product_attention` (its XLA implementation: the interface,
-    masks and live lengths the cuDNN path on GPUs gets), compiled fresh and restored after."""
+@pytest.fixture(params=["xla", "blocked"])
+def attention_path(request):
+    """An attention path other than the plain reference, compiled fresh and restored after: SDPA
+    (`jax.nn.dot_product_attention`'s XLA implementation: the interface, masks and live lengths the
+    cuDNN path on GPUs gets), or blocks of 8 cache slots (several per row, the last overlapping)."""
     from jaxspec.models import decoder
     jax.clear_caches()
-    decoder.ATTENTION = "xla"
-    yield
-    decoder.ATTENTION = "auto"
+    decoder.ATTENTION, decoder.BLOCK = request.param, 8
+    yield request.param
+    decoder.ATTENTION, decoder.BLOCK = "auto", 128
     jax.clear_caches()
 
 
 @pytest.mark.parametrize("selection", ["standard", "tetris"])
-def test_sdpa_attention_is_lossless(int8_pair, sdpa_attention, selection):
-    """Greedy decoding with the SDPA path equals the plain path's output, for plain decoding and
-    for speculative windows (padded and packed verification), with int8 weights."""
+def test_attention_paths_are_lossless(int8_pair, attention_path, selection):
+    """Greedy decoding with each attention path equals the plain path's output, for plain decoding
+    and for speculative windows (padded and packed verification), with int8 weights."""
     from jaxspec.models import decoder
     target, draft = int8_pair
     prompts = random_prompts(np.random.default_rng(5), [9, 4, 15, 6], CFG.vocab_size)

@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.decoder import RMSNorm, _normal, attend, rotary
+from jaxspec.models.decoder import RMSNorm, _normal, attend_cache, rotary
 
 _F32 = jnp.float32
 
@@ -146,14 +146,13 @@ def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCac
     module = nnx.merge(graphdef, params)
     b, t = tokens_bt.shape
     pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
-    slot_pos_bs = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     hidden_md = hidden_btd.reshape(b * t, -1).astype(embed_vd.dtype)
     q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in
                module.qkv(hidden_md, jnp.take(embed_vd, tokens_bt.reshape(-1), axis=0), pos_bt.reshape(-1)))
     k_cache = cache.k[0].at[rows_bt, pos_bt].set(k.astype(cache.k[0].dtype), mode="drop")
     v_cache = cache.v[0].at[rows_bt, pos_bt].set(v.astype(cache.v[0].dtype), mode="drop")
-    attn = attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), pos_bt, slot_pos_bs)
+    attn = attend_cache(q, k_cache, v_cache, pos_bt, jnp.minimum(cache.lengths + t, cache.max_len))
     out_md = module.finish(hidden_md, attn.reshape(b * t, *attn.shape[2:]))
     return (module.head(out_md).reshape(b, t, -1), out_md.reshape(b, t, -1),
             cache.replace(k=(k_cache,), v=(v_cache,)))
