@@ -5,6 +5,9 @@ Sections, in this order, at the qwen2.5-1.5b shape in bfloat16 with random weigh
 a tiny shape):
   step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.profiling`) at batch
                 1 / 8 / 32, bfloat16 and int8 weights; a 4-token verification against one token.
+  attention     the attention paths (`decoder.ATTENTION`: plain, blocked, XLA's SDPA, cuDNN) in a
+                4-layer model of that shape at batch 8, with 256 and 3,800 of 4,096 cache slots live
+                (which path "auto" should pick on a GPU).
   speculative   plain against speculative decoding (draft model k = 1, 2, 4) at batch 1 and 16,
                 greedy, with the qwen2.5-0.5b-shaped draft of `benchmarking.skeleton_pair`: every
                 layer of both damped so the draft agrees with the target about 3 times in 4
@@ -34,7 +37,7 @@ from jaxspec.benchmarking import machine, prompt_sets, round_robin, skeleton_pai
 from jaxspec.drafters import NgramDrafter
 from jaxspec.engine import timing
 
-SECTIONS = ("step_profile", "speculative", "eagle_head", "tetris")   # in order of importance
+SECTIONS = ("step_profile", "attention", "speculative", "eagle_head", "tetris")   # in order of importance
 STEPS = 8   # decode steps per timed / traced loop
 
 
@@ -44,11 +47,11 @@ def shapes(smoke: bool) -> dict:
         return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [2],
                 "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
                 "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24,
-                "int8_verify": False}
+                "int8_verify": False, "attention": (2, 2, 128, [16, 96])}
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
             "ks": [1, 2, 4], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30,
-            "int8_verify": True}
+            "int8_verify": True, "attention": (4, 8, 4096, [256, 3800])}   # layers, batch, slots, live
 
 
 def step_profile(target, s, out: dict, before_deadline) -> None:
@@ -74,6 +77,34 @@ def step_profile(target, s, out: dict, before_deadline) -> None:
             print(f"{model.quantization or model.dtype.name} batch {batch} k {k}: {r['step_ms']:.3f} ms, "
                   f"{r['kernels_per_step']:.0f} kernels, bandwidth fraction {r['bandwidth_fraction']:.2f}", flush=True)
         jax.clear_caches()
+
+
+def attention(target, s, out: dict, before_deadline) -> None:
+    """Each attention path's decode step, its programs compiled first (`step_timer` keeps the
+    path it was compiled with), then timed round-robin."""
+    from jaxspec.models import decoder
+    layers, batch, slots, contexts = s["attention"]
+    model = jaxspec.Model.random(s["target"].replace(num_layers=layers), seed=0, dtype="bfloat16")
+    drafter = NgramDrafter().bind_vocab(model.config.vocab_size)
+    timers = {}
+    for impl in ["plain", "blocked", "xla"] + (["cudnn"] if jax.default_backend() == "gpu" else []):
+        decoder.ATTENTION = impl
+        jax.clear_caches()
+        for context in contexts:
+            if before_deadline():
+                timers[impl, context] = timing.step_timer(model, drafter, 0, batch, slots, STEPS, 0, context=context)
+                timers[impl, context](1), timers[impl, context](1 + STEPS)
+    decoder.ATTENTION = "auto"
+    jax.clear_caches()
+    seconds = {key: [] for key in timers}
+    for _ in range(s["rounds"]):
+        for key, run in timers.items():
+            seconds[key].append((run(1 + STEPS) - run(1)) / STEPS)
+    ms = {key: 1e3 * float(np.median(v)) for key, v in seconds.items()}
+    out["rows"] = [{"attention": impl, "live_slots": context, "cache_slots": slots, "batch": batch, "layers": layers,
+                    "step_ms": round(step, 3), "vs_plain": round(step / ms["plain", context], 3)}
+                   for (impl, context), step in ms.items()]
+    print(table(out["rows"]), flush=True)
 
 
 def eagle_head(target, s, out: dict, before_deadline) -> None:
@@ -125,7 +156,7 @@ def main() -> None:
     name = str(Path(args.out).resolve() / f"device_check_{device}")
     target = jaxspec.Model.random(s["target"], seed=0, dtype="bfloat16")
     report = {"args": vars(args), "shapes": {k: str(v) for k, v in s.items()}, "sections": {}, "seconds": {}}
-    runs = {"step_profile": step_profile, "eagle_head": eagle_head, "tetris": tetris_section,
+    runs = {"step_profile": step_profile, "attention": attention, "eagle_head": eagle_head, "tetris": tetris_section,
             "speculative": speculative}
     for section in args.sections:
         if time.time() - start > args.deadline:
@@ -153,6 +184,8 @@ def markdown(report: dict) -> str:
              "kernels": round(r["kernels_per_step"]), "floor_ms": round(r["floor_ms"], 3),
              "bw_frac": round(r["bandwidth_fraction"], 3),
              "weight_MB": round(r["bytes"]["weights"] / 1e6, 3)} for r in prof["rows"]])]
+    if isinstance(sec.get("attention"), dict) and sec["attention"].get("rows"):
+        parts += ["", "Attention paths (decode step, bfloat16):", "", table(sec["attention"]["rows"])]
     if isinstance(sec.get("eagle_head"), dict) and sec["eagle_head"]:
         fraction = sec["eagle_head"]["head_step_over_target_step"]
         parts += ["", f"EAGLE-3 head step / target step (batch 1): {fraction:.3f}"]

@@ -20,7 +20,7 @@ def test_device_check_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check_cpu.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"step_profile", "eagle_head", "tetris", "speculative"}
+    assert set(sections) == {"step_profile", "attention", "eagle_head", "tetris", "speculative"}
     assert (tmp_path / "device_check_cpu.md").read_text().startswith("Device check on cpu")
 
     rows = sections["step_profile"]["rows"]
@@ -35,6 +35,8 @@ def test_device_check_cpu_smoke(tmp_path):
     bf16, int8 = ({r["batch"]: r["bytes"]["weights"] for r in rows if r["quantization"] == q} for q in (None, "int8"))
     assert 0.45 < int8[2] / bf16[2] < 0.6   # int8 matrices: half of bfloat16's bytes, plus scales and norms
 
+    attention = {(r["attention"], r["live_slots"]): r["step_ms"] for r in sections["attention"]["rows"]}
+    assert set(attention) == {(impl, live) for impl in ("plain", "blocked", "xla") for live in (16, 96)}
     assert 0 < sections["eagle_head"]["head_step_over_target_step"]
     assert all(r["packed_tokens"] == r["batch"] + r["capacity"] for r in sections["tetris"]["packed"])
     spec = sections["speculative"]["rows"]

@@ -49,15 +49,19 @@ def cache_len_for(context: int, k: int, iterations: int) -> int:
     return context + prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2) + prompts_lib.bucket_length(k + 2, 8)
 
 
-def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int):
-    """Prefills `batch` rows and returns a function timing `steps` steps from them (its
-    `hlo_text()` gives the compiled loop's program text)."""
+def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int,
+               context: int | None = None):
+    """Prefills `batch` rows (`context` tokens each; default: as many as leave room for the timed
+    steps) and returns a function timing `steps` steps from them. Its programs are compiled on
+    first use and kept, so they keep the settings of that moment (`decoder.ATTENTION`); its
+    `hlo_text()` gives the compiled loop's program text."""
     sampling = SamplingConfig()
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
-    prompt_len = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
-    if prompt_len < 1:
-        raise ValueError(f"cache_len={cache_len} is too small to time {iterations} steps with k={k}; "
-                         f"it needs more than {cache_len - prompt_len} slots")
+    room = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
+    prompt_len = room if context is None else context
+    if not 1 <= prompt_len <= room:
+        raise ValueError(f"cache_len={cache_len} is too small to time {iterations} steps with k={k} after "
+                         f"{prompt_len} tokens of context; it leaves room for {room}")
     rng = np.random.default_rng(seed)
     tokens_bp = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, prompt_len)), jnp.int32)
     lengths_b = jnp.full((batch,), prompt_len, jnp.int32)
@@ -69,18 +73,24 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     # One prefill serves every timed run: each run gets a copy, as the loop donates its state.
     prefilled = start_on_device(target.graphdef, drafter, prefill_schedule(schedule), sampling, target.params,
                                 drafter.params, tokens_bp, lengths_b, max_new_b, keys_b, eos, **static)
+    programs = {}
 
-    def args(state, steps):
-        return (target.graphdef, drafter, schedule, sampling, target.params, drafter.params, state, keys_b, max_new_b,
-                eos, np.int32(0), np.int32(0), np.int32(steps))
+    def program(steps: int):
+        if steps not in programs:
+            programs[steps] = run_on_device.lower(target.graphdef, drafter, schedule, sampling, target.params,
+                                                  drafter.params, prefilled, keys_b, max_new_b, eos, np.int32(0),
+                                                  np.int32(0), np.int32(steps), **static).compile()
+        return programs[steps]
 
     def run(steps: int) -> float:
+        compiled = program(steps)
         state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
         start = time.perf_counter()
-        jax.block_until_ready(run_on_device(*args(state, steps), **static))
+        jax.block_until_ready(compiled(target.params, drafter.params, state, keys_b, max_new_b, eos, np.int32(0),
+                                       np.int32(0), np.int32(steps)))
         return time.perf_counter() - start
 
-    run.hlo_text = lambda: run_on_device.lower(*args(prefilled, 1), **static).compile().as_text()
+    run.hlo_text = lambda: program(1).as_text()
     return run
 
 
