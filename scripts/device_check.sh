@@ -3,7 +3,8 @@
 # bfloat16 and int8, the attention paths at short and long live lengths, the EAGLE-3 head's step
 # cost, TETRIS selection and packed verification, plain against speculative decoding; at the
 # qwen2.5-1.5b shape, finishing well inside 8 minutes on an H100 / H200 (a deadline per section
-# and a hard timeout), results in docs/results/gpu/ named after the device. `--cpu-smoke` runs every section at a tiny shape (the default test suite does).
+# and a hard timeout), results in docs/results/gpu/ named after the device. `--cpu-smoke` runs
+# every section at a tiny shape (the default test suite does).
 #
 #     scripts/device_check.sh [--cpu-smoke] [--out DIR] [--deadline SECONDS]
 #
