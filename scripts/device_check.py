@@ -12,6 +12,9 @@ a tiny shape):
                 greedy, with the qwen2.5-0.5b-shaped draft of `benchmarking.skeleton_pair`: every
                 layer of both damped so the draft agrees with the target about 3 times in 4
                 (acceptance is reported; outputs checked token for token).
+  xla_options   XLA settings for the decode loop at batch 1 (command buffers over the whole loop,
+                no dot merging, autotuning off), each compiled once: compile seconds and step time;
+                and the loop's compile time at 1/4, 1/2 and all of the layers (unrolled blocks).
   eagle_head    one EAGLE-3 head draft step against a one-token target step (batch 1).
   tetris        `tetris.select` at N = 64, K = 8; packed against padded verification at batch 64.
 
@@ -37,8 +40,16 @@ from jaxspec.benchmarking import machine, prompt_sets, round_robin, skeleton_pai
 from jaxspec.drafters import NgramDrafter
 from jaxspec.engine import timing
 
-SECTIONS = ("step_profile", "attention", "speculative", "eagle_head", "tetris")   # in order of importance
+# In order of importance: a short lease runs the first ones.
+SECTIONS = ("step_profile", "attention", "speculative", "xla_options", "eagle_head", "tetris")
 STEPS = 8   # decode steps per timed / traced loop
+_GRAPHS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION"   # XLA's default set
+OPTIONS = {"gpu": {"default": {},
+                   "graphs_over_while": {"xla_gpu_enable_command_buffer": _GRAPHS + ",WHILE",
+                                         "xla_gpu_graph_min_graph_size": 1},
+                   "no_dot_merger": {"xla_gpu_dot_merger_threshold_mb": 0},
+                   "autotune_0": {"xla_gpu_autotune_level": 0}},
+           "cpu": {"default": {}, "opt_level_1": {"xla_backend_optimization_level": 1}}}
 
 
 def shapes(smoke: bool) -> dict:
@@ -107,6 +118,45 @@ def attention(target, s, out: dict, before_deadline) -> None:
     print(table(out["rows"]), flush=True)
 
 
+def _compiled(run) -> float:
+    """Seconds to compile `run`'s program (its first call, less a call's run time)."""
+    began = time.perf_counter()
+    run(1)
+    return time.perf_counter() - began - run(1)
+
+
+def xla_options(target, s, out: dict, before_deadline) -> None:
+    drafter = NgramDrafter().bind_vocab(target.config.vocab_size)
+    cache_len = timing.cache_len_for(s["context"], 0, STEPS)
+    timers, rows = {}, out.setdefault("rows", [])
+    for name, options in OPTIONS["gpu" if jax.default_backend() == "gpu" else "cpu"].items():
+        if not before_deadline():
+            out.setdefault("skipped", []).append(name)
+            continue
+        run = timing.step_timer(target, drafter, 0, 1, cache_len, STEPS, 0, compiler_options=options)
+        try:
+            rows.append({"options": name, "compile_s": round(_compiled(run), 2)})
+            timers[name] = run
+        except Exception as e:   # a flag this XLA does not know: recorded, not fatal
+            rows.append({"options": name, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+    seconds = {name: [] for name in timers}
+    for _ in range(s["rounds"]):
+        for name, run in timers.items():
+            seconds[name].append((run(1 + STEPS) - run(1)) / STEPS)
+    for row in rows:
+        if row["options"] in seconds:
+            row["step_ms"] = round(1e3 * float(np.median(seconds[row["options"]])), 3)
+            row["vs_default"] = round(float(np.median(seconds[row["options"]])) / np.median(seconds["default"]), 3)
+    layers = target.config.num_layers
+    out["compile_s_by_layers"] = {layers: rows[0].get("compile_s")}
+    for n in sorted({max(1, layers // 4), max(1, layers // 2)} - {layers}):
+        if before_deadline():
+            model = jaxspec.Model.random(target.config.replace(num_layers=n), seed=0, dtype="bfloat16")
+            out["compile_s_by_layers"][n] = round(_compiled(timing.step_timer(model, drafter, 0, 1, cache_len, STEPS,
+                                                                              0)), 2)
+    print(table(rows), out["compile_s_by_layers"], flush=True)
+
+
 def eagle_head(target, s, out: dict, before_deadline) -> None:
     head = jaxspec.EagleHead.init(target, seed=0)
     out["head_step_over_target_step"] = head_step_fraction(target, head)
@@ -156,7 +206,8 @@ def main() -> None:
     name = str(Path(args.out).resolve() / f"device_check_{device}")
     target = jaxspec.Model.random(s["target"], seed=0, dtype="bfloat16")
     report = {"args": vars(args), "shapes": {k: str(v) for k, v in s.items()}, "sections": {}, "seconds": {}}
-    runs = {"step_profile": step_profile, "attention": attention, "eagle_head": eagle_head, "tetris": tetris_section,
+    runs = {"step_profile": step_profile, "attention": attention, "xla_options": xla_options,
+            "eagle_head": eagle_head, "tetris": tetris_section,
             "speculative": speculative}
     for section in args.sections:
         if time.time() - start > args.deadline:
@@ -186,6 +237,10 @@ def markdown(report: dict) -> str:
              "weight_MB": round(r["bytes"]["weights"] / 1e6, 3)} for r in prof["rows"]])]
     if isinstance(sec.get("attention"), dict) and sec["attention"].get("rows"):
         parts += ["", "Attention paths (decode step, bfloat16):", "", table(sec["attention"]["rows"])]
+    xla = sec.get("xla_options")
+    if isinstance(xla, dict) and xla.get("rows"):
+        parts += ["", f"XLA options (batch 1; compile seconds by layers {xla.get('compile_s_by_layers')}):", "",
+                  table(xla["rows"])]
     if isinstance(sec.get("eagle_head"), dict) and sec["eagle_head"]:
         fraction = sec["eagle_head"]["head_step_over_target_step"]
         parts += ["", f"EAGLE-3 head step / target step (batch 1): {fraction:.3f}"]

@@ -20,7 +20,7 @@ def test_device_check_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check_cpu.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"step_profile", "attention", "eagle_head", "tetris", "speculative"}
+    assert set(sections) == {"step_profile", "attention", "speculative", "xla_options", "eagle_head", "tetris"}
     assert (tmp_path / "device_check_cpu.md").read_text().startswith("Device check on cpu")
 
     rows = sections["step_profile"]["rows"]
@@ -37,6 +37,9 @@ def test_device_check_cpu_smoke(tmp_path):
 
     attention = {(r["attention"], r["live_slots"]): r["step_ms"] for r in sections["attention"]["rows"]}
     assert set(attention) == {(impl, live) for impl in ("plain", "blocked", "xla") for live in (16, 96)}
+    xla = sections["xla_options"]
+    assert [r["options"] for r in xla["rows"]] == ["default", "opt_level_1"] and "error" not in xla["rows"][1]
+    assert set(xla["compile_s_by_layers"]) == {"2", "1"}
     assert 0 < sections["eagle_head"]["head_step_over_target_step"]
     assert all(r["packed_tokens"] == r["batch"] + r["capacity"] for r in sections["tetris"]["packed"])
     spec = sections["speculative"]["rows"]

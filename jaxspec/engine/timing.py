@@ -50,11 +50,11 @@ def cache_len_for(context: int, k: int, iterations: int) -> int:
 
 
 def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int,
-               context: int | None = None):
+               context: int | None = None, compiler_options: dict | None = None):
     """Prefills `batch` rows (`context` tokens each; default: as many as leave room for the timed
-    steps) and returns a function timing `steps` steps from them. Its programs are compiled on
-    first use and kept, so they keep the settings of that moment (`decoder.ATTENTION`); its
-    `hlo_text()` gives the compiled loop's program text."""
+    steps) and returns a function timing `steps` steps from them. Its program is compiled on first
+    use (with XLA's `compiler_options`, if any) and kept, so it keeps the settings of that moment
+    (`decoder.ATTENTION`); its `hlo_text()` gives the program's text."""
     sampling = SamplingConfig()
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     room = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
@@ -73,24 +73,25 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     # One prefill serves every timed run: each run gets a copy, as the loop donates its state.
     prefilled = start_on_device(target.graphdef, drafter, prefill_schedule(schedule), sampling, target.params,
                                 drafter.params, tokens_bp, lengths_b, max_new_b, keys_b, eos, **static)
-    programs = {}
+    compiled = []
 
-    def program(steps: int):
-        if steps not in programs:
-            programs[steps] = run_on_device.lower(target.graphdef, drafter, schedule, sampling, target.params,
-                                                  drafter.params, prefilled, keys_b, max_new_b, eos, np.int32(0),
-                                                  np.int32(0), np.int32(steps), **static).compile()
-        return programs[steps]
+    def program():
+        if not compiled:   # `max_steps` is traced: one program serves every step count
+            compiled.append(run_on_device.lower(target.graphdef, drafter, schedule, sampling, target.params,
+                                                drafter.params, prefilled, keys_b, max_new_b, eos, np.int32(0),
+                                                np.int32(0), np.int32(1), **static)
+                            .compile(compiler_options or None))
+        return compiled[0]
 
     def run(steps: int) -> float:
-        compiled = program(steps)
+        step_loop = program()
         state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
         start = time.perf_counter()
-        jax.block_until_ready(compiled(target.params, drafter.params, state, keys_b, max_new_b, eos, np.int32(0),
-                                       np.int32(0), np.int32(steps)))
+        jax.block_until_ready(step_loop(target.params, drafter.params, state, keys_b, max_new_b, eos, np.int32(0),
+                                        np.int32(0), np.int32(steps)))
         return time.perf_counter() - start
 
-    run.hlo_text = lambda: program(1).as_text()
+    run.hlo_text = lambda: program().as_text()
     return run
 
 
