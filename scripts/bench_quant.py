@@ -4,8 +4,9 @@ and speed, on real weights.
 Quality against the float32 model: relative L2 error of the logits over a 128-token text, greedy
 agreement over 128 new tokens (the share of prompts whose whole continuation is identical, and the
 mean number of tokens before the first difference), and the acceptance the model gets as a draft of
-the float32 target (k = 3, greedy). Speed: plain decoding tokens/s at batch 1 and 8, every weight
-type timed once per round, round-robin, medians of ratios within a round.
+the float32 target (k = 3, greedy). Speed: plain decoding tokens/s at batch 1 and 8, each weight
+type against float32 round-robin, medians of ratios within a round. One weight type besides the
+float32 model is loaded at a time.
 
     python scripts/bench_quant.py [--pair smollm2|qwen] [--new-tokens 128] [--rounds 3]
 """
@@ -36,23 +37,23 @@ TEXT = ("The history of the bicycle begins in the early nineteenth century, when
         "of people rode to work, to school and into the countryside. ")
 
 
-def weight_types(path: str) -> dict:
-    return {"float32": jaxspec.load(path), "bfloat16": jaxspec.load(path, dtype="bfloat16"),
-            "int8": jaxspec.load(path, quantize="int8"),
-            "int8/bf16": jaxspec.load(path, dtype="bfloat16", quantize="int8")}
+WEIGHTS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantize": "int8"},
+           "int8/bf16": {"dtype": "bfloat16", "quantize": "int8"}}
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def quality(models: dict, prompts, new_tokens: int) -> list[dict]:
-    ref = models["float32"]
+def quality(path: str, ref, prompts, new_tokens: int) -> list[dict]:
+    """Each weight type against the float32 model `ref`, loaded one at a time (a 1.5B model in
+    float32 is 7 GB, and XLA:CPU holds a float32 copy of bfloat16 weights while it runs them)."""
     ids = ref.tokenizer(TEXT * 4)["input_ids"][:128]
     want = np.asarray(ref.logits([ids]))[0]
     greedy_ref = jaxspec.generate(ref, prompts, max_new_tokens=new_tokens).tokens
     rows = []
-    for name, model in models.items():
+    for name, kwargs in list(WEIGHTS.items())[1:]:
+        model = jaxspec.load(path, **kwargs)
         got = np.asarray(model.logits([ids]))[0]
         greedy = jaxspec.generate(model, prompts, max_new_tokens=new_tokens).tokens
         spec = jaxspec.SpeculativeDecoder(ref, model, spec=jaxspec.SpecConfig(k=3))
@@ -65,21 +66,26 @@ def quality(models: dict, prompts, new_tokens: int) -> list[dict]:
                      "acceptance_as_draft": float(res.stats.acceptance_rate),
                      "spec_output_lossless": res.tokens == greedy_ref})
         print(table(rows[-1:]), flush=True)
+        del model, spec
     return rows
 
 
-def speed(models: dict, prompts, new_tokens: int, batches, rounds: int) -> list[dict]:
+def speed(path: str, ref, prompts, new_tokens: int, batches, rounds: int) -> list[dict]:
+    """Each weight type against float32, timed round-robin in pairs (one type loaded at a time)."""
     rows = []
-    for batch in batches:
-        chunk = prompts[:batch]
-        fns = {name: (lambda on_finish, m=model: jaxspec.generate(m, chunk, max_new_tokens=new_tokens))
-               for name, model in models.items()}
-        _, seconds, _ = round_robin(fns, rounds)
-        for name in models:
+    for name, kwargs in list(WEIGHTS.items())[1:]:
+        model = jaxspec.load(path, **kwargs)
+        for batch in batches:
+            chunk = prompts[:batch]
+            fns = {label: (lambda on_finish, m=m: jaxspec.generate(m, chunk, max_new_tokens=new_tokens))
+                   for label, m in (("float32", ref), (name, model))}
+            _, seconds, _ = round_robin(fns, rounds)
             rows.append({"batch": batch, "weights": name,
+                         "float32_tok_s": batch * new_tokens / float(np.median(seconds["float32"])),
                          "tok_s": batch * new_tokens / float(np.median(seconds[name])),
                          "vs_float32": float(np.median(seconds["float32"] / seconds[name]))})
-        print(table(rows[-len(models):]), flush=True)
+            print(table(rows[-1:]), flush=True)
+        del model
     return rows
 
 
@@ -95,12 +101,12 @@ def main() -> None:
     args = p.parse_args()
     path = args.model or (smollm2_gguf_path() if args.pair == "smollm2"
                           else str(REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
-    models = weight_types(path)
-    tok = models["float32"].tokenizer
+    ref = jaxspec.load(path)
+    tok = ref.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for p in PROMPTS]
-    q_rows = quality(models, prompts, args.new_tokens)
-    s_rows = speed(models, prompts, args.speed_tokens, args.batches, args.rounds)
+    q_rows = quality(path, ref, prompts, args.new_tokens)
+    s_rows = speed(path, ref, prompts, args.speed_tokens, args.batches, args.rounds)
     m = machine()
     md = "\n".join([
         f"{Path(path).name}: bfloat16 and int8 weights (weight-only, one scale per output channel; `int8/bf16`: int8 "
@@ -108,7 +114,8 @@ def main() -> None:
         f"128-token text (relative L2 error, top-1 agreement), greedy continuations of {args.new_tokens} tokens "
         f"against float32's, and the acceptance of each model as the draft of the float32 target (k = 3, greedy; "
         f"the output is the float32 target's, checked). Speed: plain decoding, {args.speed_tokens} new tokens, "
-        f"medians over {args.rounds} round-robin rounds after warm-up. Machine: {m['processor']}, {m['cpu_count']} "
+        f"each type against float32 in {args.rounds} round-robin rounds after warm-up "
+        f"(medians). Machine: {m['processor']}, {m['cpu_count']} "
         f"cores, jax {m['jax']}.", "", table(q_rows), "", table(s_rows)])
     print("\n" + md)
     write_results(args.name or f"bench_quant_{args.pair}", {"args": vars(args), "quality": q_rows, "speed": s_rows}, md)
