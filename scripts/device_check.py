@@ -31,6 +31,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from bench_attention import attention_rows
 from bench_eagle import head_step_fraction
 from bench_tetris import packed_rows, select_seconds
 
@@ -91,30 +92,9 @@ def step_profile(target, s, out: dict, before_deadline) -> None:
 
 
 def attention(target, s, out: dict, before_deadline) -> None:
-    """Each attention path's decode step, its programs compiled first (`step_timer` keeps the
-    path it was compiled with), then timed round-robin."""
-    from jaxspec.models import decoder
     layers, batch, slots, contexts = s["attention"]
     model = jaxspec.Model.random(s["target"].replace(num_layers=layers), seed=0, dtype="bfloat16")
-    drafter = NgramDrafter().bind_vocab(model.config.vocab_size)
-    timers = {}
-    for impl in ["plain", "blocked", "xla"] + (["cudnn"] if jax.default_backend() == "gpu" else []):
-        decoder.ATTENTION = impl
-        jax.clear_caches()
-        for context in contexts:
-            if before_deadline():
-                timers[impl, context] = timing.step_timer(model, drafter, 0, batch, slots, STEPS, 0, context=context)
-                timers[impl, context](1), timers[impl, context](1 + STEPS)
-    decoder.ATTENTION = "auto"
-    jax.clear_caches()
-    seconds = {key: [] for key in timers}
-    for _ in range(s["rounds"]):
-        for key, run in timers.items():
-            seconds[key].append((run(1 + STEPS) - run(1)) / STEPS)
-    ms = {key: 1e3 * float(np.median(v)) for key, v in seconds.items()}
-    out["rows"] = [{"attention": impl, "live_slots": context, "cache_slots": slots, "batch": batch, "layers": layers,
-                    "step_ms": round(step, 3), "vs_plain": round(step / ms["plain", context], 3)}
-                   for (impl, context), step in ms.items()]
+    out["rows"] = attention_rows(model, batch, slots, contexts, s["rounds"], before_deadline)
     print(table(out["rows"]), flush=True)
 
 
