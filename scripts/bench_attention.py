@@ -1,4 +1,4 @@
-"""The attention paths over the KV cache (`jaxspec.models.decoder.ATTENTION`) in the engine's decode
+"""The attention paths over the KV cache (`jaxspec.models.attention.ATTENTION`) in the engine's decode
 step: plain (batched dots over the whole buffer), blocked (blocks up to the longest live row),
 XLA's `jax.nn.dot_product_attention`, and cuDNN's on a GPU; at a few live lengths of one cache
 buffer. Each path's program is compiled first, then all are timed round-robin (a step: a loop of
@@ -19,7 +19,7 @@ import jaxspec
 from jaxspec.benchmarking import machine, table, write_results
 from jaxspec.drafters import NgramDrafter
 from jaxspec.engine import timing
-from jaxspec.models import decoder
+from jaxspec.models import attention as attention_lib
 
 STEPS = 8
 
@@ -29,13 +29,13 @@ def attention_rows(model, batch: int, slots: int, live, rounds: int, before_dead
     drafter = NgramDrafter().bind_vocab(model.config.vocab_size)
     timers = {}
     for impl in ["plain", "blocked", "xla"] + (["cudnn"] if jax.default_backend() == "gpu" else []):
-        decoder.ATTENTION = impl
+        attention_lib.ATTENTION = impl
         jax.clear_caches()   # `step_timer` keeps the program compiled now, with this path
         for context in live:
             if before_deadline():
                 timers[impl, context] = timing.step_timer(model, drafter, 0, batch, slots, STEPS, 0, context=context)
                 timers[impl, context](1)
-    decoder.ATTENTION = "auto"
+    attention_lib.ATTENTION = "auto"
     jax.clear_caches()
     seconds = {key: [] for key in timers}
     for _ in range(rounds):

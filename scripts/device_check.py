@@ -5,7 +5,7 @@ Sections, in this order, at the qwen2.5-1.5b shape in bfloat16 with random weigh
 a tiny shape):
   step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.profiling`) at batch
                 1 / 8 / 32, bfloat16 and int8 weights; a 4-token verification against one token.
-  attention     the attention paths (`decoder.ATTENTION`: plain, blocked, XLA's SDPA, cuDNN) in a
+  attention     the attention paths (`attention.ATTENTION`: plain, blocked, XLA's SDPA, cuDNN) in a
                 4-layer model of that shape at batch 8, with 256 and 3,800 of 4,096 cache slots live
                 (which path "auto" should pick on a GPU).
   speculative   plain against speculative decoding (draft model k = 1, 2, 4) at batch 1 and 16,

@@ -69,14 +69,14 @@ def brute_attention(q_btnh, k_bskh, v_bskh, q_pos_bt):
 def test_attention_over_the_cache_matches_brute_force(impl, block, monkeypatch):
     """Each attention path over a cache buffer, with ragged rows (one past every live slot but
     one) and several queries per row; the blocked path at blocks that split the buffer unevenly."""
-    from jaxspec.models import decoder
-    monkeypatch.setattr(decoder, "ATTENTION", impl)
-    monkeypatch.setattr(decoder, "BLOCK", block)
+    from jaxspec.models import attention
+    monkeypatch.setattr(attention, "ATTENTION", impl)
+    monkeypatch.setattr(attention, "BLOCK", block)
     rng = np.random.default_rng(3)
     q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in ((3, 4, 6, 8), (3, 61, 2, 8), (3, 61, 2, 8)))
     lengths = np.array([0, 20, 57])
     q_pos = lengths[:, None] + np.arange(4)
-    got = decoder.attend_cache(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
+    got = attention.attend_cache(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
                                jnp.asarray(lengths + 4))
     np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos), rtol=1e-5, atol=1e-5)
 
@@ -86,8 +86,8 @@ def test_prefill_into_an_empty_cache_attends_to_the_prompt_only(tiny_model, dtyp
     """`empty=True` (prefills) attends over the t new tokens instead of the whole buffer: the same
     logits and the same cache as the general path (with plain attention, the same arithmetic), and
     the uncached model's logits."""
-    from jaxspec.models import decoder
-    monkeypatch.setattr(decoder, "ATTENTION", "plain")
+    from jaxspec.models import attention
+    monkeypatch.setattr(attention, "ATTENTION", "plain")
     jax.clear_caches()   # programs traced with another path would be reused
     m = tiny_model if dtype == "float32" else jaxspec.Model(
         tiny_model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params), dtype="bfloat16")

@@ -137,11 +137,11 @@ def attention_path(request):
     """An attention path other than the plain reference, compiled fresh and restored after: SDPA
     (`jax.nn.dot_product_attention`'s XLA implementation: the interface, masks and live lengths the
     cuDNN path on GPUs gets), or blocks of 8 cache slots (several per row, the last overlapping)."""
-    from jaxspec.models import decoder
+    from jaxspec.models import attention
     jax.clear_caches()
-    decoder.ATTENTION, decoder.BLOCK = request.param, 8
+    attention.ATTENTION, attention.BLOCK = request.param, 8
     yield request.param
-    decoder.ATTENTION, decoder.BLOCK = "auto", 128
+    attention.ATTENTION, attention.BLOCK = "auto", 128
     jax.clear_caches()
 
 
@@ -149,7 +149,7 @@ def attention_path(request):
 def test_attention_paths_are_lossless(int8_pair, attention_path, selection):
     """Greedy decoding with each attention path equals the plain path's output, for plain decoding
     and for speculative windows (padded and packed verification), with int8 weights."""
-    from jaxspec.models import decoder
+    from jaxspec.models import attention
     target, draft = int8_pair
     prompts = random_prompts(np.random.default_rng(5), [9, 4, 15, 6], CFG.vocab_size)
     tokens = np.random.default_rng(6).integers(0, 256, (2, 20))
@@ -157,7 +157,7 @@ def test_attention_paths_are_lossless(int8_pair, attention_path, selection):
     spec = jaxspec.SpecConfig(k=3, selection=selection, extra=2 if selection == "tetris" else 0)
     got_plain = jaxspec.generate(target, prompts, max_new_tokens=BUDGETS).tokens
     got_spec = jaxspec.SpeculativeDecoder(target, draft, spec=spec).generate(prompts, max_new_tokens=BUDGETS)
-    decoder.ATTENTION = "plain"
+    attention.ATTENTION = "plain"
     jax.clear_caches()
     want = jaxspec.generate(target, prompts, max_new_tokens=BUDGETS).tokens
     np.testing.assert_allclose(got_logits, np.asarray(target.logits(tokens)), rtol=1e-4, atol=1e-4)

@@ -54,7 +54,7 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     """Prefills `batch` rows (`context` tokens each; default: as many as leave room for the timed
     steps) and returns a function timing `steps` steps from them. Its program is compiled on first
     use (with XLA's `compiler_options`, if any) and kept, so it keeps the settings of that moment
-    (`decoder.ATTENTION`); its `hlo_text()` gives the program's text."""
+    (`attention.ATTENTION`); its `hlo_text()` gives the program's text."""
     sampling = SamplingConfig()
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     room = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)

@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.models.attention import attend_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.decoder import RMSNorm, _normal, attend_cache, rotary
+from jaxspec.models.decoder import RMSNorm, _normal, rotary
 
 _F32 = jnp.float32
 
