@@ -1,4 +1,4 @@
-"""Model configuration: one frozen dataclass for the Llama / Qwen2 / SmolLM family.
+"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 / SmolLM families.
 
 Field names follow Hugging Face's (`hidden_size`, `num_kv_heads`, ...) so a config reads the same
 here as in a `config.json`. Construction from HF config dicts and from GGUF metadata lives here too,
@@ -12,7 +12,11 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Rope scaling types and the parameters each needs (HF `rope_scaling` / `rope_parameters` names).
+ROPE_SCALING = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +36,12 @@ class ModelConfig:
       tie_word_embeddings: the LM head reuses the token embedding matrix.
       attention_bias: q/k/v projections carry a bias (Qwen2).
       head_dim: per-head width; None means hidden_size // num_heads.
-      architecture: "llama" or "qwen2"; only affects naming in converted checkpoints.
+      qk_norm: an RMSNorm over each query and key head before the rotary embedding (Qwen3).
+      rope_scaling: None (plain RoPE) or the rotary frequencies' rescaling as sorted (name,
+        value) pairs, `rope_type` included: "linear" or "llama3" (`ROPE_SCALING`); a dict is
+        accepted and stored in that form.
+      architecture: "llama", "qwen2" or "qwen3": the checkpoint family (naming in converted
+        checkpoints; its options are the fields above).
       name: a label carried into benchmark reports and cost models.
     """
 
@@ -48,6 +57,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     head_dim: int | None = None
+    qk_norm: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
     architecture: str = "llama"
     name: str = "custom"
 
@@ -72,6 +83,15 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if isinstance(self.rope_scaling, Mapping) or isinstance(self.rope_scaling, list):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(dict(self.rope_scaling).items())))
+        if self.rope_scaling is not None:
+            check_rope_scaling(dict(self.rope_scaling))
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """The rope scaling parameters as a dict (empty for plain RoPE)."""
+        return dict(self.rope_scaling or ())
 
     @property
     def resolved_head_dim(self) -> int:
@@ -84,7 +104,7 @@ class ModelConfig:
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
-        block = attn + 3 * d * self.intermediate_size + 2 * d
+        block = attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * block + d + head
 
@@ -119,12 +139,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {model_type!r} in config.json; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        rope = hf.get("rope_parameters") or {}
-        rope_scaling = hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope_scaling.get("rope_type", rope_scaling.get("type")))
-        if rope_type not in (None, "default"):
-            raise ValueError(f"config.json asks for rope scaling {rope_type!r}; only plain RoPE "
-                             f"(rope_type 'default') is supported")
+        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; "
                              f"only 'silu' (SwiGLU)")
@@ -145,6 +160,8 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             head_dim=head_dim,
+            qk_norm=model_type == "qwen3",
+            rope_scaling=rope_scaling_from_hf(hf),
             architecture=model_type,
             name=name or hf.get("_name_or_path") or model_type,
         )
@@ -153,7 +170,7 @@ class ModelConfig:
         """The `config.json` dict transformers expects for this model."""
         hf = {
             "model_type": self.architecture,
-            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "architectures": [_HF_CLASSES[self.architecture]],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -167,7 +184,12 @@ class ModelConfig:
             "head_dim": self.resolved_head_dim,
             "hidden_act": "silu",
         }
-        if self.architecture == "llama":
+        if self.rope_scaling:
+            hf["rope_scaling"] = self.rope
+        if (self.architecture == "qwen3") != self.qk_norm:
+            raise ValueError(f"transformers has q/k norms in qwen3 models only, not in {self.architecture} "
+                             f"(qk_norm={self.qk_norm})")
+        if self.architecture != "qwen2":
             hf["attention_bias"] = self.attention_bias
         elif not self.attention_bias:
             raise ValueError("a qwen2 config always has attention_bias=True in transformers")
@@ -192,9 +214,12 @@ class ModelConfig:
                 raise ValueError(f"GGUF metadata lacks {arch}.{suffix}")
             return value
 
-        if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-            raise ValueError(f"GGUF asks for rope scaling {metadata[f'{arch}.rope.scaling.type']!r}; "
-                             f"only plain RoPE is supported")
+        scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", None, "linear"):
+            raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; supported: none, linear")
+        if "rope_freqs.weight" in tensor_names:
+            raise ValueError("GGUF rope_freqs.weight (Llama 3 rope scaling as stored by llama.cpp) is not "
+                             "supported; load the model's safetensors folder instead")
         num_heads = int(key("attention.head_count"))
         hidden = int(key("embedding_length"))
         vocab = metadata.get(f"{arch}.vocab_size")
@@ -219,9 +244,33 @@ class ModelConfig:
             tie_word_embeddings=bool(names) and "output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             head_dim=head_dim,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            rope_scaling=None if scaling in ("none", None) else
+            {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])},
             architecture=arch,
             name=name or str(metadata.get("general.name", arch)),
         )
+
+
+def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict[str, Any] | None:
+    """`ModelConfig.rope_scaling` from a `config.json` dict (transformers 4's `rope_scaling` or 5's
+    `rope_parameters`); None for plain RoPE."""
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    return {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALING.get(kind, ()) if k in rope}}
+
+
+def check_rope_scaling(rope: Mapping[str, Any]) -> None:
+    """Refuses, by name, a rope scaling jaxspec does not compute or one missing its parameters."""
+    kind = rope.get("rope_type")
+    if kind not in ROPE_SCALING:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default (none), "
+                         f"{', '.join(ROPE_SCALING)}")
+    missing = [k for k in ROPE_SCALING[kind] if k not in rope]
+    if missing:
+        raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -70,6 +70,10 @@ def _has_bias(cfg):
     return cfg.attention_bias
 
 
+def _qk_norm(cfg):
+    return cfg.qk_norm
+
+
 def _untied(cfg):
     return not cfg.tie_word_embeddings
 
@@ -101,6 +105,10 @@ RULES: tuple[WeightRule, ...] = (
                _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias, gguf_heads=_kv_heads),
     WeightRule(("layers", "v_bias_kh"), _L + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias",
                _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias),
+    WeightRule(("layers", "q_norm", "scale"), _L + "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight",
+               per_layer=True, present=_qk_norm),
+    WeightRule(("layers", "k_norm", "scale"), _L + "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight",
+               per_layer=True, present=_qk_norm),
     WeightRule(("layers", "o_nhd"), _L + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
                _out_heads, _out_heads_inv, per_layer=True),
     WeightRule(("layers", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight",

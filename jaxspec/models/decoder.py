@@ -16,8 +16,11 @@ with per-output-channel float32 scales (`jaxspec.models.quant`).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxspec.models import quant
@@ -33,9 +36,9 @@ def _normal(key, shape, std, dtype):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype):
+    def __init__(self, dim: int, eps: float, *, dtype, axes=("embed",)):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=axes)
 
     def __call__(self, x):
         x32 = x.astype(_F32)
@@ -58,10 +61,30 @@ def _matrix(module, name: str, shape, fan_in: int, axes, dtype, rngs, quantized:
     setattr(module, quant.scale_name(name), scale)
 
 
-def rotary(x_mah, pos_m, theta: float):
-    """Rotary embedding in the rotate-half layout, for x of shape [m, heads, h] at positions pos_m."""
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """The rotary embedding's inverse frequencies [h/2] (float32, as transformers computes them),
+    rescaled per `scaling` ("linear": divided by the factor; "llama3": long wavelengths divided by
+    the factor, short ones kept, those between interpolated)."""
+    inv_freq = (1.0 / theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim)).astype(np.float32)
+    kind = (scaling or {}).get("rope_type")
+    if kind == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled).astype(np.float32)
+    return inv_freq
+
+
+def rotary(x_mah, pos_m, theta: float, scaling: tuple | None = None):
+    """Rotary embedding in the rotate-half layout, for x of shape [m, heads, h] at positions pos_m
+    (`scaling`: `ModelConfig.rope_scaling`)."""
     half = x_mah.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=_F32) * 2.0 / (2 * half)))
+    inv_freq = rope_frequencies(2 * half, theta, dict(scaling) if scaling else None)
     angles = pos_m.astype(_F32)[:, None, None] * inv_freq  # [m, 1, h/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1 = x_mah[..., :half].astype(_F32)
@@ -80,7 +103,7 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantized: bool = False):
         d, n, k = config.hidden_size, config.num_heads, config.num_kv_heads
         h, f = config.resolved_head_dim, config.intermediate_size
-        self.theta = config.rope_theta
+        self.theta, self.rope_scaling = config.rope_theta, config.rope_scaling
         self.head_dim = h
         self.attn_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
         attention = {"q_dnh": ((d, n, h), d, ("embed", "heads", "head_dim")),
@@ -97,6 +120,8 @@ class Block(nnx.Module):
                                        axes=("kv_heads", "head_dim"))
         else:
             self.q_bias_nh = self.k_bias_kh = self.v_bias_kh = None
+        self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, axes=("head_dim",)) if config.qk_norm else None
+        self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, axes=("head_dim",)) if config.qk_norm else None
         _matrix(self, "o_nhd", (n, h, d), n * h, ("heads", "head_dim", "embed"), dtype, rngs, quantized)
         self.mlp_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
         for name, shape, axes in (("gate_df", (d, f), ("embed", "mlp")), ("up_df", (d, f), ("embed", "mlp")),
@@ -125,7 +150,9 @@ class Block(nnx.Module):
             q = q + self.q_bias_nh[...]
             k = k + self.k_bias_kh[...]
             v = v + self.v_bias_kh[...]
-        return rotary(q, pos_m, self.theta), rotary(k, pos_m, self.theta), v
+        if self.q_norm is not None:   # Qwen3: each head normalised before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rotary(q, pos_m, self.theta, self.rope_scaling), rotary(k, pos_m, self.theta, self.rope_scaling), v
 
     def finish(self, x_md, attn_mnh):
         """Output projection, residual, and the MLP half of the block."""

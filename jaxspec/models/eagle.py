@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxspec.models.attention import attend_cache
 from jaxspec.models.cache import KVCache
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import ModelConfig, rope_scaling_from_hf
 from jaxspec.models.decoder import RMSNorm, _normal, rotary
 
 _F32 = jnp.float32
@@ -83,7 +83,8 @@ class EagleModule(nnx.Module):
         d, n, k, h, u, w = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim, c.intermediate_size,
                             c.vocab_size)
         f = config.feature_size
-        self.theta, self.head_dim, self.norm_before_residual = c.rope_theta, h, config.norm_before_residual
+        self.theta, self.rope_scaling, self.head_dim = c.rope_theta, c.rope_scaling, h
+        self.norm_before_residual = config.norm_before_residual
         self.fc_fd = nnx.Param(_normal(rngs.params(), (f, d), f ** -0.5, dtype), axes=("features", "embed"))
         self.input_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
@@ -112,7 +113,7 @@ class EagleModule(nnx.Module):
         q = (x @ self.q_xnh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
         k = (x @ self.k_xkh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
         v = (x @ self.v_xkh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
-        return rotary(q, pos_m, self.theta), rotary(k, pos_m, self.theta), v
+        return rotary(q, pos_m, self.theta, self.rope_scaling), rotary(k, pos_m, self.theta, self.rope_scaling), v
 
     def finish(self, hidden_md, attn_mnh):
         """Attention's output added to the hidden input, then the MLP block (pre-norm output)."""
@@ -214,7 +215,8 @@ class EagleHead:
         else:
             draft_ids = np.arange(w)
         config = EagleConfig(layer=tc.replace(num_layers=1, vocab_size=w, tie_word_embeddings=False,
-                                              attention_bias=False, name=f"{tc.name}-eagle3"),
+                                              attention_bias=False, qk_norm=False, architecture="llama",
+                                              name=f"{tc.name}-eagle3"),
                              target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
                              feature_layers=tuple(sorted(int(i) for i in layers)))
         dtype = target.dtype if dtype is None else dtype
@@ -282,7 +284,7 @@ def save_head(head: EagleHead, path) -> None:
     hf = {"architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": c.hidden_size,
           "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
           "num_key_value_heads": c.num_kv_heads, "head_dim": c.resolved_head_dim, "num_hidden_layers": 1,
-          "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+          "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, **({"rope_scaling": c.rope} if c.rope else {}),
           "max_position_embeddings": c.max_position_embeddings, "vocab_size": config.target_vocab_size,
           "draft_vocab_size": c.vocab_size, "target_hidden_size": config.target_hidden_size,
           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
@@ -342,7 +344,7 @@ def load_head(path, target, dtype=None) -> EagleHead:
                         num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
                         intermediate_size=hf["intermediate_size"], max_position_embeddings=tc.max_position_embeddings,
                         rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf["rms_norm_eps"]),
-                        head_dim=hf.get("head_dim"), name=f"{tc.name}-eagle3")
+                        head_dim=hf.get("head_dim"), rope_scaling=rope_scaling_from_hf(hf), name=f"{tc.name}-eagle3")
     config = EagleConfig(layer=layer, target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
                          feature_layers=tuple(sorted(int(i) for i in layers)),
                          norm_before_residual=bool(hf.get("norm_before_residual", False)))

@@ -1,0 +1,98 @@
+"""Model families other than Llama / Qwen2, each against transformers' own model built from a
+random config of that family and saved as safetensors in the test: logits, greedy decoding over
+32 tokens (ragged prompts through the cache), and a speculative run equal to plain decoding."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxspec
+
+COMMON = dict(vocab_size=97, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+              intermediate_size=80, max_position_embeddings=256, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_theta=20000.0, tie_word_embeddings=True)),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    "linear-rope": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+}
+
+
+def hf_family_model(family: str, seed: int = 0):
+    """transformers' model of this family with random weights (norms perturbed, so that a norm
+    loaded wrongly shows), in float32."""
+    import torch
+    import transformers
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**COMMON, "initializer_range": 0.1, **extra})
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_greedy(model, prompt, n):
+    """Greedy continuation by transformers' uncached forward over the growing sequence."""
+    import torch
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_pair(request, tmp_path_factory):
+    ref = hf_family_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(folder, safe_serialization=True)
+    return request.param, ref, jaxspec.load(folder)
+
+
+def test_logits_match_transformers(family_pair):
+    import torch
+    family, ref, ours = family_pair
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 40))
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(ours.logits(tokens))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4, family
+
+
+def test_greedy_and_speculative_decoding_match_transformers(family_pair):
+    family, ref, ours = family_pair
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (5, 17, 9)]
+    want = [hf_greedy(ref, p, 32) for p in prompts]
+    assert jaxspec.generate(ours, prompts, max_new_tokens=32).tokens == want, family
+    draft = jaxspec.draft_from_target(ours, 1)
+    spec = jaxspec.SpeculativeDecoder(ours, draft, spec=jaxspec.SpecConfig(k=3)).generate(prompts, max_new_tokens=32)
+    assert spec.tokens == want and spec.stats.accepted_tokens > 0, family
+
+
+def test_config_records_the_family_options(family_pair):
+    family, ref, ours = family_pair
+    assert ours.config.qk_norm == (family == "qwen3")
+    assert ours.config.rope.get("rope_type") == {"qwen3": None, "llama3-rope": "llama3",
+                                                 "linear-rope": "linear"}[family]
+    assert jaxspec.ModelConfig.from_dict(json.loads(ours.config.to_json())) == ours.config
+    via_hf = jaxspec.ModelConfig.from_hf_config(ours.config.to_hf_config())   # the folders jaxspec writes
+    assert via_hf.replace(name=ours.config.name) == ours.config
+
+
+@pytest.mark.parametrize("rope, needle", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling type 'yarn' is not supported; supported: default"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling type 'dynamic' is not supported"),
+    ({"rope_type": "llama3", "factor": 8.0}, "rope_scaling of type 'llama3' lacks"),
+])
+def test_unsupported_rope_scaling_is_refused_by_name(rope, needle):
+    hf = {"model_type": "llama", "vocab_size": 97, "hidden_size": 48, "num_hidden_layers": 2,
+          "num_attention_heads": 6, "intermediate_size": 80, "max_position_embeddings": 256, "rope_scaling": rope}
+    with pytest.raises(ValueError, match=needle):
+        jaxspec.ModelConfig.from_hf_config(hf)
