@@ -21,6 +21,8 @@ Drafters decide what to propose, never how many tokens to verify (the engine and
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,11 @@ class Drafter:
     @property
     def params(self):
         return ()
+
+    def static(self) -> Drafter:
+        """This drafter as a compiled program's static argument: equal to it, holding no weights
+        (a program's cache keeps its static arguments alive, and with them whatever they hold)."""
+        return self
 
     @property
     def vocab_size(self) -> int | None:
@@ -187,6 +194,11 @@ class ModelDrafter(Drafter):
     @property
     def params(self):
         return self.model.params
+
+    def static(self) -> ModelDrafter:
+        twin = copy.copy(self)
+        twin.model = abstract(self.model)
+        return twin
 
     @property
     def vocab_size(self) -> int:
@@ -297,6 +309,14 @@ class _EagleState:
     logits_bw: jax.Array    # its draft-vocabulary logits: the first draft's
 
 
+def abstract(obj, fields=("params",)):
+    """A shallow copy of `obj` whose `fields` are pytrees of shapes and dtypes instead of arrays."""
+    twin = copy.copy(obj)
+    for field in fields:
+        setattr(twin, field, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), getattr(obj, field)))
+    return twin
+
+
 class EagleDrafter(Drafter):
     """Drafts with an EAGLE-3 head (`jaxspec.models.eagle`) fed by the target's own features.
 
@@ -327,6 +347,10 @@ class EagleDrafter(Drafter):
     @property
     def params(self):
         return {"head": self.head.params, "embed_vd": self.head.embed_vd}
+
+    def static(self) -> EagleDrafter:
+        twin, twin.head = copy.copy(self), abstract(self.head, ("params", "embed_vd"))
+        return twin
 
     @property
     def vocab_size(self) -> int:

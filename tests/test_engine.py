@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -480,3 +481,25 @@ def test_sampling_lossless_threshold_drafting(vocab6):
     table = exact_joint(target, VOCAB6_PROMPT, 3, sampling)
     assert_matches_distribution(first_tokens(result.tokens, 3), table, TETRIS_ROWS)
     assert 0 < result.stats.drafted_tokens < 3 * sum(result.stats.extra["per_request_steps"])
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle", "chain"])
+def test_compiled_programs_do_not_keep_the_drafts_weights(tiny_model, kind):
+    """A drafter is a static argument of the compiled programs, which JAX's caches keep alive:
+    the engine passes a weightless twin (`Drafter.static`), so a decoder's draft weights are freed
+    with the decoder."""
+    import gc
+    import weakref
+    draft = jaxspec.Model.random(tiny_model.config.replace(num_layers=1), seed=11)
+    weights = [weakref.ref(x) for x in jax.tree.leaves(draft.params)]
+    if kind == "eagle":
+        draft = jaxspec.EagleDrafter(jaxspec.EagleHead.init(tiny_model, seed=1))
+        weights = [weakref.ref(x) for x in jax.tree.leaves(draft.head.params)]
+    elif kind == "chain":
+        draft = jaxspec.SpeculativeDecoder(draft, jaxspec.NgramDrafter(), spec=jaxspec.SpecConfig(k=2))
+    decoder = jaxspec.SpeculativeDecoder(tiny_model, draft, spec=jaxspec.SpecConfig(k=2))
+    want = jaxspec.generate(tiny_model, [[1, 2, 3, 4]], max_new_tokens=6).tokens
+    assert decoder.generate([[1, 2, 3, 4]], max_new_tokens=6).tokens == want
+    del decoder, draft
+    gc.collect()
+    assert all(ref() is None for ref in weights)

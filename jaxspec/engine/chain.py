@@ -19,12 +19,14 @@ model's drafter follows the same lengths and absorbs every token fed.
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import tetris
-from jaxspec.drafters import Drafter, Proposal, feed_missing, init_cache, prefill_cache
+from jaxspec.drafters import Drafter, Proposal, abstract, feed_missing, init_cache, prefill_cache
 from jaxspec.engine.step import Counters, DecodeState, StepPlan, speculative_step
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward
@@ -54,10 +56,9 @@ class ChainDrafter(Drafter):
         if decoder.spec.policy != "fixed":
             raise ValueError("a chain level runs a fixed draft length: use policy='fixed' for the inner decoder "
                              f"(got policy={decoder.spec.policy!r}); the outermost decoder may use 'goodput'")
-        self.decoder = decoder
         self.model = decoder.target
         self.inner = decoder.drafter
-        self.inner_k = decoder.spec.draft_len
+        self.inner_k, self.inner_spec_k = decoder.spec.draft_len, decoder.spec.k
         self.inner_tetris = decoder.spec.selection == "tetris"
         self.inner_capacity = decoder.spec.capacity
         self.inner_threshold = decoder.spec.threshold
@@ -70,12 +71,17 @@ class ChainDrafter(Drafter):
         return hash(self._key())
 
     def _key(self):
-        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_k, self.inner_tetris, self.inner_capacity,
-                self.inner_threshold)
+        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_k, self.inner_spec_k, self.inner_tetris,
+                self.inner_capacity, self.inner_threshold)
 
     @property
     def params(self):
         return (self.model.params, self.inner.params)
+
+    def static(self) -> ChainDrafter:
+        twin = copy.copy(self)
+        twin.model, twin.inner = abstract(self.model), self.inner.static()
+        return twin
 
     @property
     def vocab_size(self) -> int:
@@ -125,7 +131,7 @@ class ChainDrafter(Drafter):
         capacity = budget = None
         if self.inner_tetris:
             # The inner level's own TETRIS budget, over this batch's rows.
-            budget = min(self.inner_capacity if self.inner_capacity is not None else b * self.decoder.spec.k,
+            budget = min(self.inner_capacity if self.inner_capacity is not None else b * self.inner_spec_k,
                          b * self.inner_k)
             capacity = tetris.capacity_bucket(budget, b, self.inner_k)
         plan = StepPlan(k=self.inner_k, capacity=capacity, threshold=self.inner_threshold)

@@ -140,6 +140,7 @@ class SpeculativeDecoder:
         goodput = schedule.goodput
         static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=self._target_mesh)
         graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
+        drafter = self.drafter.static()   # compiled programs keep their static arguments
         # On a mesh host values are placed replicated; on one device they go to the compiled calls
         # as numpy arrays (jit's own transfer of a few small arrays is cheaper than device_put's).
         put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
@@ -148,7 +149,7 @@ class SpeculativeDecoder:
         *rows_in, eos_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos)))
         seconds = put(self._policy_seconds(schedule, slots, cache_len)) if goodput else None
         start = time.perf_counter()
-        state = loop.start_on_device(graphdef, self.drafter, prefill_schedule(schedule), self.sampling, params, dparams,
+        state = loop.start_on_device(graphdef, drafter, prefill_schedule(schedule), self.sampling, params, dparams,
                                      *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
                                      put(np.bool_(not len(queue))) if goodput else None, **static)
         max_new_b, keys_b = rows_in[2], rows_in[3]
@@ -156,7 +157,7 @@ class SpeculativeDecoder:
             # Every plan's program, compiled side by side now: the policy may switch to any of
             # them mid-call, and a compilation there would stall the batch for seconds.
             self._compiled.add((slots, cache_len, batch.out_len))
-            args = (graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b, max_new_b, eos_t,
+            args = (graphdef, drafter, schedule, self.sampling, params, dparams, state, keys_b, max_new_b, eos_t,
                     *put((np.int32(0), np.int32(0), np.int32(0))), seconds, put(np.bool_(True)))
             timing.side_by_side([functools.partial(
                 lambda j: loop.run_on_device.lower(*args, **static, plan_index=j).compile(), j)
@@ -169,7 +170,7 @@ class SpeculativeDecoder:
             # more row is done, to refill it or hand it over.
             stop = 1 if len(queue) or (on_finish is not None and table.active > 1) else 0
             segment_start = time.perf_counter()
-            state = loop.run_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state, keys_b,
+            state = loop.run_on_device(graphdef, drafter, schedule, self.sampling, params, dparams, state, keys_b,
                                        max_new_b, eos_t, *put((np.int32(budgets[plan_index]), np.int32(stop),
                                                                np.int32(_NO_CAP))),
                                        seconds, put(np.bool_(not len(queue))) if goodput else None, **static,
@@ -188,7 +189,7 @@ class SpeculativeDecoder:
                 continue
             new_in = put((refill[0], refill[1].tokens_bp, refill[1].lengths_b, refill[1].max_new_b,
                           request_keys(seed, refill[1].request_ids_b)))
-            state = loop.refill_on_device(graphdef, self.drafter, schedule, self.sampling, params, dparams, state,
+            state = loop.refill_on_device(graphdef, drafter, schedule, self.sampling, params, dparams, state,
                                           *new_in, eos_t, seconds, put(np.bool_(not len(queue))) if goodput else None,
                                           **static)
             max_new_b, keys_b = put_rows(max_new_b, new_in[0], new_in[3]), put_rows(keys_b, new_in[0], new_in[4])

@@ -71,14 +71,15 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     eos = jnp.int32(-1)   # never emitted
     static = dict(cache_len=cache_len, seq_len=cache_len, out_len=out_len)
     # One prefill serves every timed run: each run gets a copy, as the loop donates its state.
+    drafter_params, drafter = drafter.params, drafter.static()
     prefilled = start_on_device(target.graphdef, drafter, prefill_schedule(schedule), sampling, target.params,
-                                drafter.params, tokens_bp, lengths_b, max_new_b, keys_b, eos, **static)
+                                drafter_params, tokens_bp, lengths_b, max_new_b, keys_b, eos, **static)
     compiled = []
 
     def program():
         if not compiled:   # `max_steps` is traced: one program serves every step count
             compiled.append(run_on_device.lower(target.graphdef, drafter, schedule, sampling, target.params,
-                                                drafter.params, prefilled, keys_b, max_new_b, eos, np.int32(0),
+                                                drafter_params, prefilled, keys_b, max_new_b, eos, np.int32(0),
                                                 np.int32(0), np.int32(1), **static)
                             .compile(compiler_options or None))
         return compiled[0]
@@ -87,7 +88,7 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
         step_loop = program()
         state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
         start = time.perf_counter()
-        jax.block_until_ready(step_loop(target.params, drafter.params, state, keys_b, max_new_b, eos, np.int32(0),
+        jax.block_until_ready(step_loop(target.params, drafter_params, state, keys_b, max_new_b, eos, np.int32(0),
                                         np.int32(0), np.int32(steps)))
         return time.perf_counter() - start
 

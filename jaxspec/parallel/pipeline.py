@@ -145,6 +145,7 @@ class SlicedRunner:
     def __init__(self, target, drafter, schedule: loop.Schedule, sampling: SamplingConfig, target_mesh, draft_mesh,
                  seconds=None):
         self.target, self.drafter, self.sampling = target, drafter, sampling
+        self._static_drafter = drafter.static()   # what the compiled programs keep
         self.plans = schedule.plans
         self.goodput = schedule.policy_plans if schedule.goodput else None
         self.drafts = schedule.drafts
@@ -187,7 +188,7 @@ class SlicedRunner:
             plan = int(state.policy.choice)
         state.done_b.copy_to_host_async()
         d_tokens, d_lengths, keys_d = sharding_lib.put((batch.tokens_bp, batch.lengths_b, keys_b), self._d_rep)
-        draft_state = (_draft_start(self.drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
+        draft_state = (_draft_start(self._static_drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
                        if self.drafts else ())
         return Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
                     max_new_t=t_in[2], keys_d=keys_d, budgets_t=t_in[5], seed=seed, cache_len=cache_len, plan=plan)
@@ -208,7 +209,7 @@ class SlicedRunner:
             jax.block_until_ready(s)
         start = time.perf_counter()
         view = self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b))
-        proposal, lane.draft_state = _draft(self.drafter, k, self.sampling, self.drafter.params,
+        proposal, lane.draft_state = _draft(self._static_drafter, k, self.sampling, self.drafter.params,
                                             lane.draft_state, *view, lane.keys_d)
         lane.proposal = self._to_target(proposal)
         self._timed("draft", start, lane.proposal)
@@ -269,7 +270,7 @@ class SlicedRunner:
         rows = (slots_r, sub.tokens_bp, sub.lengths_b, sub.max_new_b, keys_r)
         t_slots, t_tokens, t_lengths, t_max_new, t_keys = sharding_lib.put(rows, self._t_rep)
         lane.state = loop.refill_on_device(
-            self.target.graphdef, self.drafter, _TARGET_ONLY, self.sampling, self.target.params, (), lane.state,
+            self.target.graphdef, self._static_drafter, _TARGET_ONLY, self.sampling, self.target.params, (), lane.state,
             t_slots, t_tokens, t_lengths, t_max_new, t_keys, eos, cache_len=lane.cache_len, seq_len=lane.cache_len,
             out_len=lane.batch.out_len, mesh=self.target_mesh)
         lane.state.done_b.copy_to_host_async()
@@ -278,8 +279,8 @@ class SlicedRunner:
         if self.drafts:
             d_slots, d_tokens, d_lengths, d_keys = sharding_lib.put((slots_r, sub.tokens_bp, sub.lengths_b, keys_r),
                                                                     self._d_rep)
-            lane.draft_state = _draft_refill(self.drafter, self.drafter.params, lane.draft_state, d_slots, d_tokens,
-                                             d_lengths, cache_len=lane.cache_len)
+            lane.draft_state = _draft_refill(self._static_drafter, self.drafter.params, lane.draft_state, d_slots,
+                                             d_tokens, d_lengths, cache_len=lane.cache_len)
             lane.keys_d = loop.put_rows(lane.keys_d, d_slots, d_keys)
         self._draft(lane)
 
