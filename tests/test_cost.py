@@ -78,12 +78,13 @@ def test_a_step_timing_is_never_far_below_the_loops_average_step(tiny_model, mon
 
     step, stall, now = 1e-3, 1e-2, [0.0]
 
-    def timed_loop(*args, **kwargs):
-        steps = int(args[12])   # max_steps
+    def timed_loop(*args):   # the compiled loop's arguments: params, ..., state, ..., max_steps
+        steps = int(args[-1])
         now[0] += steps * step + (stall if steps == 1 else 0.0)
-        return args[6]
+        return args[2]
 
-    monkeypatch.setattr(timing, "run_on_device", timed_loop)
+    lowered = types.SimpleNamespace(compile=lambda options=None: timed_loop)
+    monkeypatch.setattr(timing, "run_on_device", types.SimpleNamespace(lower=lambda *a, **k: lowered))
     monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     drafter = NgramDrafter().bind_vocab(tiny_model.config.vocab_size)
     seconds = timing.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2)
