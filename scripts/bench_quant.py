@@ -9,13 +9,16 @@ type against float32 round-robin, medians of ratios within a round. One weight t
 float32 model is loaded at a time.
 
     python scripts/bench_quant.py [--pair smollm2|qwen] [--new-tokens 128] [--rounds 3]
+        [--weights bfloat16 int8 int8/bf16]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 from pathlib import Path
 
+import jax
 import numpy as np
 
 import jaxspec
@@ -45,15 +48,21 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def quality(path: str, ref, prompts, new_tokens: int) -> list[dict]:
-    """Each weight type against the float32 model `ref`, loaded one at a time (a 1.5B model in
+def release() -> None:
+    """Frees a weight type's arrays and programs before the next one loads (a 1.5B model in
     float32 is 7 GB, and XLA:CPU holds a float32 copy of bfloat16 weights while it runs them)."""
+    gc.collect()
+    jax.clear_caches()
+
+
+def quality(path: str, ref, prompts, new_tokens: int, names) -> list[dict]:
+    """Each weight type against the float32 model `ref`, loaded one at a time."""
     ids = ref.tokenizer(TEXT * 4)["input_ids"][:128]
     want = np.asarray(ref.logits([ids]))[0]
     greedy_ref = jaxspec.generate(ref, prompts, max_new_tokens=new_tokens).tokens
     rows = []
-    for name, kwargs in list(WEIGHTS.items())[1:]:
-        model = jaxspec.load(path, **kwargs)
+    for name in names:
+        model = jaxspec.load(path, **WEIGHTS[name])
         got = np.asarray(model.logits([ids]))[0]
         greedy = jaxspec.generate(model, prompts, max_new_tokens=new_tokens).tokens
         spec = jaxspec.SpeculativeDecoder(ref, model, spec=jaxspec.SpecConfig(k=3))
@@ -67,14 +76,15 @@ def quality(path: str, ref, prompts, new_tokens: int) -> list[dict]:
                      "spec_output_lossless": res.tokens == greedy_ref})
         print(table(rows[-1:]), flush=True)
         del model, spec
+        release()
     return rows
 
 
-def speed(path: str, ref, prompts, new_tokens: int, batches, rounds: int) -> list[dict]:
+def speed(path: str, ref, prompts, new_tokens: int, batches, rounds: int, names) -> list[dict]:
     """Each weight type against float32, timed round-robin in pairs (one type loaded at a time)."""
     rows = []
-    for name, kwargs in list(WEIGHTS.items())[1:]:
-        model = jaxspec.load(path, **kwargs)
+    for name in names:
+        model = jaxspec.load(path, **WEIGHTS[name])
         for batch in batches:
             chunk = prompts[:batch]
             fns = {label: (lambda on_finish, m=m: jaxspec.generate(m, chunk, max_new_tokens=new_tokens))
@@ -85,7 +95,8 @@ def speed(path: str, ref, prompts, new_tokens: int, batches, rounds: int) -> lis
                          "tok_s": batch * new_tokens / float(np.median(seconds[name])),
                          "vs_float32": float(np.median(seconds["float32"] / seconds[name]))})
             print(table(rows[-1:]), flush=True)
-        del model
+        del model, fns
+        release()
     return rows
 
 
@@ -97,6 +108,7 @@ def main() -> None:
     p.add_argument("--speed-tokens", type=int, default=32)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--weights", nargs="+", default=list(WEIGHTS)[1:], choices=list(WEIGHTS)[1:])
     p.add_argument("--name", default=None)
     args = p.parse_args()
     path = args.model or (smollm2_gguf_path() if args.pair == "smollm2"
@@ -105,8 +117,8 @@ def main() -> None:
     tok = ref.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for p in PROMPTS]
-    q_rows = quality(path, ref, prompts, args.new_tokens)
-    s_rows = speed(path, ref, prompts, args.speed_tokens, args.batches, args.rounds)
+    q_rows = quality(path, ref, prompts, args.new_tokens, args.weights)
+    s_rows = speed(path, ref, prompts, args.speed_tokens, args.batches, args.rounds, args.weights)
     m = machine()
     md = "\n".join([
         f"{Path(path).name}: bfloat16 and int8 weights (weight-only, one scale per output channel; `int8/bf16`: int8 "
