@@ -1,6 +1,7 @@
 """Model families other than Llama / Qwen2, each against transformers' own model built from a
-random config of that family and saved as safetensors in the test: logits, greedy decoding over
-32 tokens (ragged prompts through the cache), and a speculative run equal to plain decoding."""
+random config of that family and saved in the test as safetensors (and, where llama.cpp has the
+family, as GGUF through the `gguf` package's writer): logits, greedy decoding over 32 tokens
+(ragged prompts through the cache), and a speculative run equal to plain decoding."""
 
 import json
 
@@ -47,6 +48,46 @@ def hf_greedy(model, prompt, n):
     return seq[len(prompt):]
 
 
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order for Llama models (its converter's `permute`)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, config: jaxspec.ModelConfig, hf_tensors: dict) -> None:
+    """A float32 GGUF file of a model, written the way llama.cpp's converter lays it out."""
+    import gguf
+
+    from jaxspec.models.convert import RULES
+    arch, c = config.architecture, config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_heads)
+    writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_key_length(c.resolved_head_dim)
+    writer.add_value_length(c.resolved_head_dim)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if c.rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope["factor"])
+    for rule in RULES:
+        if not rule.present(c):
+            continue
+        for i in range(c.num_layers if rule.per_layer else 1):
+            w = np.asarray(hf_tensors[rule.hf.format(i=i)], np.float32)
+            if arch == "llama" and rule.gguf_heads is not None:
+                w = llama_cpp_permute(w, rule.gguf_heads(c))
+            writer.add_tensor(rule.gguf.format(i=i), w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_pair(request, tmp_path_factory):
     ref = hf_family_model(request.param)
@@ -76,6 +117,23 @@ def test_greedy_and_speculative_decoding_match_transformers(family_pair):
     assert spec.tokens == want and spec.stats.accepted_tokens > 0, family
 
 
+@pytest.mark.parametrize("family", ["qwen3", "linear-rope"])
+def test_gguf_written_like_llama_cpp_matches_transformers(family, tmp_path):
+    import torch
+    from safetensors.numpy import load_file
+    ref = hf_family_model(family, seed=2)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    config = jaxspec.load(tmp_path).config
+    write_gguf(tmp_path / "model.gguf", config, load_file(str(tmp_path / "model.safetensors")))
+    ours = jaxspec.load(tmp_path / "model.gguf")
+    assert ours.config.replace(name=config.name, rms_norm_eps=config.rms_norm_eps) == config   # eps: float32 there
+    tokens = np.random.default_rng(4).integers(0, 97, (2, 40))
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(ours.logits(tokens))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+
+
 def test_config_records_the_family_options(family_pair):
     family, ref, ours = family_pair
     assert ours.config.qk_norm == (family == "qwen3")
@@ -96,3 +154,13 @@ def test_unsupported_rope_scaling_is_refused_by_name(rope, needle):
           "num_attention_heads": 6, "intermediate_size": 80, "max_position_embeddings": 256, "rope_scaling": rope}
     with pytest.raises(ValueError, match=needle):
         jaxspec.ModelConfig.from_hf_config(hf)
+
+
+def test_gguf_rope_options_jaxspec_lacks_are_refused_by_name():
+    meta = {"general.architecture": "llama", "llama.embedding_length": 48, "llama.block_count": 2,
+            "llama.attention.head_count": 6, "llama.feed_forward_length": 80, "llama.context_length": 256,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 97}
+    with pytest.raises(ValueError, match="GGUF rope scaling type 'yarn' is not supported; supported: none, linear"):
+        jaxspec.ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"}, ["token_embd.weight"])
+    with pytest.raises(ValueError, match="rope_freqs.weight .Llama 3 rope scaling"):
+        jaxspec.ModelConfig.from_gguf_metadata(meta, ["token_embd.weight", "rope_freqs.weight"])
