@@ -17,6 +17,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_theta=20000.0, tie_word_embeddings=True)),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=8)),   # prompts cross it
     "linear-rope": ("LlamaConfig", "LlamaForCausalLM",
                     dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
 }
@@ -137,7 +138,8 @@ def test_gguf_written_like_llama_cpp_matches_transformers(family, tmp_path):
 def test_config_records_the_family_options(family_pair):
     family, ref, ours = family_pair
     assert ours.config.qk_norm == (family == "qwen3")
-    assert ours.config.rope.get("rope_type") == {"qwen3": None, "llama3-rope": "llama3",
+    assert ours.config.sliding_window == (8 if family == "mistral" else None)
+    assert ours.config.rope.get("rope_type") == {"qwen3": None, "mistral": None, "llama3-rope": "llama3",
                                                  "linear-rope": "linear"}[family]
     assert jaxspec.ModelConfig.from_dict(json.loads(ours.config.to_json())) == ours.config
     via_hf = jaxspec.ModelConfig.from_hf_config(ours.config.to_hf_config())   # the folders jaxspec writes

@@ -49,36 +49,39 @@ def test_multi_token_decode_at_per_row_positions_matches_uncached_logits(tiny_mo
         np.testing.assert_allclose(np.asarray(logits[b]), full, rtol=1e-4, atol=1e-4)
 
 
-def brute_attention(q_btnh, k_bskh, v_bskh, q_pos_bt):
+def brute_attention(q_btnh, k_bskh, v_bskh, q_pos_bt, window=None):
     """Softmax attention query by query, head by head, over the keys at slots <= the query's
-    position (slot j holds position j), in float64."""
+    position (slot j holds position j) and, with a window, > position - window; in float64."""
     b, t, n, h = q_btnh.shape
     g = n // k_bskh.shape[2]
     out = np.zeros(q_btnh.shape)
     for i in range(b):
         for j in range(t):
             for head in range(n):
-                keys = k_bskh[i, :q_pos_bt[i, j] + 1, head // g].astype(np.float64)
+                lo = 0 if window is None else max(0, q_pos_bt[i, j] - window + 1)
+                keys = k_bskh[i, lo:q_pos_bt[i, j] + 1, head // g].astype(np.float64)
                 w = np.exp(keys @ q_btnh[i, j, head] / np.sqrt(h) - (keys @ q_btnh[i, j, head] / np.sqrt(h)).max())
-                out[i, j, head] = (w / w.sum()) @ v_bskh[i, :q_pos_bt[i, j] + 1, head // g]
+                out[i, j, head] = (w / w.sum()) @ v_bskh[i, lo:q_pos_bt[i, j] + 1, head // g]
     return out
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("impl, block", [("plain", 128), ("blocked", 128), ("blocked", 16), ("blocked", 7),
                                          ("xla", 128)])
-def test_attention_over_the_cache_matches_brute_force(impl, block, monkeypatch):
+def test_attention_over_the_cache_matches_brute_force(impl, block, window, monkeypatch):
     """Each attention path over a cache buffer, with ragged rows (one past every live slot but
-    one) and several queries per row; the blocked path at blocks that split the buffer unevenly."""
+    one) and several queries per row; the blocked path at blocks that split the buffer unevenly
+    (with a sliding window it starts past the blocks no query reaches)."""
     from jaxspec.models import attention
     monkeypatch.setattr(attention, "ATTENTION", impl)
     monkeypatch.setattr(attention, "BLOCK", block)
     rng = np.random.default_rng(3)
     q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in ((3, 4, 6, 8), (3, 61, 2, 8), (3, 61, 2, 8)))
-    lengths = np.array([0, 20, 57])
+    lengths = np.array([0, 20, 57]) if window is None else np.array([40, 20, 57])   # the window: past block 0
     q_pos = lengths[:, None] + np.arange(4)
     got = attention.attend_cache(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
-                               jnp.asarray(lengths + 4))
-    np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos), rtol=1e-5, atol=1e-5)
+                                 jnp.asarray(lengths + 4), window)
+    np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos, window), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

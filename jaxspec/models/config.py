@@ -12,11 +12,12 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Rope scaling types and the parameters each needs (HF `rope_scaling` / `rope_parameters` names).
 ROPE_SCALING = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,7 @@ class ModelConfig:
       attention_bias: q/k/v projections carry a bias (Qwen2).
       head_dim: per-head width; None means hidden_size // num_heads.
       qk_norm: an RMSNorm over each query and key head before the rotary embedding (Qwen3).
+      sliding_window: None, or how many positions a query sees, itself included (Mistral).
       rope_scaling: None (plain RoPE) or the rotary frequencies' rescaling as sorted (name,
         value) pairs, `rope_type` included: "linear" or "llama3" (`ROPE_SCALING`); a dict is
         accepted and stored in that form.
@@ -58,6 +60,7 @@ class ModelConfig:
     attention_bias: bool = False
     head_dim: int | None = None
     qk_norm: bool = False
+    sliding_window: int | None = None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     architecture: str = "llama"
     name: str = "custom"
@@ -87,6 +90,8 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(dict(self.rope_scaling).items())))
         if self.rope_scaling is not None:
             check_rope_scaling(dict(self.rope_scaling))
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -140,6 +145,8 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {model_type!r} in config.json; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"config.json use_sliding_window (per-layer windows of {model_type}) is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; "
                              f"only 'silu' (SwiGLU)")
@@ -161,6 +168,7 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             head_dim=head_dim,
             qk_norm=model_type == "qwen3",
+            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
             rope_scaling=rope_scaling_from_hf(hf),
             architecture=model_type,
             name=name or hf.get("_name_or_path") or model_type,
@@ -186,6 +194,10 @@ class ModelConfig:
         }
         if self.rope_scaling:
             hf["rope_scaling"] = self.rope
+        if self.architecture == "mistral":
+            hf["sliding_window"] = self.sliding_window
+        elif self.sliding_window is not None:
+            raise ValueError(f"jaxspec writes sliding windows for mistral models only, not {self.architecture}")
         if (self.architecture == "qwen3") != self.qk_norm:
             raise ValueError(f"transformers has q/k norms in qwen3 models only, not in {self.architecture} "
                              f"(qk_norm={self.qk_norm})")

@@ -104,6 +104,7 @@ class Block(nnx.Module):
         d, n, k = config.hidden_size, config.num_heads, config.num_kv_heads
         h, f = config.resolved_head_dim, config.intermediate_size
         self.theta, self.rope_scaling = config.rope_theta, config.rope_scaling
+        self.window = config.sliding_window   # keys this many positions back and more are hidden
         self.head_dim = h
         self.attn_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
         attention = {"q_dnh": ((d, n, h), d, ("embed", "heads", "head_dim")),
@@ -222,7 +223,7 @@ class Decoder(nnx.Module):
 
         def body(block, x_md, extra, i):
             q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in block.qkv(x_md, pos_m))
-            attn = attend(q, k, v, pos_bt, pos_bt)
+            attn = attend(q, k, v, pos_bt, pos_bt, block.window)
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), extra
 
         x_md, _, feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), None, body, features)
@@ -250,9 +251,10 @@ class Decoder(nnx.Module):
             v_layer = vs[i].at[rows_bt, pos_bt].set(v.astype(vs[i].dtype), mode="drop")
             if empty:   # the slots at and past t hold nothing a query here may see
                 attn = attend(q, k.astype(ks[i].dtype).astype(q.dtype), v.astype(vs[i].dtype).astype(q.dtype),
-                              pos_bt, pos_bt)
+                              pos_bt, pos_bt, block.window)
             else:
-                attn = attend_cache(q, k_layer, v_layer, pos_bt, jnp.minimum(cache.lengths + t, cache.max_len))
+                attn = attend_cache(q, k_layer, v_layer, pos_bt, jnp.minimum(cache.lengths + t, cache.max_len),
+                                    block.window)
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), kv
 
@@ -283,7 +285,7 @@ class Decoder(nnx.Module):
             k_layer = ks[i].at[row_m, write_at_m].set(k_mkh.astype(ks[i].dtype), mode="drop")
             v_layer = vs[i].at[row_m, write_at_m].set(v_mkh.astype(vs[i].dtype), mode="drop")
             q_bwnh = jnp.zeros((b, width) + q_mnh.shape[1:], q_mnh.dtype).at[row_m, col_m].set(q_mnh, mode="drop")
-            attn_bwnh = attend_cache(q_bwnh, k_layer, v_layer, q_pos_bw, live_b)
+            attn_bwnh = attend_cache(q_bwnh, k_layer, v_layer, q_pos_bw, live_b, block.window)
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn_bwnh[row_m, read_col_m]), kv
 

@@ -215,7 +215,8 @@ class EagleHead:
         else:
             draft_ids = np.arange(w)
         config = EagleConfig(layer=tc.replace(num_layers=1, vocab_size=w, tie_word_embeddings=False,
-                                              attention_bias=False, qk_norm=False, architecture="llama",
+                                              attention_bias=False, qk_norm=False, sliding_window=None,
+                                              architecture="llama",
                                               name=f"{tc.name}-eagle3"),
                              target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
                              feature_layers=tuple(sorted(int(i) for i in layers)))
