@@ -70,5 +70,5 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 def test_unsupported_hf_architecture_names_itself():
-    with pytest.raises(ValueError, match="mistral.*llama, qwen2"):
-        jaxspec.ModelConfig.from_hf_config({"model_type": "mistral"})
+    with pytest.raises(ValueError, match="'gemma2'.*supported: llama, mistral, qwen2, qwen3"):
+        jaxspec.ModelConfig.from_hf_config({"model_type": "gemma2"})
