@@ -8,7 +8,8 @@ from jaxspec.models.loading import read_gguf
 
 
 @pytest.mark.parametrize("name, published", [
-    ("smollm2-135m", 134.5e6), ("qwen2.5-0.5b", 494.0e6), ("qwen2.5-1.5b", 1543.7e6)])
+    ("smollm2-135m", 134.5e6), ("qwen2.5-0.5b", 494.0e6), ("qwen2.5-1.5b", 1543.7e6), ("qwen3-8b", 8190.7e6),
+    ("llama3.2-1b", 1235.8e6), ("llama3.1-8b", 8030.3e6), ("mistral-7b", 7248.0e6)])
 def test_full_size_presets_build_with_published_parameter_counts(name, published):
     cfg = jaxspec.ModelConfig.preset(name)
     # eval_shape builds the full-size model without allocating it.

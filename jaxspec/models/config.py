@@ -285,6 +285,9 @@ def check_rope_scaling(rope: Mapping[str, Any]) -> None:
         raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
 
 
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+# Shapes of published models (random weights: `Model.random(ModelConfig.preset(name))`).
 PRESETS: dict[str, ModelConfig] = {
     # A toy model for unit tests: small enough to compile in seconds on a CPU.
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -306,6 +309,24 @@ PRESETS: dict[str, ModelConfig] = {
                                 num_kv_heads=2, intermediate_size=8960, max_position_embeddings=32768,
                                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                 attention_bias=True, architecture="qwen2", name="qwen2.5-1.5b"),
+    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                              head_dim=128, intermediate_size=3072, max_position_embeddings=40960,
+                              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
+                              architecture="qwen3", name="qwen3-0.6b"),
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                            head_dim=128, intermediate_size=12288, max_position_embeddings=40960,
+                            rope_theta=1000000.0, rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3",
+                            name="qwen3-8b"),
+    "llama3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                               intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
+                               rms_norm_eps=1e-5, tie_word_embeddings=True,
+                               rope_scaling=_LLAMA3_ROPE | {"factor": 32.0}, name="llama3.2-1b"),
+    "llama3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                               intermediate_size=14336, max_position_embeddings=131072, rope_theta=500000.0,
+                               rms_norm_eps=1e-5, rope_scaling=_LLAMA3_ROPE, name="llama3.1-8b"),
+    "mistral-7b": ModelConfig(vocab_size=32768, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                              intermediate_size=14336, max_position_embeddings=32768, rope_theta=1000000.0,
+                              rms_norm_eps=1e-5, architecture="mistral", name="mistral-7b"),   # v0.3: no window
     "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
                               num_kv_heads=4, intermediate_size=18944, max_position_embeddings=32768,
                               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
