@@ -17,6 +17,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_theta=20000.0, tie_word_embeddings=True)),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    # Soft caps small enough that tanh bends the scores and logits of this random model.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=8)),   # prompts cross it
     "linear-rope": ("LlamaConfig", "LlamaForCausalLM",
                     dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
@@ -31,6 +34,7 @@ def hf_family_model(family: str, seed: int = 0):
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**COMMON, "initializer_range": 0.1, **extra})
+    config._attn_implementation = "eager"   # transformers' reference path (soft caps included)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -79,7 +83,7 @@ def write_gguf(path, config: jaxspec.ModelConfig, hf_tensors: dict) -> None:
         if not rule.present(c):
             continue
         for i in range(c.num_layers if rule.per_layer else 1):
-            w = np.asarray(hf_tensors[rule.hf.format(i=i)], np.float32)
+            w = np.asarray(hf_tensors[rule.hf_name(c).format(i=i)], np.float32)
             if arch == "llama" and rule.gguf_heads is not None:
                 w = llama_cpp_permute(w, rule.gguf_heads(c))
             writer.add_tensor(rule.gguf.format(i=i), w)
@@ -138,9 +142,8 @@ def test_gguf_written_like_llama_cpp_matches_transformers(family, tmp_path):
 def test_config_records_the_family_options(family_pair):
     family, ref, ours = family_pair
     assert ours.config.qk_norm == (family == "qwen3")
-    assert ours.config.sliding_window == (8 if family == "mistral" else None)
-    assert ours.config.rope.get("rope_type") == {"qwen3": None, "mistral": None, "llama3-rope": "llama3",
-                                                 "linear-rope": "linear"}[family]
+    assert ours.config.sliding_window == (8 if family in ("mistral", "gemma2") else None)
+    assert ours.config.rope.get("rope_type") == {"llama3-rope": "llama3", "linear-rope": "linear"}.get(family)
     assert jaxspec.ModelConfig.from_dict(json.loads(ours.config.to_json())) == ours.config
     via_hf = jaxspec.ModelConfig.from_hf_config(ours.config.to_hf_config())   # the folders jaxspec writes
     assert via_hf.replace(name=ours.config.name) == ours.config

@@ -80,7 +80,7 @@ def test_attention_over_the_cache_matches_brute_force(impl, block, window, monke
     lengths = np.array([0, 20, 57]) if window is None else np.array([40, 20, 57])   # the window: past block 0
     q_pos = lengths[:, None] + np.arange(4)
     got = attention.attend_cache(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
-                                 jnp.asarray(lengths + 4), window)
+                                 jnp.asarray(lengths + 4), attention.Options(window=window))
     np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos, window), rtol=1e-5, atol=1e-5)
 
 

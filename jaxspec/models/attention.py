@@ -8,6 +8,8 @@ head, h head dim, m = t * g query rows per kv head.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +28,28 @@ ATTENTION = "auto"
 BLOCK = 128
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a layer scores keys: a sliding `window` (None: every earlier position), a soft cap c of
+    the scores (c * tanh(s / c); None: none), and the scale of q . k (None: head_dim ** -0.5)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+
+_PLAIN = Options()
+
+
+def _scores(scores, opts: Options, head_dim: int):
+    scores = scores * (opts.scale if opts.scale is not None else head_dim ** -0.5)
+    return scores if opts.softcap is None else opts.softcap * jnp.tanh(scores / opts.softcap)
+
+
+def _sdpa_can(opts: Options) -> bool:
+    return opts.softcap is None   # `jax.nn.dot_product_attention` has no soft cap
+
+
 def visible(k_pos, q_pos, window: int | None):
     """Whether a key at k_pos is visible to a query at q_pos (broadcasting): at or before it, and
     with a sliding `window`, less than `window` positions before it (the query itself included)."""
@@ -33,22 +57,23 @@ def visible(k_pos, q_pos, window: int | None):
     return seen if window is None else seen & (k_pos > q_pos - window)
 
 
-def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, window: int | None = None):
+def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, opts: Options = _PLAIN):
     """Causal grouped-query attention of t queries against s keys at explicit positions: a key is
-    visible to a query iff `visible` (at or before it, within the sliding `window` if any).
+    visible to a query iff `visible` (at or before it, within the sliding window if any).
 
     The plain path is written as batched 2-D dots with (batch, kv head) leading, which XLA's CPU
     backend runs about 2.5x faster than the equivalent multi-axis einsum.
     """
     impl = attention_impl(q_btnh.dtype, q_btnh.shape[-1])
     with jax.named_scope("attention"):
-        visible_bts = visible(k_pos_bs[:, None, :], q_pos_bt[:, :, None], window)
-        if impl in ("plain", "blocked"):
-            return _attend(q_btnh, k_bskh, v_bskh, visible_bts)
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None], implementation=impl)
+        visible_bts = visible(k_pos_bs[:, None, :], q_pos_bt[:, :, None], opts.window)
+        if impl in ("plain", "blocked") or not _sdpa_can(opts):
+            return _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts)
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None], scale=opts.scale,
+                                            implementation=impl)
 
 
-def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, window: int | None = None):
+def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = _PLAIN):
     """`attend` against a cache buffer, whose slot j holds the token at position j; no key past
     `live_b[b]` slots can be visible to row b, so only those need reading (the blocked and cuDNN
     paths read up to the longest live row, the blocked one from the window's first block; the
@@ -57,12 +82,12 @@ def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, window: int | None = 
     s = k_bskh.shape[1]
     with jax.named_scope("attention"):
         if impl == "blocked":
-            return _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, window)
+            return _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts)
         k_bskh, v_bskh = k_bskh.astype(q_btnh.dtype), v_bskh.astype(q_btnh.dtype)
-        visible_bts = visible(jnp.arange(s, dtype=jnp.int32), q_pos_bt[:, :, None], window)
-        if impl == "plain":
-            return _attend(q_btnh, k_bskh, v_bskh, visible_bts)
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None],
+        visible_bts = visible(jnp.arange(s, dtype=jnp.int32), q_pos_bt[:, :, None], opts.window)
+        if impl == "plain" or not _sdpa_can(opts):
+            return _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts)
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None], scale=opts.scale,
                                             key_value_seq_lengths=live_b, implementation=impl)
 
 
@@ -94,20 +119,20 @@ def _ungrouped(out_bkmh, t: int):
 _BATCH = ((0, 1), (0, 1))
 
 
-def _attend(q_btnh, k_bskh, v_bskh, visible_bts):
+def _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts: Options):
     b, t, _, h = q_btnh.shape
     q_bkmh = _grouped(q_btnh, k_bskh.shape[2])
     k_bksh = k_bskh.transpose(0, 2, 1, 3)
     v_bksh = v_bskh.transpose(0, 2, 1, 3)
     scores = jax.lax.dot_general(q_bkmh, k_bksh, (((3,), (3,)), _BATCH), preferred_element_type=_F32)
-    scores = scores.reshape(b, k_bksh.shape[1], t, -1, k_bksh.shape[2]) * (h ** -0.5)
+    scores = _scores(scores.reshape(b, k_bksh.shape[1], t, -1, k_bksh.shape[2]), opts, h)
     scores = jnp.where(visible_bts[:, None, :, None, :], scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype).reshape(b, k_bksh.shape[1], q_bkmh.shape[2], -1)
     out = jax.lax.dot_general(probs, v_bksh, (((3,), (2,)), _BATCH), preferred_element_type=_F32)
     return _ungrouped(out, t).astype(q_btnh.dtype)
 
 
-def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, window):
+def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options):
     """Attention over the cache in blocks of `BLOCK` slots, from the first block a query's window
     reaches to the last the longest live row needs (a loop with traced bounds), merged with an
     online softmax in float32. Hidden keys get no weight even in a block where a query sees
@@ -123,9 +148,10 @@ def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, window):
         start = jnp.minimum(j * block, s - block)      # the last block may overlap the one before
         k_bksh, v_bksh = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1).transpose(0, 2, 1, 3)
                           .astype(q_btnh.dtype) for x in (k_bskh, v_bskh))
-        scores = jax.lax.dot_general(q_bkmh, k_bksh, (((3,), (3,)), _BATCH), preferred_element_type=_F32) * h ** -0.5
+        scores = _scores(jax.lax.dot_general(q_bkmh, k_bksh, (((3,), (3,)), _BATCH), preferred_element_type=_F32),
+                         opts, h)
         slot_s = start + jnp.arange(block, dtype=jnp.int32)
-        visible_bms = (slot_s >= j * block) & visible(slot_s, q_pos_bm[:, :, None], window)
+        visible_bms = (slot_s >= j * block) & visible(slot_s, q_pos_bm[:, :, None], opts.window)
         scores = jnp.where(visible_bms[:, None], scores, jnp.finfo(_F32).min)
         new_max = jnp.maximum(max_bkm, scores.max(-1))
         probs = jnp.where(visible_bms[:, None], jnp.exp(scores - new_max[..., None]), 0.0)
@@ -136,6 +162,6 @@ def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, window):
 
     shape = q_bkmh.shape[:3]
     init = (jnp.full(shape, jnp.finfo(_F32).min, _F32), jnp.zeros(shape, _F32), jnp.zeros(q_bkmh.shape, _F32))
-    first = 0 if window is None else jnp.maximum(jnp.min(q_pos_bt) - window + 1, 0) // block
+    first = 0 if opts.window is None else jnp.maximum(jnp.min(q_pos_bt) - opts.window + 1, 0) // block
     _, sum_bkm, acc_bkmh = jax.lax.fori_loop(first, (jnp.max(live_b) + block - 1) // block, step, init)
     return _ungrouped(acc_bkmh / sum_bkm[..., None], t).astype(q_btnh.dtype)

@@ -12,12 +12,13 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 # Rope scaling types and the parameters each needs (HF `rope_scaling` / `rope_parameters` names).
 ROPE_SCALING = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate: SwiGLU, or GeGLU with tanh GELU
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,7 +39,16 @@ class ModelConfig:
       attention_bias: q/k/v projections carry a bias (Qwen2).
       head_dim: per-head width; None means hidden_size // num_heads.
       qk_norm: an RMSNorm over each query and key head before the rotary embedding (Qwen3).
-      sliding_window: None, or how many positions a query sees, itself included (Mistral).
+      sliding_window: None, or how many positions a query sees, itself included (Mistral; Gemma's
+        "sliding_attention" layers).
+      layer_types: None (every layer alike) or per layer "sliding_attention" / "full_attention".
+      hidden_act: the MLP gate's activation (`ACTIVATIONS`).
+      norm_offset: RMSNorm multiplies by offset + weight, in float32 (Gemma: 1).
+      embed_scale: the embeddings are multiplied by sqrt(hidden_size) (Gemma).
+      post_norms: RMSNorms on the attention and MLP outputs before their residual adds (Gemma 2).
+      attn_softcap, final_softcap: None, or c in c * tanh(x / c) over the attention scores / the
+        logits (Gemma 2).
+      query_pre_attn_scalar: None, or s in the attention scale s ** -0.5 (else head_dim ** -0.5).
       rope_scaling: None (plain RoPE) or the rotary frequencies' rescaling as sorted (name,
         value) pairs, `rope_type` included: "linear" or "llama3" (`ROPE_SCALING`); a dict is
         accepted and stored in that form.
@@ -61,6 +71,14 @@ class ModelConfig:
     head_dim: int | None = None
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    post_norms: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     architecture: str = "llama"
     name: str = "custom"
@@ -92,6 +110,19 @@ class ModelConfig:
             check_rope_scaling(dict(self.rope_scaling))
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"ModelConfig.sliding_window must be None or a positive int, got {self.sliding_window!r}")
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers or not set(self.layer_types)
+                                             <= {"sliding_attention", "full_attention"}):
+            raise ValueError(f"ModelConfig.layer_types must give 'sliding_attention' or 'full_attention' for each of "
+                             f"the {self.num_layers} layers, got {self.layer_types!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer i (None: it sees every earlier position)."""
+        full = self.layer_types is not None and self.layer_types[i] == "full_attention"
+        return None if full else self.sliding_window
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -109,7 +140,8 @@ class ModelConfig:
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
             attn += h * (self.num_heads + 2 * self.num_kv_heads)
-        block = attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
+        block = (attn + 3 * d * self.intermediate_size + 2 * d + (2 * h if self.qk_norm else 0)
+                 + (2 * d if self.post_norms else 0))
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * block + d + head
 
@@ -147,14 +179,11 @@ class ModelConfig:
         rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
         if hf.get("use_sliding_window"):
             raise ValueError(f"config.json use_sliding_window (per-layer windows of {model_type}) is not supported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; "
-                             f"only 'silu' (SwiGLU)")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim")
         if head_dim == hf["hidden_size"] // num_heads:
             head_dim = None  # the default; keep configs comparable
-        return cls(
+        fields = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             num_layers=hf["num_hidden_layers"],
@@ -170,9 +199,13 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
             rope_scaling=rope_scaling_from_hf(hf),
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
             architecture=model_type,
             name=name or hf.get("_name_or_path") or model_type,
         )
+        if model_type == "gemma2":
+            fields.update(_gemma_from_hf(hf))
+        return cls(**fields)
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` dict transformers expects for this model."""
@@ -190,8 +223,13 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "head_dim": self.resolved_head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
         }
+        if self.architecture == "gemma2":
+            hf.update(hidden_activation=self.hidden_act, sliding_window=self.sliding_window,
+                      layer_types=list(self.layer_types or ()), attn_logit_softcapping=self.attn_softcap,
+                      final_logit_softcapping=self.final_softcap, query_pre_attn_scalar=self.query_pre_attn_scalar)
+            return hf
         if self.rope_scaling:
             hf["rope_scaling"] = self.rope
         if self.architecture == "mistral":
@@ -262,6 +300,17 @@ class ModelConfig:
             architecture=arch,
             name=name or str(metadata.get("general.name", arch)),
         )
+
+
+def _gemma_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The Gemma 2 options of a `config.json` dict."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types") or [("sliding_attention" if (i + 1) % 2 else "full_attention")
+                                      for i in range(hf["num_hidden_layers"])]
+    return dict(sliding_window=window, layer_types=tuple(types) if window else None, norm_offset=1.0,
+                embed_scale=True, post_norms=True, attn_softcap=hf.get("attn_logit_softcapping"),
+                final_softcap=hf.get("final_logit_softcapping"),
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar"))
 
 
 def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict[str, Any] | None:

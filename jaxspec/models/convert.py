@@ -56,7 +56,7 @@ class WeightRule:
     """One weight: where it lives in jaxspec params, in HF and in GGUF checkpoints."""
 
     ours: tuple[str, ...]  # per-layer rules: ("layers", <name>...) means params["layers"][i][<name>...]
-    hf: str
+    hf: str                # or, per architecture, `hf_by_arch`
     gguf: str
     to_ours: Callable = _identity
     to_hf: Callable = _identity
@@ -64,10 +64,18 @@ class WeightRule:
     present: Callable[[ModelConfig], bool] = lambda cfg: True
     # llama.cpp stores Llama q/k rows permuted for its rope layout; None = no permutation.
     gguf_heads: Callable[[ModelConfig], int] | None = None
+    hf_by_arch: tuple[tuple[str, str], ...] = ()
+
+    def hf_name(self, cfg: ModelConfig) -> str:
+        return dict(self.hf_by_arch).get(cfg.architecture, self.hf)
 
 
 def _has_bias(cfg):
     return cfg.attention_bias
+
+
+def _post_norms(cfg):
+    return cfg.post_norms
 
 
 def _qk_norm(cfg):
@@ -112,7 +120,12 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule(("layers", "o_nhd"), _L + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
                _out_heads, _out_heads_inv, per_layer=True),
     WeightRule(("layers", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight",
-               "blk.{i}.ffn_norm.weight", per_layer=True),
+               "blk.{i}.ffn_norm.weight", per_layer=True,
+               hf_by_arch=(("gemma2", _L + "pre_feedforward_layernorm.weight"),)),
+    WeightRule(("layers", "post_attn_norm", "scale"), _L + "post_attention_layernorm.weight",
+               "blk.{i}.post_attention_norm.weight", per_layer=True, present=_post_norms),
+    WeightRule(("layers", "post_mlp_norm", "scale"), _L + "post_feedforward_layernorm.weight",
+               "blk.{i}.post_ffw_norm.weight", per_layer=True, present=_post_norms),
     WeightRule(("layers", "gate_df"), _L + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight",
                _transpose, _transpose, per_layer=True),
     WeightRule(("layers", "up_df"), _L + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight",
@@ -156,7 +169,7 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
     for rule in RULES:
         if not rule.present(cfg):
             continue
-        template = rule.gguf if source == "gguf" else rule.hf
+        template = rule.gguf if source == "gguf" else rule.hf_name(cfg)
         for i in range(cfg.num_layers if rule.per_layer else 1):
             path = _path(rule, i)
             expected = _hf_shape(rule, cfg, tuple(_lookup(our_shapes, path).shape))
@@ -187,7 +200,7 @@ def params_to_hf(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
             continue
         for i in range(cfg.num_layers if rule.per_layer else 1):
             value = np.asarray(_lookup(params, _path(rule, i)), np.float32)
-            out[rule.hf.format(i=i)] = np.ascontiguousarray(rule.to_hf(value, cfg))
+            out[rule.hf_name(cfg).format(i=i)] = np.ascontiguousarray(rule.to_hf(value, cfg))
     return out
 
 

@@ -16,6 +16,7 @@ with per-output-channel float32 scales (`jaxspec.models.quant`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.models import quant
-from jaxspec.models.attention import attend, attend_cache
+from jaxspec.models.attention import Options, attend, attend_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
 
@@ -36,14 +37,16 @@ def _normal(key, shape, std, dtype):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype, axes=("embed",)):
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, *, dtype, axes=("embed",), offset: float = 0.0):
+        self.eps, self.offset = eps, offset
         self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=axes)
 
     def __call__(self, x):
         x32 = x.astype(_F32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        # Same order as transformers: normalise in float32, cast, then scale.
+        if self.offset:   # Gemma's order: scale by offset + weight in float32, then cast
+            return (y * (self.offset + self.scale[...].astype(_F32))).astype(x.dtype)
+        # Llama's order: normalise in float32, cast, then scale.
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
@@ -100,13 +103,17 @@ class Block(nnx.Module):
     cache, or the tokens themselves) and in which layout attention runs.
     """
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantized: bool = False):
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantized: bool = False, layer: int = 0):
         d, n, k = config.hidden_size, config.num_heads, config.num_kv_heads
         h, f = config.resolved_head_dim, config.intermediate_size
         self.theta, self.rope_scaling = config.rope_theta, config.rope_scaling
-        self.window = config.sliding_window   # keys this many positions back and more are hidden
+        scalar = config.query_pre_attn_scalar
+        self.attention = Options(window=config.layer_window(layer), softcap=config.attn_softcap,
+                                 scale=None if scalar is None else float(scalar) ** -0.5)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.head_dim = h
-        self.attn_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        norm = functools.partial(RMSNorm, eps=config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
+        self.attn_norm = norm(d)
         attention = {"q_dnh": ((d, n, h), d, ("embed", "heads", "head_dim")),
                      "k_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim")),
                      "v_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim"))}
@@ -121,10 +128,12 @@ class Block(nnx.Module):
                                        axes=("kv_heads", "head_dim"))
         else:
             self.q_bias_nh = self.k_bias_kh = self.v_bias_kh = None
-        self.q_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, axes=("head_dim",)) if config.qk_norm else None
-        self.k_norm = RMSNorm(h, config.rms_norm_eps, dtype=dtype, axes=("head_dim",)) if config.qk_norm else None
+        self.q_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
+        self.k_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
         _matrix(self, "o_nhd", (n, h, d), n * h, ("heads", "head_dim", "embed"), dtype, rngs, quantized)
-        self.mlp_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.mlp_norm = norm(d)
+        self.post_attn_norm = norm(d) if config.post_norms else None
+        self.post_mlp_norm = norm(d) if config.post_norms else None
         for name, shape, axes in (("gate_df", (d, f), ("embed", "mlp")), ("up_df", (d, f), ("embed", "mlp")),
                                   ("down_fd", (f, d), ("mlp", "embed"))):
             _matrix(self, name, shape, shape[0], axes, dtype, rngs, quantized)
@@ -157,10 +166,13 @@ class Block(nnx.Module):
 
     def finish(self, x_md, attn_mnh):
         """Output projection, residual, and the MLP half of the block."""
-        x = x_md + self._mm(attn_mnh.reshape(x_md.shape[0], -1), "o_nhd")
+        out = self._mm(attn_mnh.reshape(x_md.shape[0], -1), "o_nhd")
+        x = x_md + (out if self.post_attn_norm is None else self.post_attn_norm(out))
         y = self.mlp_norm(x)
-        hidden = jax.nn.silu(self._mm(y, "gate_df")) * self._mm(y, "up_df")
-        return x + self._mm(hidden, "down_fd")
+        gate = self._mm(y, "gate_df")
+        hidden = (jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)) * self._mm(y, "up_df")
+        out = self._mm(hidden, "down_fd")
+        return x + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
 
 class Decoder(nnx.Module):
@@ -173,16 +185,19 @@ class Decoder(nnx.Module):
         # argmax is well separated (tests compare greedy paths token for token).
         self.embed_vd = nnx.Param(_normal(rngs.params(), (v, d), d ** -0.5, dtype),
                                   axes=("vocab", "embed"))
-        self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, quantized=quantized)
-                                for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, quantized=quantized, layer=i)
+                                for i in range(config.num_layers)])
+        self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
         if config.tie_word_embeddings:
             self.lm_head_dv = self.lm_head_dv_scale = None
         else:
             _matrix(self, "lm_head_dv", (d, v), d, ("embed", "vocab"), dtype, rngs, quantized)
 
     def embed(self, tokens):
-        return jnp.take(self.embed_vd[...], tokens, axis=0)
+        x = jnp.take(self.embed_vd[...], tokens, axis=0)
+        if self.config.embed_scale:   # Gemma: by sqrt(d), rounded to the compute dtype first
+            return x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        return x
 
     def head(self, x_md, ids=None):
         """Final norm and LM head of flat tokens [m, d] (any leading axes); logits in float32, of
@@ -202,6 +217,9 @@ class Decoder(nnx.Module):
             if self.lm_head_dv_scale is not None:
                 scale_v = self.lm_head_dv_scale[...]
                 logits = logits * (scale_v if ids is None else jnp.take(scale_v, ids))
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
         return logits.reshape(*lead, -1)
 
     def _run_blocks(self, x_md, carry, body, features=()):
@@ -223,7 +241,7 @@ class Decoder(nnx.Module):
 
         def body(block, x_md, extra, i):
             q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in block.qkv(x_md, pos_m))
-            attn = attend(q, k, v, pos_bt, pos_bt, block.window)
+            attn = attend(q, k, v, pos_bt, pos_bt, block.attention)
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), extra
 
         x_md, _, feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), None, body, features)
@@ -251,10 +269,10 @@ class Decoder(nnx.Module):
             v_layer = vs[i].at[rows_bt, pos_bt].set(v.astype(vs[i].dtype), mode="drop")
             if empty:   # the slots at and past t hold nothing a query here may see
                 attn = attend(q, k.astype(ks[i].dtype).astype(q.dtype), v.astype(vs[i].dtype).astype(q.dtype),
-                              pos_bt, pos_bt, block.window)
+                              pos_bt, pos_bt, block.attention)
             else:
                 attn = attend_cache(q, k_layer, v_layer, pos_bt, jnp.minimum(cache.lengths + t, cache.max_len),
-                                    block.window)
+                                    block.attention)
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), kv
 
@@ -285,7 +303,7 @@ class Decoder(nnx.Module):
             k_layer = ks[i].at[row_m, write_at_m].set(k_mkh.astype(ks[i].dtype), mode="drop")
             v_layer = vs[i].at[row_m, write_at_m].set(v_mkh.astype(vs[i].dtype), mode="drop")
             q_bwnh = jnp.zeros((b, width) + q_mnh.shape[1:], q_mnh.dtype).at[row_m, col_m].set(q_mnh, mode="drop")
-            attn_bwnh = attend_cache(q_bwnh, k_layer, v_layer, q_pos_bw, live_b, block.window)
+            attn_bwnh = attend_cache(q_bwnh, k_layer, v_layer, q_pos_bw, live_b, block.attention)
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn_bwnh[row_m, read_col_m]), kv
 

@@ -214,10 +214,13 @@ class EagleHead:
             draft_ids = np.sort(np.argsort(-np.asarray(token_counts), kind="stable")[:w])
         else:
             draft_ids = np.arange(w)
-        config = EagleConfig(layer=tc.replace(num_layers=1, vocab_size=w, tie_word_embeddings=False,
-                                              attention_bias=False, qk_norm=False, sliding_window=None,
-                                              architecture="llama",
-                                              name=f"{tc.name}-eagle3"),
+        # The head's layer: a Llama layer of the target's shape, whatever the target's family.
+        layer = ModelConfig(vocab_size=w, hidden_size=tc.hidden_size, num_layers=1, num_heads=tc.num_heads,
+                            num_kv_heads=tc.num_kv_heads, intermediate_size=tc.intermediate_size,
+                            max_position_embeddings=tc.max_position_embeddings, rope_theta=tc.rope_theta,
+                            rms_norm_eps=tc.rms_norm_eps, head_dim=tc.head_dim, rope_scaling=tc.rope_scaling,
+                            name=f"{tc.name}-eagle3")
+        config = EagleConfig(layer=layer,
                              target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
                              feature_layers=tuple(sorted(int(i) for i in layers)))
         dtype = target.dtype if dtype is None else dtype

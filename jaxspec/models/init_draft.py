@@ -67,7 +67,7 @@ def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None
         if num_layers > cfg.num_layers:
             raise ValueError(f"num_layers must be at most the target's {cfg.num_layers} when its blocks are "
                              f"copied (same width and block shapes), got {num_layers}")
-        config = cfg.replace(num_layers=num_layers, name=name)
+        config = cfg.replace(num_layers=num_layers, layer_types=_layer_types(cfg, num_layers), name=name)
         params = jax.tree.map(lambda x: x, target.params)  # a new tree; arrays are immutable
         params["layers"] = {i: target.params["layers"][i] for i in range(num_layers)}
         return _cast(Model(config, params, dtype=target.dtype, tokenizer=target.tokenizer), dtype)
@@ -112,7 +112,14 @@ def _narrow_config(cfg: ModelConfig, num_layers, width, intermediate_size, num_h
     # Keep the target's head dimension (RoPE frequencies then mean the same thing in both models).
     explicit_head_dim = None if width == num_heads * head_dim else head_dim
     return cfg.replace(num_layers=num_layers, hidden_size=width, intermediate_size=intermediate_size,
-                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=explicit_head_dim, name=name)
+                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=explicit_head_dim,
+                       layer_types=_layer_types(cfg, num_layers), name=name)
+
+
+def _layer_types(cfg, num_layers: int):
+    """The target's first layers' attention types (its pattern repeated past its depth)."""
+    types = cfg.layer_types
+    return None if types is None else tuple(types[i % len(types)] for i in range(num_layers))
 
 
 def _cast(model: Model, dtype) -> Model:
