@@ -71,5 +71,5 @@ def test_unknown_preset_lists_the_known_ones():
 
 
 def test_unsupported_hf_architecture_names_itself():
-    with pytest.raises(ValueError, match="'gemma2'.*supported: llama, mistral, qwen2, qwen3"):
-        jaxspec.ModelConfig.from_hf_config({"model_type": "gemma2"})
+    with pytest.raises(ValueError, match="'gpt_neox'.*supported: llama, mistral, qwen2, qwen3, gemma2"):
+        jaxspec.ModelConfig.from_hf_config({"model_type": "gpt_neox"})

@@ -181,7 +181,7 @@ def test_misshapen_tensor_names_both_shapes(tiny_model, tmp_path):
 
 def test_unsupported_architecture_and_bad_paths(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox"}))
-    with pytest.raises(ValueError, match="gpt_neox.*supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="gpt_neox.*supported: llama, mistral, qwen2, qwen3, gemma2"):
         jaxspec.load(tmp_path)
     with pytest.raises(ValueError, match="does not exist"):
         jaxspec.load(tmp_path / "nope")
