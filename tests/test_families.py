@@ -20,6 +20,11 @@ FAMILIES = {
     # Soft caps small enough that tanh bends the scores and logits of this random model.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
                                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, layer_types=[
+                   "sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=8)),   # prompts cross it
     "linear-rope": ("LlamaConfig", "LlamaForCausalLM",
                     dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
@@ -141,9 +146,10 @@ def test_gguf_written_like_llama_cpp_matches_transformers(family, tmp_path):
 
 def test_config_records_the_family_options(family_pair):
     family, ref, ours = family_pair
-    assert ours.config.qk_norm == (family == "qwen3")
-    assert ours.config.sliding_window == (8 if family in ("mistral", "gemma2") else None)
-    assert ours.config.rope.get("rope_type") == {"llama3-rope": "llama3", "linear-rope": "linear"}.get(family)
+    assert ours.config.qk_norm == (family in ("qwen3", "gemma3"))
+    assert ours.config.sliding_window == (8 if family in ("mistral", "gemma2", "gemma3") else None)
+    assert ours.config.rope.get("rope_type") == {"llama3-rope": "llama3", "linear-rope": "linear",
+                                                 "gemma3": "linear"}.get(family)
     assert jaxspec.ModelConfig.from_dict(json.loads(ours.config.to_json())) == ours.config
     via_hf = jaxspec.ModelConfig.from_hf_config(ours.config.to_hf_config())   # the folders jaxspec writes
     assert via_hf.replace(name=ours.config.name) == ours.config

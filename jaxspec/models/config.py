@@ -12,12 +12,12 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 # Rope scaling types and the parameters each needs (HF `rope_scaling` / `rope_parameters` names).
 ROPE_SCALING = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate: SwiGLU, or GeGLU with tanh GELU
 
 
@@ -49,6 +49,8 @@ class ModelConfig:
       attn_softcap, final_softcap: None, or c in c * tanh(x / c) over the attention scores / the
         logits (Gemma 2).
       query_pre_attn_scalar: None, or s in the attention scale s ** -0.5 (else head_dim ** -0.5).
+      rope_local_theta: None, or the rotary base of the sliding layers, which then have no rope
+        scaling (Gemma 3; `rope_theta` and `rope_scaling` are the full layers').
       rope_scaling: None (plain RoPE) or the rotary frequencies' rescaling as sorted (name,
         value) pairs, `rope_type` included: "linear" or "llama3" (`ROPE_SCALING`); a dict is
         accepted and stored in that form.
@@ -79,6 +81,7 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     architecture: str = "llama"
     name: str = "custom"
@@ -123,6 +126,12 @@ class ModelConfig:
         """The sliding window of layer i (None: it sees every earlier position)."""
         full = self.layer_types is not None and self.layer_types[i] == "full_attention"
         return None if full else self.sliding_window
+
+    def layer_rope(self, i: int) -> tuple[float, tuple | None]:
+        """(rotary base, rope scaling) of layer i."""
+        if self.rope_local_theta is not None and self.layer_window(i) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -203,8 +212,8 @@ class ModelConfig:
             architecture=model_type,
             name=name or hf.get("_name_or_path") or model_type,
         )
-        if model_type == "gemma2":
-            fields.update(_gemma_from_hf(hf))
+        if model_type.startswith("gemma"):
+            fields.update(_gemma_from_hf(hf, model_type))
         return cls(**fields)
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -225,10 +234,16 @@ class ModelConfig:
             "head_dim": self.resolved_head_dim,
             "hidden_act": self.hidden_act,
         }
-        if self.architecture == "gemma2":
+        if self.architecture.startswith("gemma"):
             hf.update(hidden_activation=self.hidden_act, sliding_window=self.sliding_window,
                       layer_types=list(self.layer_types or ()), attn_logit_softcapping=self.attn_softcap,
                       final_logit_softcapping=self.final_softcap, query_pre_attn_scalar=self.query_pre_attn_scalar)
+            if self.architecture == "gemma3_text":
+                hf.pop("rope_scaling", None)
+                hf["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                                            **self.rope},
+                                         "sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": self.rope_local_theta}}
             return hf
         if self.rope_scaling:
             hf["rope_scaling"] = self.rope
@@ -236,7 +251,7 @@ class ModelConfig:
             hf["sliding_window"] = self.sliding_window
         elif self.sliding_window is not None:
             raise ValueError(f"jaxspec writes sliding windows for mistral models only, not {self.architecture}")
-        if (self.architecture == "qwen3") != self.qk_norm:
+        if (self.architecture in ("qwen3", "gemma3_text")) != self.qk_norm:
             raise ValueError(f"transformers has q/k norms in qwen3 models only, not in {self.architecture} "
                              f"(qk_norm={self.qk_norm})")
         if self.architecture != "qwen2":
@@ -302,15 +317,27 @@ class ModelConfig:
         )
 
 
-def _gemma_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The Gemma 2 options of a `config.json` dict."""
+def _gemma_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The Gemma 2 / 3 options of a `config.json` dict."""
     window = hf.get("sliding_window")
-    types = hf.get("layer_types") or [("sliding_attention" if (i + 1) % 2 else "full_attention")
+    every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+    types = hf.get("layer_types") or [("sliding_attention" if (i + 1) % every else "full_attention")
                                       for i in range(hf["num_hidden_layers"])]
-    return dict(sliding_window=window, layer_types=tuple(types) if window else None, norm_offset=1.0,
-                embed_scale=True, post_norms=True, attn_softcap=hf.get("attn_logit_softcapping"),
-                final_softcap=hf.get("final_logit_softcapping"),
-                query_pre_attn_scalar=hf.get("query_pre_attn_scalar"))
+    fields = dict(sliding_window=window, layer_types=tuple(types) if window else None, norm_offset=1.0,
+                  embed_scale=True, post_norms=True, attn_softcap=hf.get("attn_logit_softcapping"),
+                  final_softcap=hf.get("final_logit_softcapping"),
+                  query_pre_attn_scalar=hf.get("query_pre_attn_scalar"))
+    if model_type == "gemma3_text":   # q/k norms; rope per layer type (transformers 5), or legacy keys
+        params = hf.get("rope_parameters") or {}
+        full = params.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6),
+                                                **(hf.get("rope_scaling") or {})}
+        local = params.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling {local['rope_type']!r} on Gemma 3's sliding layers is not supported")
+        fields.update(qk_norm=True, rope_theta=float(full.get("rope_theta", 1e6)),
+                      rope_scaling=rope_scaling_from_hf({"rope_parameters": full}),
+                      rope_local_theta=float(local.get("rope_theta", 10000.0)))
+    return fields
 
 
 def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict[str, Any] | None:

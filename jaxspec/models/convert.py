@@ -121,7 +121,7 @@ RULES: tuple[WeightRule, ...] = (
                _out_heads, _out_heads_inv, per_layer=True),
     WeightRule(("layers", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight",
                "blk.{i}.ffn_norm.weight", per_layer=True,
-               hf_by_arch=(("gemma2", _L + "pre_feedforward_layernorm.weight"),)),
+               hf_by_arch=tuple((a, _L + "pre_feedforward_layernorm.weight") for a in ("gemma2", "gemma3_text"))),
     WeightRule(("layers", "post_attn_norm", "scale"), _L + "post_attention_layernorm.weight",
                "blk.{i}.post_attention_norm.weight", per_layer=True, present=_post_norms),
     WeightRule(("layers", "post_mlp_norm", "scale"), _L + "post_feedforward_layernorm.weight",

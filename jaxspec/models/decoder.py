@@ -106,7 +106,7 @@ class Block(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantized: bool = False, layer: int = 0):
         d, n, k = config.hidden_size, config.num_heads, config.num_kv_heads
         h, f = config.resolved_head_dim, config.intermediate_size
-        self.theta, self.rope_scaling = config.rope_theta, config.rope_scaling
+        self.theta, self.rope_scaling = config.layer_rope(layer)
         scalar = config.query_pre_attn_scalar
         self.attention = Options(window=config.layer_window(layer), softcap=config.attn_softcap,
                                  scale=None if scalar is None else float(scalar) ** -0.5)
