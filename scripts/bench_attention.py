@@ -5,7 +5,7 @@ buffer. Each path's program is compiled first, then all are timed round-robin (a
 1 + n steps minus a loop of 1, medians over rounds).
 
     python scripts/bench_attention.py [--preset smollm2-135m] [--layers N] [--batches 1 8]
-        [--slots 1024] [--live 64 512 900] [--rounds 5] [--name bench_attention]
+        [--slots 1024] [--live 64 512 900] [--rounds 5] [--blocks 128 256] [--name bench_attention]
 """
 
 from __future__ import annotations
@@ -24,18 +24,22 @@ from jaxspec.models import attention as attention_lib
 STEPS = 8
 
 
-def attention_rows(model, batch: int, slots: int, live, rounds: int, before_deadline=lambda: True) -> list[dict]:
-    """One row per (path, live length): the decode step's milliseconds and its ratio to plain's."""
+def attention_rows(model, batch: int, slots: int, live, rounds: int, before_deadline=lambda: True,
+                   blocks=(attention_lib.BLOCK,)) -> list[dict]:
+    """One row per (path, live length): the decode step's milliseconds and its ratio to plain's
+    (the blocked path at each block size of `blocks`, named "blocked/<size>" when several)."""
     drafter = NgramDrafter().bind_vocab(model.config.vocab_size)
-    timers = {}
-    for impl in ["plain", "blocked", "xla"] + (["cudnn"] if jax.default_backend() == "gpu" else []):
-        attention_lib.ATTENTION = impl
+    timers, default_block = {}, attention_lib.BLOCK
+    paths = [("plain", None)] + [("blocked", b) for b in blocks] + [("xla", None)]
+    for impl, block in paths + ([("cudnn", None)] if jax.default_backend() == "gpu" else []):
+        attention_lib.ATTENTION, attention_lib.BLOCK = impl, block or default_block
         jax.clear_caches()   # `step_timer` keeps the program compiled now, with this path
+        name = f"{impl}/{block}" if block and len(blocks) > 1 else impl
         for context in live:
             if before_deadline():
-                timers[impl, context] = timing.step_timer(model, drafter, 0, batch, slots, STEPS, 0, context=context)
-                timers[impl, context](1)
-    attention_lib.ATTENTION = "auto"
+                timers[name, context] = timing.step_timer(model, drafter, 0, batch, slots, STEPS, 0, context=context)
+                timers[name, context](1)
+    attention_lib.ATTENTION, attention_lib.BLOCK = "auto", default_block
     jax.clear_caches()
     seconds = {key: [] for key in timers}
     for _ in range(rounds):
@@ -56,6 +60,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=1024)
     p.add_argument("--live", type=int, nargs="+", default=[64, 512, 900])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--blocks", type=int, nargs="+", default=[attention_lib.BLOCK], help="blocked path's block sizes")
     p.add_argument("--name", default="bench_attention")
     args = p.parse_args()
     config = jaxspec.ModelConfig.preset(args.preset)
@@ -63,8 +68,8 @@ def main() -> None:
     model = jaxspec.Model.random(config, seed=0, dtype=args.dtype)
     rows = []
     for batch in args.batches:
-        rows += attention_rows(model, batch, args.slots, args.live, args.rounds)
-        print(table(rows[-len(args.live) * 3:]), flush=True)
+        rows += attention_rows(model, batch, args.slots, args.live, args.rounds, blocks=args.blocks)
+        print(table(rows[-len(args.live) * (2 + len(args.blocks)):]), flush=True)
     m = machine()
     md = "\n".join([
         f"Attention paths in the decode step (plain decoding), {config.name} shape ({config.num_layers} layers, "

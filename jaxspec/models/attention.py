@@ -20,8 +20,9 @@ _F32 = jnp.float32
 # an online softmax), "xla" / "cudnn" (`jax.nn.dot_product_attention` with that implementation;
 # cuDNN's flash attention skips the key blocks past each row's live length), or "auto": on a GPU,
 # cuDNN in bfloat16 / float16 where its head sizes allow, else plain (XLA's GPU runtime reads a
-# traced loop condition back to the host every iteration); elsewhere blocked (on 2 CPU cores,
-# SmolLM2 shape, batch 8: 0.44x plain's step with 64 of 1024 slots live, 0.92x with 900).
+# traced loop condition back to the host every iteration); elsewhere blocked (2 CPU cores,
+# SmolLM2 shape, 1024 slots: at batch 8, 0.47x plain's step with 64 live, 0.92x with 900; at
+# batch 1, 0.82x and 1.12x; blocks of 256 or 512 no better: docs/results/bench_attention.md).
 # Attention without a cache (prefill, `Model.logits`) runs plain unless an SDPA implementation is
 # chosen. Read when a program is traced: set it before the first compile (or `jax.clear_caches()`).
 ATTENTION = "auto"
