@@ -142,6 +142,7 @@ def test_two_slice_engines_refill_too(pair, requests, alone, mesh, pipeline):
     assert result.stats.extra["lanes"] == (2 if pipeline else 1)
 
 
+@pytest.mark.slow
 def test_pipelined_sampling_with_refills_equals_single_program(pair, requests):
     target, draft = pair
     sampling = SamplingConfig(temperature=0.8, top_k=20)

@@ -102,6 +102,7 @@ def test_generate_in_process_is_lossless(tiny_path, tiny_model, tmp_path, draft_
         assert all(line["stats"]["drafted"] == 0 for line in got.values())
 
 
+@pytest.mark.slow
 def test_generate_smollm2_strings_match_python_api(smollm2, smollm2_path, tmp_path):
     texts = ["The cat sat on the mat. The cat sat on the", "1, 2, 3, 4, 5, 6,", "Repeat: red green blue red green"]
     prompts = write_jobs(tmp_path / "in.jsonl", [{"id": f"p{i}", "prompt": t} for i, t in enumerate(texts)])
@@ -202,6 +203,7 @@ def test_rerun_skips_finished_ids_and_says_how_many(tiny_path, tiny_model, tmp_p
     assert "nothing to do" in capsys.readouterr().out and out.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_resumed_sampling_run_draws_what_an_uninterrupted_one_would(tiny_path, tiny_model, tmp_path, capsys):
     """Request i of the input samples from RNG stream i, whichever run finishes it: drop some
     finished lines (as if the run had died before them) and the rerun writes the same tokens."""
@@ -359,6 +361,7 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert "expected positive integers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_distill_saves_the_draft_the_python_api_trains(tiny_path, tiny_model, tmp_path, capsys):
     records = token_jobs(8, seed=6)
     prompts, heldout = write_jobs(tmp_path / "train.jsonl", records[:6]), write_jobs(tmp_path / "held.jsonl",
@@ -388,6 +391,7 @@ def test_distill_bad_arguments_are_one_line_errors(tiny_path, tmp_path, capsys):
         assert needle in err and "Traceback" not in err and not (tmp_path / "d").exists()
 
 
+@pytest.mark.slow
 def test_train_eagle_then_generate_with_the_head_is_lossless(tiny_path, tiny_model, tmp_path, capsys):
     """A head trained by `jaxspec train-eagle` on the target's continuations of token prompts
     loads with jaxspec.load and drafts losslessly through `jaxspec generate --draft HEAD`."""

@@ -188,6 +188,7 @@ def test_eagle_greedy_output_is_the_targets_own(vocab6_heads, spec):
         assert got.stats.acceptance_rate > 0   # some windows were accepted in part or whole
 
 
+@pytest.mark.slow
 def test_a_profiled_eagle_cost_model_prices_the_heads_steps(vocab6_heads):
     """CostModel.profile times real steps with the head as the drafter (k = 0 included) and fits
     them; the timings themselves are noise on a loaded machine and are not compared here."""
@@ -268,6 +269,7 @@ def assert_head_state_is_recomputed(model, head, got, seq_bl, committed_b, known
 _head_forward = jax.jit(eagle.head_forward, static_argnums=0)
 
 
+@pytest.mark.slow
 def test_a_head_under_a_chain_level_follows_that_levels_model(vocab6_heads):
     """EAGLE as the lowest level of a chain (target <- middle model <- head on the middle model's
     features): after proposals followed by partial and full acceptance and by several plain outer

@@ -24,7 +24,8 @@ BALANCED = CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, t
                                        target_per_token=5e-4)
 
 
-@pytest.mark.parametrize("selection", ["standard", pytest.param("tetris", marks=pytest.mark.slow)])
+@pytest.mark.slow   # greedy goodput decoding stays in the default suite through test_batching and test_engine
+@pytest.mark.parametrize("selection", ["standard", "tetris"])
 def test_goodput_policy_is_lossless(pair, selection):
     target, draft = pair
     del draft   # a perfect drafter and a poor one (the switch to plain steps and back)

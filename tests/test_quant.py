@@ -132,7 +132,7 @@ def test_bad_quantization_requests_are_named(tiny_model, tmp_path):
         jaxspec.draft_from_target(q, 1)
 
 
-@pytest.fixture(params=["xla", "blocked"])
+@pytest.fixture
 def attention_path(request):
     """An attention path other than the plain reference, compiled fresh and restored after: SDPA
     (`jax.nn.dot_product_attention`'s XLA implementation: the interface, masks and live lengths the
@@ -145,7 +145,9 @@ def attention_path(request):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("selection", ["standard", "tetris"])
+@pytest.mark.parametrize("attention_path, selection", [
+    ("xla", "standard"), ("blocked", "tetris"), pytest.param("xla", "tetris", marks=pytest.mark.slow),
+    pytest.param("blocked", "standard", marks=pytest.mark.slow)], indirect=["attention_path"])
 def test_attention_paths_are_lossless(int8_pair, attention_path, selection):
     """Greedy decoding with each attention path equals the plain path's output, for plain decoding
     and for speculative windows (padded and packed verification), with int8 weights."""
