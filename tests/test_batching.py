@@ -81,6 +81,7 @@ def test_on_finish_reports_each_request_when_it_finishes(pair, requests, alone):
     assert [c["emitted"] for c in counts] == sorted(BUDGETS)
 
 
+@pytest.mark.slow
 def test_three_level_chain_with_refills(pair, requests, alone):
     """A chain's drafter state (the middle level's caches and its own drafter's) is refilled too."""
     target, draft = pair

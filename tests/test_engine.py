@@ -346,6 +346,7 @@ def test_scoring_the_drawn_token_would_bias_sampling(vocab6):
 
 # --- statistics and compilation ---
 
+@pytest.mark.slow
 def test_statistics_when_draft_equals_target(small):
     target = small[0]
     prompts = ragged_prompts(SMALL_VOCAB, 4)
