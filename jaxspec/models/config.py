@@ -23,7 +23,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate: SwiGLU, or GeGLU
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only transformer of the Llama family.
+    """Shape and numerics of a decoder-only transformer of the Llama family or a relative.
 
     Attributes:
       vocab_size: number of token ids.

@@ -1,4 +1,5 @@
-"""Flax NNX decoder of the Llama / Qwen2 / SmolLM family.
+"""Flax NNX decoder of the Llama family and its relatives (Mistral, Qwen2 / 3, Gemma 2 / 3, SmolLM),
+whose differences are options of `ModelConfig`.
 
 Shape key: b batch, t new tokens, s cache slots, d model width, n query heads, k kv heads,
 g query heads per kv head, h head dim, f MLP width, v vocabulary, l layers.

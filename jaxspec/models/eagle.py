@@ -347,7 +347,9 @@ def load_head(path, target, dtype=None) -> EagleHead:
     layer = ModelConfig(vocab_size=w, hidden_size=hf["hidden_size"], num_layers=1,
                         num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
                         intermediate_size=hf["intermediate_size"], max_position_embeddings=tc.max_position_embeddings,
-                        rope_theta=float(hf.get("rope_theta", 10000.0)), rms_norm_eps=float(hf["rms_norm_eps"]),
+                        rope_theta=float(
+                            (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 1e4))),
+                        rms_norm_eps=float(hf["rms_norm_eps"]),
                         head_dim=hf.get("head_dim"), rope_scaling=rope_scaling_from_hf(hf), name=f"{tc.name}-eagle3")
     config = EagleConfig(layer=layer, target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
                          feature_layers=tuple(sorted(int(i) for i in layers)),
