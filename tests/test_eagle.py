@@ -383,6 +383,7 @@ def tiny_run(steps: int, **kwargs):
                                               batch_size=32, seq_len=32, ttt_steps=2, progress=False, **kwargs)
 
 
+@pytest.mark.slow   # training quality, not losslessness; make test was at the 10-minute mark
 def test_training_lowers_held_out_loss_and_raises_acceptance():
     """Trained on a tiny target's own greedy continuations, the head agrees with the target far
     more often; on held-out sequences its loss falls and greedy decoding accepts far more drafts
