@@ -1,8 +1,7 @@
-"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 / SmolLM families.
+"""Model configuration: one frozen dataclass for every supported family, and the presets.
 
 Field names follow Hugging Face's (`hidden_size`, `num_kv_heads`, ...) so a config reads the same
-here as in a `config.json`. Construction from HF config dicts and from GGUF metadata lives here too,
-so every loader agrees on what a checkpoint means.
+here as in a `config.json`; reading HF config dicts and GGUF metadata is `jaxspec.models.hf_config`.
 """
 
 from __future__ import annotations
@@ -12,13 +11,8 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
-# Rope scaling types and the parameters each needs (HF `rope_scaling` / `rope_parameters` names).
-ROPE_SCALING = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate: SwiGLU, or GeGLU with tanh GELU
+from jaxspec.models import hf_config
+from jaxspec.models.hf_config import ACTIVATIONS, SUPPORTED_ARCHITECTURES, check_rope_scaling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,184 +175,17 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], *, name: str | None = None) -> ModelConfig:
         """Builds a config from a Hugging Face `config.json` dict (transformers 4 or 5 layout)."""
-        model_type = hf.get("model_type", "llama")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {model_type!r} in config.json; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-        if hf.get("use_sliding_window"):
-            raise ValueError(f"config.json use_sliding_window (per-layer windows of {model_type}) is not supported")
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim")
-        if head_dim == hf["hidden_size"] // num_heads:
-            head_dim = None  # the default; keep configs comparable
-        fields = dict(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            intermediate_size=hf["intermediate_size"],
-            max_position_embeddings=hf["max_position_embeddings"],
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            head_dim=head_dim,
-            qk_norm=model_type == "qwen3",
-            sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
-            rope_scaling=rope_scaling_from_hf(hf),
-            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
-            architecture=model_type,
-            name=name or hf.get("_name_or_path") or model_type,
-        )
-        if model_type.startswith("gemma"):
-            fields.update(_gemma_from_hf(hf, model_type))
-        return cls(**fields)
+        return cls(**hf_config.fields_from_hf(hf, name))
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` dict transformers expects for this model."""
-        hf = {
-            "model_type": self.architecture,
-            "architectures": [_HF_CLASSES[self.architecture]],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "intermediate_size": self.intermediate_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "head_dim": self.resolved_head_dim,
-            "hidden_act": self.hidden_act,
-        }
-        if self.architecture.startswith("gemma"):
-            hf.update(hidden_activation=self.hidden_act, sliding_window=self.sliding_window,
-                      layer_types=list(self.layer_types or ()), attn_logit_softcapping=self.attn_softcap,
-                      final_logit_softcapping=self.final_softcap, query_pre_attn_scalar=self.query_pre_attn_scalar)
-            if self.architecture == "gemma3_text":
-                hf.pop("rope_scaling", None)
-                hf["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                                            **self.rope},
-                                         "sliding_attention": {"rope_type": "default",
-                                                               "rope_theta": self.rope_local_theta}}
-            return hf
-        if self.rope_scaling:
-            hf["rope_scaling"] = self.rope
-        if self.architecture == "mistral":
-            hf["sliding_window"] = self.sliding_window
-        elif self.sliding_window is not None:
-            raise ValueError(f"jaxspec writes sliding windows for mistral models only, not {self.architecture}")
-        if (self.architecture in ("qwen3", "gemma3_text")) != self.qk_norm:
-            raise ValueError(f"transformers has q/k norms in qwen3 models only, not in {self.architecture} "
-                             f"(qk_norm={self.qk_norm})")
-        if self.architecture != "qwen2":
-            hf["attention_bias"] = self.attention_bias
-        elif not self.attention_bias:
-            raise ValueError("a qwen2 config always has attention_bias=True in transformers")
-        return hf
+        return hf_config.to_hf(self)
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], tensor_names: Collection[str] = (),
                            *, name: str | None = None) -> ModelConfig:
-        """Builds a config from GGUF key/values (llama.cpp names) and the file's tensor names.
-
-        Whether the head is tied and whether q/k/v carry a bias are read from which tensors exist,
-        because GGUF metadata does not state them.
-        """
-        arch = metadata.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-        def key(suffix, default=None):
-            value = metadata.get(f"{arch}.{suffix}", default)
-            if value is None:
-                raise ValueError(f"GGUF metadata lacks {arch}.{suffix}")
-            return value
-
-        scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", None, "linear"):
-            raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; supported: none, linear")
-        if "rope_freqs.weight" in tensor_names:
-            raise ValueError("GGUF rope_freqs.weight (Llama 3 rope scaling as stored by llama.cpp) is not "
-                             "supported; load the model's safetensors folder instead")
-        num_heads = int(key("attention.head_count"))
-        hidden = int(key("embedding_length"))
-        vocab = metadata.get(f"{arch}.vocab_size")
-        if vocab is None:
-            vocab = len(metadata["tokenizer.ggml.tokens"])
-        names = set(tensor_names)
-        head_dim = int(metadata.get(f"{arch}.attention.key_length", 0)) or None
-        if head_dim is None and f"{arch}.rope.dimension_count" in metadata:
-            head_dim = int(metadata[f"{arch}.rope.dimension_count"])
-        if head_dim == hidden // num_heads:
-            head_dim = None
-        return cls(
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            num_layers=int(key("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-            intermediate_size=int(key("feed_forward_length")),
-            max_position_embeddings=int(key("context_length")),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-            tie_word_embeddings=bool(names) and "output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
-            head_dim=head_dim,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
-            rope_scaling=None if scaling in ("none", None) else
-            {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])},
-            architecture=arch,
-            name=name or str(metadata.get("general.name", arch)),
-        )
-
-
-def _gemma_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
-    """The Gemma 2 / 3 options of a `config.json` dict."""
-    window = hf.get("sliding_window")
-    every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
-    types = hf.get("layer_types") or [("sliding_attention" if (i + 1) % every else "full_attention")
-                                      for i in range(hf["num_hidden_layers"])]
-    fields = dict(sliding_window=window, layer_types=tuple(types) if window else None, norm_offset=1.0,
-                  embed_scale=True, post_norms=True, attn_softcap=hf.get("attn_logit_softcapping"),
-                  final_softcap=hf.get("final_logit_softcapping"),
-                  query_pre_attn_scalar=hf.get("query_pre_attn_scalar"))
-    if model_type == "gemma3_text":   # q/k norms; rope per layer type (transformers 5), or legacy keys
-        params = hf.get("rope_parameters") or {}
-        full = params.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6),
-                                                **(hf.get("rope_scaling") or {})}
-        local = params.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"rope scaling {local['rope_type']!r} on Gemma 3's sliding layers is not supported")
-        fields.update(qk_norm=True, rope_theta=float(full.get("rope_theta", 1e6)),
-                      rope_scaling=rope_scaling_from_hf({"rope_parameters": full}),
-                      rope_local_theta=float(local.get("rope_theta", 10000.0)))
-    return fields
-
-
-def rope_scaling_from_hf(hf: Mapping[str, Any]) -> dict[str, Any] | None:
-    """`ModelConfig.rope_scaling` from a `config.json` dict (transformers 4's `rope_scaling` or 5's
-    `rope_parameters`); None for plain RoPE."""
-    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return None
-    return {"rope_type": kind, **{k: rope[k] for k in ROPE_SCALING.get(kind, ()) if k in rope}}
-
-
-def check_rope_scaling(rope: Mapping[str, Any]) -> None:
-    """Refuses, by name, a rope scaling jaxspec does not compute or one missing its parameters."""
-    kind = rope.get("rope_type")
-    if kind not in ROPE_SCALING:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default (none), "
-                         f"{', '.join(ROPE_SCALING)}")
-    missing = [k for k in ROPE_SCALING[kind] if k not in rope]
-    if missing:
-        raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
+        """Builds a config from GGUF key/values (llama.cpp names) and the file's tensor names."""
+        return cls(**hf_config.fields_from_gguf(metadata, tensor_names, name))
 
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

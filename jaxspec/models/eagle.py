@@ -31,8 +31,9 @@ from flax import nnx
 
 from jaxspec.models.attention import attend_cache
 from jaxspec.models.cache import KVCache
-from jaxspec.models.config import ModelConfig, rope_scaling_from_hf
+from jaxspec.models.config import ModelConfig
 from jaxspec.models.decoder import RMSNorm, _normal, rotary
+from jaxspec.models.hf_config import rope_scaling_from_hf
 
 _F32 = jnp.float32
 
