@@ -2,6 +2,7 @@
 
 from jaxspec import multilevel, parallel, policy, tetris
 from jaxspec.cost import CostModel
+from jaxspec.crossvocab import CrossVocabDrafter, VocabMap
 from jaxspec.distill import distill, draft_from_target
 from jaxspec.drafters import Drafter, EagleDrafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
@@ -15,7 +16,7 @@ from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 from jaxspec.train_eagle import train_eagle
 
-__all__ = ["CostModel", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult", "GenerationStats", "KVCache",
-           "MeshConfig", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter", "SamplingConfig", "SpecConfig",
-           "SpeculativeDecoder", "distill", "draft_from_target", "generate", "load", "multilevel", "parallel",
-           "policy", "tetris", "train_eagle"]
+__all__ = ["CostModel", "CrossVocabDrafter", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult",
+           "GenerationStats", "KVCache", "MeshConfig", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter",
+           "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "VocabMap", "distill", "draft_from_target",
+           "generate", "load", "multilevel", "parallel", "policy", "tetris", "train_eagle"]

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-from jaxspec import batching, tetris
+from jaxspec import batching, crossvocab, tetris
 from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
 from jaxspec.drafters import Drafter, EagleDrafter, ModelDrafter, NgramDrafter
@@ -81,7 +81,9 @@ class SpeculativeDecoder:
         else:
             self._target_mesh = self._draft_mesh = None
         self.target = target
-        self.drafter = _as_drafter(draft, target.config.vocab_size, self.spec)
+        self.drafter = _as_drafter(draft, target, self.spec)
+        if isinstance(self.drafter, crossvocab.CrossVocabDrafter) and self._draft_mesh is not None:
+            self.drafter = self.drafter.placed(sharding_lib.replicated(self._draft_mesh))
         self.draft = draft
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
@@ -307,11 +309,19 @@ def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], 
                "k_trace": step_ks})
 
 
-def _as_drafter(draft, vocab_size: int, spec: SpecConfig) -> Drafter:
+def _as_drafter(draft, target: Model, spec: SpecConfig) -> Drafter:
+    vocab_size = target.config.vocab_size
     if isinstance(draft, Model):
+        if draft.tokenizer is not None and target.tokenizer is not None and (
+                draft.config.vocab_size != vocab_size or not crossvocab.same_vocabulary(draft.tokenizer,
+                                                                                        target.tokenizer)):
+            vocab_map = crossvocab.VocabMap.from_tokenizers(draft.tokenizer, draft.config.vocab_size,
+                                                            target.tokenizer, vocab_size)
+            return crossvocab.CrossVocabDrafter(draft, vocab_map, greedy=spec.greedy_draft)
         if draft.config.vocab_size != vocab_size:
             raise ValueError(f"draft vocab_size ({draft.config.vocab_size}) differs from the target's "
-                             f"vocab_size ({vocab_size}); they must share one tokenizer")
+                             f"vocab_size ({vocab_size}) and the two have no tokenizers to bridge them "
+                             "(or pass a jaxspec.CrossVocabDrafter)")
         return ModelDrafter(draft, greedy=spec.greedy_draft)
     if isinstance(draft, NgramDrafter):
         return draft.bind_vocab(vocab_size)

@@ -1,0 +1,298 @@
+"""Drafting with a model whose tokenizer differs from the target's.
+
+Shape key: b rows, l target sequence slots, d draft sequence slots, k draft tokens, v target
+vocabulary, w draft vocabulary, m draft tokens per target token at most.
+
+Two static tables, built once from the two vocabularies' byte strings (`VocabMap`), bridge them:
+
+- proposals go through the *intersection*: a draft token whose bytes are exactly one target
+  token's is proposed as that token; the others get no draft mass (their logits are masked before
+  the draw, so q is the draft's distribution renormalised over the intersection). Verification
+  sees an ordinary proposal with q over the target vocabulary, so greedy matching and rejection
+  sampling stay lossless as they are (vLLM's and transformers' token-level intersection);
+- the draft reads the committed text through each target token's *own re-tokenization*: target
+  token t is fed to the draft as `expand[t]`, the draft tokens that spell its bytes (longest match
+  first). This is universal assisted generation's re-tokenization, done per token on device from
+  a table instead of on the host at every step, so the decode loop never waits for the host; the
+  price is that a word split across target tokens reaches the draft split the same way.
+
+The draft keeps its own token sequence and cache. Each step it appends the expansions of the
+target tokens committed since the last step; where they differ from what its cache holds (a
+rejected draft) the cache is rolled back to the first difference.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxspec.drafters import CATCH_UP_CHUNK, Drafter, Proposal, abstract, catch_up, draft_logprob
+from jaxspec.models.cache import KVCache
+from jaxspec.models.gguf_tokenizer import byte_alphabet
+from jaxspec.models.model import Model, forward, init_cache
+from jaxspec.sampling import SamplingConfig, choose, probabilities
+
+_F32 = jnp.float32
+MAX_EXPANSION = 16   # draft tokens standing for one target token (longer spellings are cut)
+_PREFILL_CHUNK = 64  # draft tokens per forward of the prompt's catch-up
+
+
+def token_bytes(tokenizer, size: int) -> list[bytes | str | None]:
+    """What each of the first `size` token ids stands for: its bytes; for a special token its
+    name as a str (special tokens match only special tokens of the same name); None for ids the
+    tokenizer does not have. Reads byte-level BPE (GPT-2 alphabet) and SentencePiece-style pieces
+    ("▁" for a space, "<0x41>" byte fallback)."""
+    decoder = json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder"))
+    byte_level = "ByteLevel" in decoder
+    from_char = {c: b for b, c in byte_alphabet().items()}
+    added = tokenizer.added_tokens_decoder
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(size, len(tokenizer)))))
+    out: list[bytes | str | None] = [None] * size
+    for i, piece in enumerate(pieces):
+        if i in added:
+            out[i] = added[i].content if added[i].special else added[i].content.encode("utf-8")
+        elif piece is None:
+            continue
+        elif byte_level:
+            out[i] = bytes(from_char[c] for c in piece) if all(c in from_char for c in piece) else None
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out[i] = bytes([int(piece[3:5], 16)])
+        else:
+            out[i] = piece.replace("\u2581", " ").encode("utf-8")
+    return out
+
+
+class VocabMap:
+    """The static tables between a draft vocabulary and a target vocabulary (numpy, int32), from
+    what each token stands for (`token_bytes`: bytes, or a special token's name).
+
+    Attributes:
+      to_target_w: [w] the target token with the same bytes, or -1 (no draft mass).
+      to_draft_v: [v] the draft token with the same bytes, or w (a column of zeros).
+      expand_vm: [v, m] the draft tokens spelling each target token (longest match first),
+        zero-padded; `expand_len_v` [v] how many are real (a special token: its namesake, or none).
+    """
+
+    def __init__(self, draft_pieces: list[bytes | str | None], target_pieces: list[bytes | str | None],
+                 max_expansion: int = MAX_EXPANSION):
+        w, v = len(draft_pieces), len(target_pieces)
+        by_bytes: dict[bytes | str, int] = {}
+        for i, piece in enumerate(draft_pieces):
+            if piece:
+                by_bytes.setdefault(piece, i)
+        self.to_target_w = np.full((w,), -1, np.int32)
+        self.to_draft_v = np.full((v,), w, np.int32)
+        longest = max((len(p) for p in by_bytes if isinstance(p, bytes)), default=1)
+        spellings = []
+        for t, piece in enumerate(target_pieces):
+            spelled: list[int] = []
+            if piece and piece in by_bytes:
+                d = by_bytes[piece]
+                if self.to_target_w[d] < 0:
+                    self.to_target_w[d], self.to_draft_v[t] = t, d
+            if isinstance(piece, str):   # a special token: its namesake or nothing
+                spellings.append([by_bytes[piece]] if piece in by_bytes else [])
+                continue
+            start = 0
+            while piece and start < len(piece):
+                for end in range(min(len(piece), start + longest), start, -1):
+                    if piece[start:end] in by_bytes:
+                        spelled.append(by_bytes[piece[start:end]])
+                        break
+                else:   # a byte the draft cannot spell: skipped (only the draft's view suffers)
+                    end = start + 1
+                start = end
+            spellings.append(spelled[:max_expansion])
+        m = max(1, max(map(len, spellings), default=1))
+        self.expand_vm = np.zeros((v, m), np.int32)
+        self.expand_len_v = np.zeros((v,), np.int32)
+        for t, spelled in enumerate(spellings):
+            self.expand_vm[t, :len(spelled)] = spelled
+            self.expand_len_v[t] = len(spelled)
+        self.shared = int((self.to_target_w >= 0).sum())
+        if not self.shared:
+            raise ValueError("the draft and target vocabularies share no token: nothing can be proposed")
+        digest = hashlib.sha256()
+        for table in (self.to_target_w, self.expand_vm, self.expand_len_v):
+            digest.update(table.tobytes())
+        self.digest = digest.hexdigest()
+
+    @classmethod
+    def from_tokenizers(cls, draft_tokenizer, draft_size: int, target_tokenizer, target_size: int) -> VocabMap:
+        return cls(token_bytes(draft_tokenizer, draft_size), token_bytes(target_tokenizer, target_size))
+
+    def tables(self) -> dict[str, jax.Array]:
+        return {"to_target_w": jnp.asarray(self.to_target_w), "to_draft_v": jnp.asarray(self.to_draft_v),
+                "expand_vm": jnp.asarray(self.expand_vm), "expand_len_v": jnp.asarray(self.expand_len_v)}
+
+
+def same_vocabulary(a, b) -> bool:
+    """Whether two tokenizers map every token id to the same token."""
+    return a is b or a.get_vocab() == b.get_vocab()
+
+
+@struct.dataclass
+class _BridgeState:
+    cache: KVCache          # the draft model's cache: seq_bd[:, :cache.lengths] is in it
+    seq_bd: jax.Array       # the draft's tokens: expansions of the target's, then this step's drafts
+    length_b: jax.Array     # draft tokens standing for the target tokens synced so far
+    synced_b: jax.Array     # target positions already expanded into seq_bd
+
+
+class CrossVocabDrafter(Drafter):
+    """Drafts with `model`, whose vocabulary differs from the target's, through a `VocabMap`.
+
+    Args:
+      model: the draft Model.
+      vocab_map: the tables between its vocabulary and the target's (`VocabMap.from_tokenizers`).
+      greedy: draft by argmax whatever the sampling (as `SpecConfig.greedy_draft`).
+
+    A row whose draft sequence would outgrow its buffer (twice the target's, plus room; reached
+    only if the draft needs over twice as many tokens for the same text) stops proposing.
+    """
+
+    def __init__(self, model: Model, vocab_map: VocabMap, *, greedy: bool = False):
+        if len(vocab_map.to_target_w) != model.config.vocab_size:
+            raise ValueError(f"vocab_map covers {len(vocab_map.to_target_w)} draft tokens, the draft model has "
+                             f"vocab_size {model.config.vocab_size}")
+        self.model, self.map, self.greedy = model, vocab_map, greedy
+        self._tables = vocab_map.tables()
+
+    def __repr__(self):
+        return f"CrossVocabDrafter({self.model!r}, shared tokens={self.map.shared})"
+
+    def __eq__(self, other):
+        return (type(other) is CrossVocabDrafter and other.model.graphdef == self.model.graphdef
+                and other.map.digest == self.map.digest and other.greedy == self.greedy)
+
+    def __hash__(self):
+        return hash((CrossVocabDrafter, self.model.graphdef, self.map.digest, self.greedy))
+
+    def forwards_per_step(self, k: int) -> int:
+        return k
+
+    @property
+    def params(self):
+        return {"model": self.model.params, "tables": self._tables}
+
+    def static(self) -> CrossVocabDrafter:
+        twin = copy.copy(self)
+        twin.model, twin._tables = abstract(self.model), None
+        return twin
+
+    def placed(self, sharding) -> CrossVocabDrafter:
+        """This drafter with its tables on `sharding` (the draft's mesh, replicated)."""
+        twin = copy.copy(self)
+        twin._tables = jax.device_put(self._tables, sharding)
+        return twin
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.map.to_draft_v)
+
+    def _slots(self, cache_len: int) -> int:
+        return 2 * cache_len + 2 * _PREFILL_CHUNK
+
+    def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        state = self.init_deferred(params, tokens_bp, prompt_len_b, cache_len)
+        # The prompt's expansion, fed up to its last two tokens (each propose re-feeds those).
+        cache = catch_up(self.model.graphdef, params["model"], state.cache, state.seq_bd,
+                         jnp.maximum(state.length_b - 2, 0), chunk=_PREFILL_CHUNK)
+        return state.replace(cache=cache)
+
+    def init_deferred(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        b, slots = tokens_bp.shape[0], self._slots(cache_len)
+        zeros_b = jnp.zeros((b,), jnp.int32)
+        state = _BridgeState(cache=init_cache(self.model.graphdef, params["model"], b, slots),
+                             seq_bd=jnp.zeros((b, slots), jnp.int32), length_b=zeros_b, synced_b=zeros_b)
+        return _sync(params["tables"], state, tokens_bp, prompt_len_b, tokens_bp.shape[1], slots - _PREFILL_CHUNK)
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        graphdef, tables = self.model.graphdef, params["tables"]
+        slots = state.seq_bd.shape[1]
+        room = slots - max(k, CATCH_UP_CHUNK) - 2
+        state = _sync(tables, state, seq_bl, pending_b + 1, k + 1, room)
+        # Rows that could not take in all their text, or have under two draft tokens, sit out.
+        live_b = (state.synced_b == pending_b + 1) & (state.length_b >= 2)
+        last_b = jnp.maximum(state.length_b - 1, 1)
+        trusted_b = state.cache.lengths
+        cache = catch_up(graphdef, params["model"], state.cache, state.seq_bd, last_b - 1)
+        last_two_b2 = jnp.take_along_axis(state.seq_bd, last_b[:, None] + jnp.array([[-1, 0]]), axis=1)
+        logits_b1w, cache = forward(graphdef, params["model"], last_two_b2, cache, jnp.ones_like(last_b)[:, None])
+        cache = cache.commit(last_b + 1)
+        drafts_bk, q_bkv, logprob_bk, cache = self._draft(params, cache, logits_b1w[:, 0], k, key_b, sampling)
+        # This step's drafts join the draft sequence tentatively: the next sync keeps the cache
+        # up to the first one the target did not keep.
+        at_bk = jnp.where(live_b[:, None], last_b[:, None] + 1 + jnp.arange(k), slots)
+        seq_bd = state.seq_bd.at[jnp.arange(seq_bl.shape[0])[:, None], at_bk].set(drafts_bk, mode="drop")
+        cache = cache.commit(jnp.where(live_b, cache.lengths, jnp.minimum(trusted_b, state.length_b)))
+        num_b = jnp.where(live_b, k, 0).astype(jnp.int32)
+        tokens_bk = jnp.where(live_b[:, None], jnp.take(tables["to_target_w"], drafts_bk), 0)
+        proposal = Proposal(tokens_bk=tokens_bk, q_bkv=q_bkv, num_drafts_b=num_b, logprob_bk=logprob_bk)
+        return proposal, state.replace(cache=cache, seq_bd=seq_bd)
+
+    def _draft(self, params, cache: KVCache, logits_bw, k: int, key_b, sampling: SamplingConfig):
+        """k draws from the draft's distribution restricted to the shared tokens: the draft
+        tokens, their distributions over the target vocabulary, their TETRIS scores, the cache."""
+        graphdef, tables = self.model.graphdef, params["tables"]
+        draw = SamplingConfig() if self.greedy else sampling
+        shared_w = tables["to_target_w"] >= 0
+        keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
+
+        def draw_one(logits_bw, keys_b):
+            masked_bw = jnp.where(shared_w, logits_bw, -jnp.inf)
+            token_b, q_bw = choose(keys_b, masked_bw, draw), probabilities(masked_bw, draw)
+            q_bv = jnp.take(jnp.pad(q_bw, ((0, 0), (0, 1))), tables["to_draft_v"], axis=1)
+            return token_b, q_bv, draft_logprob(masked_bw, token_b, q_bw, sampling, draw.greedy)
+
+        first = draw_one(logits_bw, keys_bk[:, 0])
+
+        def step(carry, keys_b):
+            cache, token_b = carry
+            logits_b1w, cache = forward(graphdef, params["model"], token_b[:, None], cache)
+            drawn = draw_one(logits_b1w[:, 0], keys_b)
+            return (cache.commit(cache.lengths + 1), drawn[0]), drawn
+
+        (cache, _), rest = jax.lax.scan(step, (cache, first[0]), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
+        drafts_bk, q_bkv, logprob_bk = (jnp.concatenate([a[:, None], jnp.swapaxes(r, 0, 1)], axis=1)
+                                        for a, r in zip(first, rest))
+        return drafts_bk, q_bkv, logprob_bk, cache
+
+
+def _sync(tables, state: _BridgeState, seq_bl, upto_b, chunk: int, room: int) -> _BridgeState:
+    """Appends the expansions of target positions [synced_b, upto_b) to the draft sequence,
+    `chunk` target tokens per row at a time, as long as a row's draft tokens stay within `room`;
+    rolls the draft cache back to the first slot whose token changed."""
+    expand_vm, expand_len_v = tables["expand_vm"], tables["expand_len_v"]
+    m, b = expand_vm.shape[1], seq_bl.shape[0]
+    rows_b11 = jnp.arange(b)[:, None, None]
+
+    def plan(state):
+        at_bc = state.synced_b[:, None] + jnp.arange(chunk)
+        tokens_bc = jnp.take_along_axis(seq_bl, jnp.minimum(at_bc, seq_bl.shape[1] - 1), axis=1)
+        len_bc = jnp.where(at_bc < upto_b[:, None], expand_len_v[tokens_bc], 0)
+        end_bc = state.length_b[:, None] + jnp.cumsum(len_bc, axis=1)
+        fits_bc = (at_bc < upto_b[:, None]) & (end_bc <= room)   # a prefix of each row's chunk
+        return tokens_bc, jnp.where(fits_bc, len_bc, 0), end_bc, jnp.sum(fits_bc, axis=1)
+
+    def append(state):
+        tokens_bc, len_bc, end_bc, n_b = plan(state)
+        slot_bcm = (end_bc - len_bc)[:, :, None] + jnp.arange(m)
+        slot_bcm = jnp.where(jnp.arange(m) < len_bc[:, :, None], slot_bcm, state.seq_bd.shape[1])
+        new_bcm = expand_vm[tokens_bc]
+        old_bcm = jnp.take_along_axis(state.seq_bd, jnp.minimum(slot_bcm, state.seq_bd.shape[1] - 1).reshape(b, -1),
+                                      axis=1).reshape(slot_bcm.shape)
+        changed_bcm = (slot_bcm < state.seq_bd.shape[1]) & (old_bcm != new_bcm)
+        first_change_b = jnp.min(jnp.where(changed_bcm, slot_bcm, jnp.iinfo(jnp.int32).max), axis=(1, 2))
+        seq_bd = state.seq_bd.at[rows_b11, slot_bcm].set(new_bcm, mode="drop")
+        cache = state.cache.commit(jnp.minimum(state.cache.lengths, first_change_b))
+        return state.replace(cache=cache, seq_bd=seq_bd, length_b=state.length_b + jnp.sum(len_bc, axis=1),
+                             synced_b=state.synced_b + n_b)
+
+    return jax.lax.while_loop(lambda s: jnp.any(plan(s)[3] > 0), append, state)

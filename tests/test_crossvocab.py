@@ -1,0 +1,104 @@
+"""Drafts whose vocabulary differs from the target's (`jaxspec.crossvocab`): the tables against a
+brute-force reading of the two vocabularies; greedy output equal to the target's own and sampled
+output following the target's exact distribution, for drafts that share most, or few, tokens."""
+
+import numpy as np
+import pytest
+from test_engine import assert_matches_distribution, exact_joint
+
+import jaxspec
+from jaxspec.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
+from jaxspec.models.model import Model
+from jaxspec.sampling import SamplingConfig
+
+# The target's 8 tokens; the last is a special token (a name, not bytes).
+TARGET_PIECES = [b"a", b"b", b"c", b"ab", b"ba", b"abc", b" ", "<eos>"]
+# A draft that is the target itself under another numbering, without "ab" (spelled a, b).
+TWIN_ORDER = [5, 0, 6, 2, 1, 4, 7]
+# An unrelated draft of 6 tokens sharing three with the target, with a special token of its own
+# and a plain-text token spelled like the target's special one.
+OTHER_PIECES = [b"c", b"ca", b"a", b"<eos>", b"b", "<s>"]
+PROMPTS = [[0, 1, 2], [3, 5, 0, 6, 4, 1, 2], [6], [2, 2, 4, 4, 0]]
+
+
+def brute_force_map(draft_pieces, target_pieces):
+    """{target id: draft id} of tokens that stand for the same thing."""
+    return {t: d for t, tp in enumerate(target_pieces) for d, dp in enumerate(draft_pieces)
+            if tp == dp and type(tp) is type(dp)}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=len(TARGET_PIECES), name="tiny-v8")
+    target = jaxspec.Model.random(cfg, seed=7)
+    params = dict(target.params)
+    order = np.asarray(TWIN_ORDER)
+    params["embed_vd"] = target.params["embed_vd"][order]
+    params["lm_head_dv"] = target.params["lm_head_dv"][:, order]
+    twin = Model(cfg.replace(vocab_size=len(order), name="twin"), params)
+    other = jaxspec.Model.random(cfg.replace(vocab_size=len(OTHER_PIECES), num_layers=1, name="other"), seed=8)
+    twin_map = VocabMap([TARGET_PIECES[i] for i in TWIN_ORDER], TARGET_PIECES)
+    return target, {"twin": CrossVocabDrafter(twin, twin_map),
+                    "other": CrossVocabDrafter(other, VocabMap(OTHER_PIECES, TARGET_PIECES))}
+
+
+@pytest.mark.parametrize("draft_pieces", [[TARGET_PIECES[i] for i in TWIN_ORDER], OTHER_PIECES], ids=["twin", "other"])
+def test_tables_match_a_brute_force_reading(draft_pieces):
+    vmap = VocabMap(draft_pieces, TARGET_PIECES)
+    shared = brute_force_map(draft_pieces, TARGET_PIECES)
+    assert {t: int(vmap.to_draft_v[t]) for t in range(len(TARGET_PIECES)) if vmap.to_draft_v[t] < len(draft_pieces)} \
+        == shared
+    assert {int(vmap.to_target_w[d]): d for d in range(len(draft_pieces)) if vmap.to_target_w[d] >= 0} == shared
+    for t, piece in enumerate(TARGET_PIECES):
+        spelled = [draft_pieces[d] for d in vmap.expand_vm[t, :vmap.expand_len_v[t]]]
+        if isinstance(piece, str):   # a special token is its namesake, or nothing
+            assert spelled == ([piece] if piece in draft_pieces else [])
+        else:   # every byte the draft can spell is spelled, in order; the others are skipped
+            assert b"".join(spelled) == bytes(c for c in piece if bytes([c]) in draft_pieces)
+
+
+def test_token_bytes_spell_real_text(smollm2):
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)  # «naïve» 🙂"
+    ids = smollm2.tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = token_bytes(smollm2.tokenizer, smollm2.config.vocab_size)
+    assert b"".join(pieces[i] for i in ids) == text.encode("utf-8")
+    assert pieces[smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")] == "<|im_end|>"   # a name, not text
+
+
+@pytest.mark.parametrize("kind", ["twin", "other"])
+def test_greedy_equals_target_alone(pair, kind):
+    target, drafters = pair
+    reference = jaxspec.generate(target, PROMPTS, max_new_tokens=24).tokens
+    for spec, batch_size in [(jaxspec.SpecConfig(k=3), None), (jaxspec.SpecConfig(k=3), 2),
+                             (jaxspec.SpecConfig(k=2, extra=2, selection="tetris", capacity=4), None)]:
+        result = jaxspec.SpeculativeDecoder(target, drafters[kind], spec=spec).generate(
+            PROMPTS, max_new_tokens=24, batch_size=batch_size)
+        assert result.tokens == reference, (spec, batch_size)
+        if kind == "twin" and spec.selection == "standard":   # the target but for one token
+            assert result.stats.acceptance_rate > 0.6
+
+
+def test_greedy_equals_target_alone_pipelined(pair):
+    target, drafters = pair
+    reference = jaxspec.generate(target, PROMPTS, max_new_tokens=16).tokens
+    decoder = jaxspec.SpeculativeDecoder(target, drafters["twin"], spec=jaxspec.SpecConfig(k=3, pipeline=True))
+    assert decoder.generate(PROMPTS, max_new_tokens=16).tokens == reference
+
+
+@pytest.mark.parametrize("kind, sampling", [("twin", SamplingConfig(temperature=1.0)),
+                                            ("other", SamplingConfig(temperature=0.7, top_k=3))], ids=["twin", "other"])
+def test_sampling_follows_the_target_distribution(pair, kind, sampling):
+    target, drafters = pair
+    prompt, rows = PROMPTS[1], 4000
+    decoder = jaxspec.SpeculativeDecoder(target, drafters[kind], spec=jaxspec.SpecConfig(k=2), sampling=sampling)
+    result = decoder.generate([prompt] * rows, max_new_tokens=3, seed=29)
+    assert_matches_distribution(result.tokens, exact_joint(target, prompt, 3, sampling), rows)
+    assert 0 < result.stats.acceptance_rate < 1
+
+
+def test_mismatched_vocabularies_without_tokenizers_are_refused(pair):
+    target, drafters = pair
+    with pytest.raises(ValueError, match="no tokenizers to bridge"):
+        jaxspec.SpeculativeDecoder(target, drafters["other"].model)
+    with pytest.raises(ValueError, match="share no token"):
+        VocabMap([b"x", b"y"], TARGET_PIECES)
