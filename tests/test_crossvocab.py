@@ -85,6 +85,21 @@ def test_greedy_equals_target_alone_pipelined(pair):
     assert decoder.generate(PROMPTS, max_new_tokens=16).tokens == reference
 
 
+def test_greedy_equals_target_alone_under_goodput_and_on_a_mesh(pair):
+    """The goodput policy (its plain steps leave the draft behind: it catches up), and the draft
+    on its own device slice with its tables."""
+    target, drafters = pair
+    reference = jaxspec.generate(target, PROMPTS, max_new_tokens=16).tokens
+    cost = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e-4, target_fixed=5e-3,
+                                               target_per_token=5e-4)
+    goodput = jaxspec.SpeculativeDecoder(target, drafters["twin"],
+                                         spec=jaxspec.SpecConfig(k=3, policy="goodput", cost_model=cost))
+    assert goodput.generate(PROMPTS, max_new_tokens=16).tokens == reference
+    sliced = jaxspec.SpeculativeDecoder(target, drafters["twin"], spec=jaxspec.SpecConfig(k=3),
+                                        mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=1))
+    assert sliced.generate(PROMPTS, max_new_tokens=16).tokens == reference
+
+
 @pytest.mark.parametrize("kind, sampling", [("twin", SamplingConfig(temperature=1.0)),
                                             ("other", SamplingConfig(temperature=0.7, top_k=3))], ids=["twin", "other"])
 def test_sampling_follows_the_target_distribution(pair, kind, sampling):
@@ -102,3 +117,56 @@ def test_mismatched_vocabularies_without_tokenizers_are_refused(pair):
         jaxspec.SpeculativeDecoder(target, drafters["other"].model)
     with pytest.raises(ValueError, match="share no token"):
         VocabMap([b"x", b"y"], TARGET_PIECES)
+
+
+CORPUS = ["the cat sat on the mat", "a dog ate the cat's food", "def add(a, b): return a + b",
+          "the mat is on the floor; the dog is on the mat", "return the sum of a and b"] * 4
+
+
+def trained_tokenizer(kind: str, vocab_size: int):
+    """A transformers fast tokenizer trained here: byte-level BPE (GPT-2 style) or
+    SentencePiece-style pieces ("▁" for spaces)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    if kind == "byte-level":
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        tok.decoder = decoders.Metaspace(prepend_scheme="never")
+        alphabet = sorted(set("".join(CORPUS).replace(" ", "\u2581")))
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
+                                                        initial_alphabet=alphabet))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def test_models_with_different_tokenizers_pair_by_themselves():
+    """Two models whose tokenizers were trained apart (byte-level BPE and SentencePiece-style):
+    SpeculativeDecoder bridges them, and greedy output is the target's own."""
+    target_tok, draft_tok = trained_tokenizer("metaspace", 64), trained_tokenizer("byte-level", 300)
+    for tok in (target_tok, draft_tok):
+        ids = tok("the dog sat on the floor")["input_ids"]
+        assert b"".join(token_bytes(tok, len(tok))[i] for i in ids) == b"the dog sat on the floor"
+    tiny = jaxspec.ModelConfig.preset("tiny")
+    target = Model(tiny.replace(vocab_size=len(target_tok)), jaxspec.Model.random(
+        tiny.replace(vocab_size=len(target_tok)), seed=1).params, tokenizer=target_tok)
+    draft = Model(tiny.replace(vocab_size=len(draft_tok), num_layers=1), jaxspec.Model.random(
+        tiny.replace(vocab_size=len(draft_tok), num_layers=1), seed=2).params, tokenizer=draft_tok)
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3))
+    assert isinstance(decoder.drafter, CrossVocabDrafter) and decoder.drafter.map.shared > 20
+    prompts = ["the cat sat", "def add(a, b):"]
+    assert decoder.generate(prompts, max_new_tokens=16).tokens == jaxspec.generate(target, prompts, 16).tokens
+
+
+@pytest.mark.slow   # needs `make models-qwen`
+def test_smollm2_drafts_for_qwen_coder(smollm2):
+    """Real weights and tokenizers: SmolLM2-135M drafts for Qwen2.5-Coder 0.5B; the output is the
+    target's own and a fair share of the drafts is kept."""
+    from test_loading import QWEN_DRAFT
+    assert QWEN_DRAFT.exists(), f"{QWEN_DRAFT} is missing: run `make models-qwen`"
+    target = jaxspec.load(QWEN_DRAFT)
+    prompts = ["def is_prime(n: int) -> bool:\n", "# Sort a list of numbers in place\ndef sort_numbers(xs):\n"]
+    result = jaxspec.SpeculativeDecoder(target, smollm2, spec=jaxspec.SpecConfig(k=2)).generate(prompts, 32)
+    assert result.tokens == jaxspec.generate(target, prompts, 32).tokens
+    assert result.stats.acceptance_rate > 0.2

@@ -63,8 +63,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, config: jaxspec.ModelConfig, hf_tensors: dict) -> None:
-    """A float32 GGUF file of a model, written the way llama.cpp's converter lays it out."""
+def write_gguf(path, config: jaxspec.ModelConfig, hf_tensors: dict, rope_freqs=None) -> None:
+    """A float32 GGUF file of a model, written the way llama.cpp's converter lays it out
+    (`rope_freqs`: its `rope_freqs.weight`, each rotary frequency's divisor)."""
     import gguf
 
     from jaxspec.models.convert import RULES
@@ -84,6 +85,8 @@ def write_gguf(path, config: jaxspec.ModelConfig, hf_tensors: dict) -> None:
     if c.rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(c.rope["factor"])
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     for rule in RULES:
         if not rule.present(c):
             continue
@@ -142,15 +145,30 @@ def test_greedy_and_speculative_decoding_match_transformers(family_pair, family)
     assert spec.tokens == want and spec.stats.accepted_tokens > 0, family
 
 
-@pytest.mark.parametrize("family", ["qwen3", "linear-rope"])
+def llama3_rope_freqs(hf_config):
+    """What llama.cpp's converter stores as `rope_freqs.weight` for Llama 3 rope scaling: each
+    frequency's divisor, here from transformers' own scaled and plain frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    theta = hf_config.rope_parameters["rope_theta"]
+    plain = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return plain / scaled.double().numpy()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "linear-rope", "llama3-rope"])
 def test_gguf_written_like_llama_cpp_matches_transformers(family, tmp_path):
     import torch
     from safetensors.numpy import load_file
     ref = hf_family_model(family, seed=2)
     ref.save_pretrained(tmp_path, safe_serialization=True)
     config = jaxspec.load(tmp_path).config
-    write_gguf(tmp_path / "model.gguf", config, load_file(str(tmp_path / "model.safetensors")))
+    freqs = llama3_rope_freqs(ref.config) if family == "llama3-rope" else None
+    write_gguf(tmp_path / "model.gguf", config, load_file(str(tmp_path / "model.safetensors")), freqs)
     ours = jaxspec.load(tmp_path / "model.gguf")
+    if freqs is not None:   # llama.cpp keeps Llama 3 scaling as one divisor per frequency
+        assert ours.config.rope["rope_type"] == "freq_factors"
+        config = config.replace(rope_scaling=ours.config.rope_scaling)
     assert ours.config.replace(name=config.name, rms_norm_eps=config.rms_norm_eps) == config   # eps: float32 there
     tokens = np.random.default_rng(4).integers(0, 97, (2, 40))
     with torch.no_grad():
@@ -189,5 +207,8 @@ def test_gguf_rope_options_jaxspec_lacks_are_refused_by_name():
             "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 97}
     with pytest.raises(ValueError, match="GGUF rope scaling type 'yarn' is not supported; supported: none, linear"):
         jaxspec.ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"}, ["token_embd.weight"])
-    with pytest.raises(ValueError, match="rope_freqs.weight .Llama 3 rope scaling"):
-        jaxspec.ModelConfig.from_gguf_metadata(meta, ["token_embd.weight", "rope_freqs.weight"])
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma2'.*Gemma loads from its Hugging Face"):
+        jaxspec.ModelConfig.from_gguf_metadata({"general.architecture": "gemma2"}, ["token_embd.weight"])
+    with pytest.raises(ValueError, match="rope_freqs.weight together with rope scaling type 'linear'"):
+        jaxspec.ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "linear"},
+                                               ["token_embd.weight", "rope_freqs.weight"], rope_freqs=[1.0] * 4)

@@ -69,11 +69,15 @@ class SpeculativeDecoder:
             if isinstance(draft, SpeculativeDecoder):
                 raise ValueError("a multi-level chain draft cannot be placed on a MeshConfig yet; pass mesh=None")
             mesh.check(target.config, draft.config if isinstance(draft, Model) else
-                       draft.head.config.layer if isinstance(draft, EagleDrafter) else None)
+                       draft.head.config.layer if isinstance(draft, EagleDrafter) else
+                       draft.model.config if isinstance(draft, crossvocab.CrossVocabDrafter) else None)
             self._target_mesh, self._draft_mesh = mesh.target_mesh(), mesh.draft_mesh()
             target = sharding_lib.place_params(target, self._target_mesh)
             if isinstance(draft, Model):
                 draft = sharding_lib.place_params(draft, self._draft_mesh)
+            elif isinstance(draft, crossvocab.CrossVocabDrafter):
+                draft = crossvocab.CrossVocabDrafter(sharding_lib.place_params(draft.model, self._draft_mesh),
+                                                     draft.map, greedy=draft.greedy)
             elif isinstance(draft, EagleDrafter) and not self._sliced:   # the head on the target's devices
                 draft = EagleDrafter(sharding_lib.place_head(draft.head, self._target_mesh, target))
         elif self._sliced:
@@ -326,9 +330,10 @@ def _as_drafter(draft, target: Model, spec: SpecConfig) -> Drafter:
     if isinstance(draft, NgramDrafter):
         return draft.bind_vocab(vocab_size)
     if isinstance(draft, SpeculativeDecoder):
-        if draft.vocab_size != vocab_size:
-            raise ValueError(f"draft chain vocab_size ({draft.vocab_size}) differs from the target's "
-                             f"vocab_size ({vocab_size})")
+        tokenizers = (draft.target.tokenizer, target.tokenizer)
+        if draft.vocab_size != vocab_size or (None not in tokenizers and not crossvocab.same_vocabulary(*tokenizers)):
+            raise ValueError(f"a multi-level chain's levels must share one tokenizer: the draft chain's vocab_size "
+                             f"is {draft.vocab_size}, the target's {vocab_size}")
         return ChainDrafter(draft)
     if isinstance(draft, Drafter):
         if draft.vocab_size not in (None, vocab_size):

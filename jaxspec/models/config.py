@@ -46,8 +46,8 @@ class ModelConfig:
       rope_local_theta: None, or the rotary base of the sliding layers, which then have no rope
         scaling (Gemma 3; `rope_theta` and `rope_scaling` are the full layers').
       rope_scaling: None (plain RoPE) or the rotary frequencies' rescaling as sorted (name,
-        value) pairs, `rope_type` included: "linear" or "llama3" (`ROPE_SCALING`); a dict is
-        accepted and stored in that form.
+        value) pairs, `rope_type` included: "linear", "llama3" or "freq_factors" (`ROPE_SCALING`);
+        a dict is accepted and stored in that form.
       architecture: "llama", "qwen2" or "qwen3": the checkpoint family (naming in converted
         checkpoints; its options are the fields above).
       name: a label carried into benchmark reports and cost models.
@@ -102,7 +102,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if isinstance(self.rope_scaling, Mapping) or isinstance(self.rope_scaling, list):
-            object.__setattr__(self, "rope_scaling", tuple(sorted(dict(self.rope_scaling).items())))
+            pairs = dict(self.rope_scaling).items()   # lists (from JSON) become tuples: the config stays hashable
+            object.__setattr__(self, "rope_scaling", tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                                  for k, v in pairs)))
         if self.rope_scaling is not None:
             check_rope_scaling(dict(self.rope_scaling))
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
@@ -183,9 +185,10 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], tensor_names: Collection[str] = (),
-                           *, name: str | None = None) -> ModelConfig:
-        """Builds a config from GGUF key/values (llama.cpp names) and the file's tensor names."""
-        return cls(**hf_config.fields_from_gguf(metadata, tensor_names, name))
+                           *, name: str | None = None, rope_freqs=None) -> ModelConfig:
+        """Builds a config from GGUF key/values (llama.cpp names), the file's tensor names and
+        the values of its `rope_freqs.weight` tensor if it has one."""
+        return cls(**hf_config.fields_from_gguf(metadata, tensor_names, name, rope_freqs))
 
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -68,11 +68,14 @@ def _matrix(module, name: str, shape, fan_in: int, axes, dtype, rngs, quantized:
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
     """The rotary embedding's inverse frequencies [h/2] (float32, as transformers computes them),
     rescaled per `scaling` ("linear": divided by the factor; "llama3": long wavelengths divided by
-    the factor, short ones kept, those between interpolated)."""
+    the factor, short ones kept, those between interpolated; "freq_factors": each divided by its
+    own factor)."""
     inv_freq = (1.0 / theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim)).astype(np.float32)
     kind = (scaling or {}).get("rope_type")
     if kind == "linear":
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "freq_factors":
+        return (inv_freq / np.asarray(scaling["factors"], np.float32)).astype(np.float32)
     if kind == "llama3":
         factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
         old_len = float(scaling["original_max_position_embeddings"])

@@ -10,8 +10,11 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 # Rope scaling types and the parameters each needs (HF `rope_scaling` / `rope_parameters` names).
+# "freq_factors": what a GGUF file's `rope_freqs.weight` holds (llama.cpp's form of Llama 3 scaling),
+# each rotary frequency divided by its own factor.
 ROPE_SCALING = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "freq_factors": ("factors",)}
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate: SwiGLU, or GeGLU with tanh GELU
@@ -84,6 +87,8 @@ def to_hf(cfg) -> dict[str, Any]:
                                      "sliding_attention": {"rope_type": "default",
                                                            "rope_theta": cfg.rope_local_theta}}
         return hf
+    if cfg.rope.get("rope_type") == "freq_factors":
+        raise ValueError("rope scaling read from a GGUF rope_freqs.weight tensor has no config.json form")
     if cfg.rope_scaling:
         hf["rope_scaling"] = cfg.rope
     if cfg.architecture == "mistral":
@@ -101,16 +106,18 @@ def to_hf(cfg) -> dict[str, Any]:
 
 
 def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] = (),
-                     name: str | None = None) -> dict[str, Any]:
+                     name: str | None = None, rope_freqs=None) -> dict[str, Any]:
     """`ModelConfig` fields from GGUF key/values (llama.cpp names) and the file's tensor names.
 
     Whether the head is tied and whether q/k/v carry a bias are read from which tensors exist,
     because GGUF metadata does not state them.
     """
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    supported = [a for a in SUPPORTED_ARCHITECTURES if not a.startswith("gemma")]
+    if arch not in supported:
+        # Gemma: llama.cpp stores its norms as 1 + w and derives the query scale from the model size.
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(supported)} "
+                         "(Gemma loads from its Hugging Face folder)")
 
     def key(suffix, default=None):
         value = metadata.get(f"{arch}.{suffix}", default)
@@ -121,9 +128,11 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None, "linear"):
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; supported: none, linear")
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("GGUF rope_freqs.weight (Llama 3 rope scaling as stored by llama.cpp) is not "
-                         "supported; load the model's safetensors folder instead")
+    if "rope_freqs.weight" in tensor_names and rope_freqs is None:
+        raise ValueError("GGUF rope_freqs.weight (Llama 3 rope scaling as stored by llama.cpp) needs its values: "
+                         "load the file with jaxspec.load")
+    if rope_freqs is not None and scaling not in ("none", None):
+        raise ValueError(f"GGUF rope_freqs.weight together with rope scaling type {scaling!r} is not supported")
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     vocab = metadata.get(f"{arch}.vocab_size")
@@ -149,7 +158,8 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
         attention_bias="blk.0.attn_q.bias" in names,
         head_dim=head_dim,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        rope_scaling=None if scaling in ("none", None) else
+        rope_scaling={"rope_type": "freq_factors", "factors": tuple(float(f) for f in rope_freqs)}
+        if rope_freqs is not None else None if scaling in ("none", None) else
         {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])},
         architecture=arch,
         name=name or str(metadata.get("general.name", arch)),

@@ -109,7 +109,8 @@ def _dequantize(tensor) -> np.ndarray:
 
 def _load_gguf(path: Path, dtype, want_tokenizer: bool, quantize: str | None) -> Model:
     metadata, tensors = read_gguf(path)
-    config = ModelConfig.from_gguf_metadata(metadata, tensors.keys(), name=path.stem)
+    rope_freqs = _dequantize(tensors.pop("rope_freqs.weight")) if "rope_freqs.weight" in tensors else None
+    config = ModelConfig.from_gguf_metadata(metadata, tensors.keys(), name=path.stem, rope_freqs=rope_freqs)
     params = convert_tensors(config, _our_shapes(config, dtype), lambda n: _dequantize(tensors[n]),
                              tensors.keys(), source="gguf", convert_leaf=_to_device(dtype, quantize))
     tok = None
