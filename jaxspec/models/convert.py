@@ -182,6 +182,8 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
                                  f"needs {expected}")
             if source == "gguf" and rule.gguf_heads is not None and cfg.architecture == "llama":
                 tensor = _unpermute_gguf(tensor, rule.gguf_heads(cfg))
+            if source == "gguf" and cfg.norm_offset and name.endswith("norm.weight"):
+                tensor = tensor - np.float32(cfg.norm_offset)   # llama.cpp stores Gemma's norms as 1 + w
             _assign(params, path, convert_leaf(rule.to_ours(tensor, cfg), path))
             used.add(name)
     leftover = sorted(n for n in names - used if not _harmless(n, cfg, source))

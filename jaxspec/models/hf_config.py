@@ -113,11 +113,9 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
     because GGUF metadata does not state them.
     """
     arch = metadata.get("general.architecture")
-    supported = [a for a in SUPPORTED_ARCHITECTURES if not a.startswith("gemma")]
+    supported = [a for a in SUPPORTED_ARCHITECTURES if a != "gemma3_text"] + ["gemma3"]   # llama.cpp's names
     if arch not in supported:
-        # Gemma: llama.cpp stores its norms as 1 + w and derives the query scale from the model size.
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(supported)} "
-                         "(Gemma loads from its Hugging Face folder)")
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(supported)}")
 
     def key(suffix, default=None):
         value = metadata.get(f"{arch}.{suffix}", default)
@@ -142,12 +140,14 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
     head_dim = int(metadata.get(f"{arch}.attention.key_length", 0)) or None
     if head_dim is None and f"{arch}.rope.dimension_count" in metadata:
         head_dim = int(metadata[f"{arch}.rope.dimension_count"])
+    num_layers = int(key("block_count"))
+    gemma = _gemma_from_gguf(metadata, arch, num_layers, hidden / num_heads, head_dim) if "gemma" in arch else {}
     if head_dim == hidden // num_heads:
         head_dim = None
     return dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        num_layers=int(key("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
         intermediate_size=int(key("feed_forward_length")),
@@ -161,9 +161,33 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
         rope_scaling={"rope_type": "freq_factors", "factors": tuple(float(f) for f in rope_freqs)}
         if rope_freqs is not None else None if scaling in ("none", None) else
         {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])},
-        architecture=arch,
+        architecture="gemma3_text" if arch == "gemma3" else arch,
         name=name or str(metadata.get("general.name", arch)),
+        **gemma,
     )
+
+
+def _gemma_from_gguf(metadata: Mapping[str, Any], arch: str, num_layers: int, width_per_head: float,
+                     head_dim: int | None) -> dict[str, Any]:
+    """The Gemma 2 / 3 options of a GGUF file, read as llama.cpp reads them: what the metadata
+    may not hold (the local / global layer pattern, the sliding layers' rotary base) and never
+    holds (the query scale) follows llama.cpp's fixed rules per architecture and size."""
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, (list, tuple)):   # per layer: true for a sliding layer
+        sliding = list(pattern)
+    else:                                    # every n-th layer is global
+        sliding = [(i + 1) % int(pattern) for i in range(num_layers)]
+    types = tuple("sliding_attention" if swa else "full_attention" for swa in sliding)
+    largest = num_layers == (46 if arch == "gemma2" else 62)   # the 27B models scale queries by width / heads
+    fields = dict(sliding_window=int(window) if window else None, layer_types=types if window else None,
+                  norm_offset=1.0, embed_scale=True, post_norms=True, hidden_act="gelu_pytorch_tanh",
+                  attn_softcap=metadata.get(f"{arch}.attn_logit_softcapping"),
+                  final_softcap=metadata.get(f"{arch}.final_logit_softcapping"),
+                  query_pre_attn_scalar=width_per_head if largest else float(head_dim or width_per_head))
+    if arch == "gemma3":
+        fields["rope_local_theta"] = float(metadata.get(f"{arch}.rope.freq_base_swa", 10000.0))
+    return fields
 
 
 def _gemma_from_hf(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
