@@ -193,7 +193,7 @@ def _add_generate(sub) -> None:
     models.add_argument("--target", required=True,
                         help="GGUF file, HF folder, jaxspec checkpoint, or preset:NAME (random weights)")
     models.add_argument("--draft", default="ngram",
-                        help="a draft model (path or preset:NAME, same vocabulary), an EAGLE-3 head folder "
+                        help="a draft model (path or preset:NAME; its tokenizer may differ), an EAGLE-3 head folder "
                              "(jaxspec train-eagle), 'ngram' (prompt lookup, the default) or 'none' (plain "
                              "autoregressive decoding)")
     models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

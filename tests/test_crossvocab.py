@@ -57,15 +57,18 @@ def test_tables_match_a_brute_force_reading(draft_pieces):
             assert b"".join(spelled) == bytes(c for c in piece if bytes([c]) in draft_pieces)
 
 
-def test_token_bytes_spell_real_text(smollm2):
+def test_token_bytes_spell_real_text(smollm2_path):
+    from jaxspec.models.gguf_tokenizer import tokenizer_from_gguf_metadata
+    from jaxspec.models.loading import read_gguf
+    tokenizer = tokenizer_from_gguf_metadata(read_gguf(smollm2_path)[0], smollm2_path)
     text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)  # «naïve» 🙂"
-    ids = smollm2.tokenizer(text, add_special_tokens=False)["input_ids"]
-    pieces = token_bytes(smollm2.tokenizer, smollm2.config.vocab_size)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = token_bytes(tokenizer, len(tokenizer))
     assert b"".join(pieces[i] for i in ids) == text.encode("utf-8")
-    assert pieces[smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")] == "<|im_end|>"   # a name, not text
+    assert pieces[tokenizer.convert_tokens_to_ids("<|im_end|>")] == "<|im_end|>"   # a name, not text
 
 
-@pytest.mark.parametrize("kind", ["twin", "other"])
+@pytest.mark.parametrize("kind", ["twin", pytest.param("other", marks=pytest.mark.slow)])
 def test_greedy_equals_target_alone(pair, kind):
     target, drafters = pair
     reference = jaxspec.generate(target, PROMPTS, max_new_tokens=24).tokens
@@ -78,6 +81,7 @@ def test_greedy_equals_target_alone(pair, kind):
             assert result.stats.acceptance_rate > 0.6
 
 
+@pytest.mark.slow  # the single-slice engine above runs the same drafter
 def test_greedy_equals_target_alone_pipelined(pair):
     target, drafters = pair
     reference = jaxspec.generate(target, PROMPTS, max_new_tokens=16).tokens
@@ -85,6 +89,7 @@ def test_greedy_equals_target_alone_pipelined(pair):
     assert decoder.generate(PROMPTS, max_new_tokens=16).tokens == reference
 
 
+@pytest.mark.slow  # 28 s
 def test_greedy_equals_target_alone_under_goodput_and_on_a_mesh(pair):
     """The goodput policy (its plain steps leave the draft behind: it catches up), and the draft
     on its own device slice with its tables."""

@@ -212,6 +212,7 @@ def test_eagle_sampling_matches_the_targets_distribution(vocab6_heads, head_inde
     assert 0 < result.stats.acceptance_rate < 1
 
 
+@pytest.mark.slow  # 16 s; the greedy and sampled EAGLE runs below check the same state's output
 def test_the_head_state_after_decoding_equals_a_recomputation_from_scratch(vocab6_heads):
     """After ragged rows decode through drafting steps of several lengths and plain steps (partial
     and full acceptances, rollbacks), the head's committed cache, last output and first-draft
@@ -409,6 +410,7 @@ def test_training_lowers_held_out_loss_and_raises_acceptance():
     assert rates[1] > max(5 * rates[0], rates[0] + 0.1), rates
 
 
+@pytest.mark.slow  # 16 s; the shared training loop's resume is also test_distill's
 def test_a_killed_training_run_resumes_to_the_same_params(tmp_path):
     """Killed after step 5 with checkpoints every 2 steps, a rerun resumes from step 4 (and from
     the finished feature cache) and ends with the uninterrupted run's params and history."""

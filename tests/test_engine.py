@@ -136,6 +136,7 @@ def test_greedy_lossless_tetris_ngram_on_smollm2(smollm2):
         assert all(s.vsr > 0.2 for s in stats_by_k.values())
 
 
+@pytest.mark.slow  # 21 s
 def test_greedy_lossless_where_the_draft_window_spills_past_the_output_bucket(small):
     """Budgets at a bucket's edge (16: the window needs slots past the output bucket) and just
     under it (13: it fits) with the cache `engine.cache_length` sizes; a chain whose inner window
@@ -385,11 +386,9 @@ _COST = jaxspec.CostModel.from_coefficients(draft_fixed=1e-3, draft_per_token=1e
 
 
 @pytest.mark.parametrize("spec", [jaxspec.SpecConfig(k=3),
-                                  # plain TETRIS is also compiled by the tetris-goodput case: slow only
-                                  pytest.param(jaxspec.SpecConfig(k=3, extra=2, selection="tetris"),
-                                               marks=pytest.mark.slow),
-                                  jaxspec.SpecConfig(k=2, extra=1, selection="tetris", policy="goodput",
-                                                     cost_model=_COST)],
+                                  jaxspec.SpecConfig(k=3, extra=2, selection="tetris"),
+                                  pytest.param(jaxspec.SpecConfig(k=2, extra=1, selection="tetris", policy="goodput",
+                                                                  cost_model=_COST), marks=pytest.mark.slow)],
                          ids=["standard", "tetris", "tetris-goodput"])
 def test_no_recompilation_after_warmup(small, compile_counter, spec):
     target, draft, _ = small
@@ -401,6 +400,7 @@ def test_no_recompilation_after_warmup(small, compile_counter, spec):
     assert counter.count == 0
 
 
+@pytest.mark.slow  # 15 s; a compile-time saving, not a behaviour
 def test_fixed_decoders_of_every_draft_length_share_one_prefill_program(small, compile_counter):
     """Only a decoder's loop depends on its draft length: after k = 2 has run, a new decoder with
     k = 3 (and a TETRIS one drafting as many, so its cache is as large) compiles its loop and
@@ -454,6 +454,7 @@ def test_bad_prompts_are_rejected_like_generate(small):
 
 # --- threshold drafting ---
 
+@pytest.mark.slow  # 26 s; threshold drafting stays in the default suite through its sampling test
 def test_greedy_lossless_threshold_drafting(small):
     target, draft, smallest = small
     prompts = ragged_prompts(SMALL_VOCAB, 8)

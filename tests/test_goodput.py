@@ -40,6 +40,7 @@ def test_goodput_policy_is_lossless(pair, selection):
         assert sum(steps for _, steps, _ in got.stats.extra["segments"]) == got.stats.steps
 
 
+@pytest.mark.slow  # 33 s; the policy's choices are judged in test_policy / test_policy_sim
 def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_free_one(pair):
     target, draft = pair
     prompts = prompts16(4)

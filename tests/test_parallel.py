@@ -85,7 +85,8 @@ def test_pipelined_greedy_equals_target_with_a_long_tail(pair, prompts, referenc
     assert result.stats.extra["lanes"] == 2
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["draft-slice", "pipelined"])
+@pytest.mark.parametrize("pipeline", [pytest.param(False, marks=pytest.mark.slow), True],   # 14 s
+                         ids=["draft-slice", "pipelined"])
 def test_two_slice_sampling_equals_single_program(pair, prompts, pipeline):
     """Standard selection: each row's random draws depend only on its request, so drafting on its
     own slice (sequentially or pipelined over two batches) must give exactly the single-program
@@ -146,7 +147,9 @@ def test_draft_that_does_not_divide_its_slice_is_rejected(pair):
         jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=2))
 
 
-@pytest.mark.parametrize("pipeline,selection", [(False, "standard"), (True, "standard"), (True, "tetris"),
+@pytest.mark.parametrize("pipeline,selection", [(False, "standard"),
+                                                pytest.param(True, "standard", marks=pytest.mark.slow),  # 15 s
+                                                (True, "tetris"),
                                                 pytest.param(False, "tetris", marks=pytest.mark.slow)],   # 9 s
                          ids=["draft-slice", "pipelined", "pipelined-tetris", "draft-slice-tetris"])
 def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, prompts, reference, pipeline,
