@@ -72,6 +72,45 @@ def select(draft_logprobs, capacity: int, budget=None) -> jax.Array:
     return jnp.zeros((n,), jnp.int32).at[index % n].add(chosen.astype(jnp.int32))
 
 
+def select_nodes(cum_logprobs, capacity: int, budget=None, *, per_row: bool = False) -> jax.Array:
+    """Which nodes of each row's draft tree to verify: the `capacity` best of the whole batch
+    (or, with `per_row`, each row's own `capacity` best), by cumulative log-probability.
+
+    A node can only be accepted if its ancestors are, and its cumulative estimate (the sum of log
+    estimates along its path) never exceeds its parent's: so the best C nodes maximise the
+    expected number of accepted tokens and always include their ancestors (ties go to the lower
+    node index, an ancestor's, as `select`'s go to earlier slots).
+
+    Args:
+      cum_logprobs: float [n, t]: each node's cumulative log acceptance estimate, the nodes of a
+        row numbered so that ancestors come before descendants; -inf: not to be verified.
+      capacity: static int >= 0.
+      budget: optional traced int <= capacity (the batch-wide selection only), as in `select`.
+      per_row: select `capacity` nodes in each row instead of across the batch.
+
+    Returns:
+      bool [n, t]: the selected nodes.
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"capacity must be a static int >= 0, got {capacity!r}")
+    cum_nt = jnp.asarray(cum_logprobs, jnp.float32)
+    if cum_nt.ndim != 2:
+        raise ValueError(f"cum_logprobs must have shape [rows, nodes], got shape {cum_nt.shape}")
+    n, t = cum_nt.shape
+    chosen = jnp.zeros((n, t), bool)
+    if per_row:
+        values, index = jax.lax.top_k(cum_nt, min(capacity, t))
+        return chosen.at[jnp.arange(n)[:, None], index].set(values > _NEG_INF)
+    top = min(capacity, n * t)
+    if top == 0:
+        return chosen
+    values, index = jax.lax.top_k(cum_nt.T.reshape(-1), top)   # node-major: ties to lower node indices
+    take = values > _NEG_INF
+    if budget is not None:
+        take &= jnp.arange(top) < budget
+    return chosen.at[index % n, index // n].set(take)
+
+
 def expected_accepted(draft_logprobs, counts) -> jax.Array:
     """Expected accepted drafts of windows `counts` under the surrogate: sum of cumulative products."""
     cum_nk = cumulative_logprobs(draft_logprobs)
