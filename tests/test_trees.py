@@ -65,3 +65,85 @@ def test_unusable_nodes_and_a_traced_budget_shrink_the_selection():
         assert np.isclose(np.exp(cum[masked]).sum(), np.sort(np.exp(cum[np.isfinite(cum)]))[::-1][:budget].sum())
     with pytest.raises(ValueError, match="capacity must be a static int >= 0, got -1"):
         tetris.select_nodes(cum, -1)
+
+
+def tree_columns(parents_t):
+    """Column layout of a tree under the root: column 0 the root, node j at column j + 1. Returns
+    each column's parent column (-1 for the root), depth and ancestor-or-self matrix."""
+    t = len(parents_t)
+    parent_w = np.concatenate([[-1], np.where(parents_t < 0, 0, parents_t + 1)])
+    depth_w = np.zeros(t + 1, np.int32)
+    ancestor_ww = np.eye(t + 1, dtype=bool)
+    for j in range(1, t + 1):
+        depth_w[j] = depth_w[parent_w[j]] + 1
+        ancestor_ww[j] |= ancestor_ww[parent_w[j]]
+    return parent_w, depth_w, ancestor_ww
+
+
+def path_to(column, parent_w):
+    path = []
+    while column > 0:
+        path.append(column)
+        column = parent_w[column]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("impl", ["plain", "blocked", "xla"])
+def test_a_packed_tree_pass_and_the_path_move_equal_uncached_forwards(impl, monkeypatch):
+    """Every used node's logits equal an uncached forward of the prompt and its path; after the
+    accepted path's keys and values move into contiguous slots, the next cached step equals an
+    uncached forward of prompt + path + next token."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxspec
+    from jaxspec.models import attention
+    from jaxspec.models.model import forward, forward_packed, init_cache
+    monkeypatch.setattr(attention, "ATTENTION", impl)
+    monkeypatch.setattr(attention, "BLOCK", 8)
+    model = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny"), seed=4)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (11, 5)]
+    trees = [np.array([-1, -1, 0, 0, 2, 1, 4]), np.array([-1, 0, 1, -1, 3, 2, 0])]
+    layouts = [tree_columns(p) for p in trees]
+    w = len(trees[0]) + 1
+    window = np.asarray([[p[-1]] + rng.integers(0, 256, w - 1).tolist() for p in prompts], np.int32)
+    used = np.ones((2, w), bool)
+    used[0, [5, 7]] = False            # a leaf and a subtree left out (closed under ancestors)
+    used[1, [6]] = False
+    depth = np.stack([lay[1] for lay in layouts])
+    ancestor = np.stack([lay[2] for lay in layouts])
+
+    @jax.jit
+    def run(params):
+        cache = init_cache(model.graphdef, params, 2, 32)
+        tokens = np.zeros((2, 10), np.int32)
+        for r, p in enumerate(prompts):
+            tokens[r, :len(p) - 1] = p[:-1]
+        _, cache = forward(model.graphdef, params, jnp.asarray(tokens), cache, empty=True)
+        cache = cache.commit(jnp.asarray([len(p) - 1 for p in prompts]))
+        return forward_packed(model.graphdef, params, jnp.asarray(window), jnp.asarray(used), cache, 16,
+                              tree=(jnp.asarray(depth), jnp.asarray(ancestor)))
+
+    logits, cache = run(model.params)
+    for r, p in enumerate(prompts):
+        for col in np.nonzero(used[r])[0]:
+            seq = p + [int(window[r, c]) for c in path_to(col, layouts[r][0])]
+            want = np.asarray(model.logits([seq]))[0, -1]
+            np.testing.assert_allclose(np.asarray(logits[r, col]), want, rtol=2e-4, atol=2e-4)
+
+    leaves = [6, 5]                    # accept root -> ... -> leaf in each row
+    paths = [path_to(leaf, lay[0]) for leaf, lay in zip(leaves, layouts)]
+    base = np.asarray([len(p) - 1 for p in prompts])
+    src = np.zeros((2, 4), np.int32)
+    for r, path in enumerate(paths):
+        src[r, :len(path)] = base[r] + np.asarray(path)
+    count = np.asarray([len(path) for path in paths])
+    moved = cache.move(jnp.asarray(src), jnp.asarray(count), jnp.asarray(base + 1)).commit(
+        jnp.asarray(base + 1 + count))
+    following = np.asarray([[17], [42]], np.int32)
+    logits_next, _ = forward(model.graphdef, model.params, jnp.asarray(following), moved)
+    for r, p in enumerate(prompts):
+        seq = p + [int(window[r, c]) for c in paths[r]] + [int(following[r, 0])]
+        np.testing.assert_allclose(np.asarray(logits_next[r, 0]), np.asarray(model.logits([seq]))[0, -1],
+                                   rtol=2e-4, atol=2e-4)

@@ -74,22 +74,41 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, opts: Options = _PLAIN):
                                             implementation=impl)
 
 
-def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = _PLAIN):
+def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = _PLAIN, tree=None):
     """`attend` against a cache buffer, whose slot j holds the token at position j; no key past
     `live_b[b]` slots can be visible to row b, so only those need reading (the blocked and cuDNN
     paths read up to the longest live row, the blocked one from the window's first block; the
-    plain path reads the whole buffer)."""
+    plain path reads the whole buffer).
+
+    `tree` = (base_b, ancestor_btt): the t queries are the nodes of a draft tree written at slots
+    base_b + j (their positions q_pos_bt need not be their slots); query i sees the committed
+    slots below base_b (within the window) and tree slot j iff ancestor_btt[b, i, j] (its
+    ancestors and itself).
+    """
     impl = attention_impl(q_btnh.dtype, q_btnh.shape[-1])
     s = k_bskh.shape[1]
     with jax.named_scope("attention"):
         if impl == "blocked":
-            return _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts)
+            return _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts, tree)
         k_bskh, v_bskh = k_bskh.astype(q_btnh.dtype), v_bskh.astype(q_btnh.dtype)
-        visible_bts = visible(jnp.arange(s, dtype=jnp.int32), q_pos_bt[:, :, None], opts.window)
+        visible_bts = _cache_visible(jnp.arange(s, dtype=jnp.int32), q_pos_bt, opts.window, tree)
         if impl == "plain" or not _sdpa_can(opts):
             return _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts)
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None], scale=opts.scale,
                                             key_value_seq_lengths=live_b, implementation=impl)
+
+
+def _cache_visible(slot_s, q_pos_bt, window: int | None, tree):
+    """[b, t, s]: which cache slots each query sees (`attend_cache`)."""
+    by_position = visible(slot_s, q_pos_bt[:, :, None], window)
+    if tree is None:
+        return by_position
+    base_b, ancestor_btt = tree
+    offset_bs = slot_s[None, :] - base_b[:, None]
+    in_tree_bs = (offset_bs >= 0) & (offset_bs < ancestor_btt.shape[2])
+    of_tree_bts = jnp.take_along_axis(ancestor_btt, jnp.clip(offset_bs, 0, ancestor_btt.shape[2] - 1)[:, None, :]
+                                      .repeat(ancestor_btt.shape[1], axis=1), axis=2)
+    return jnp.where(in_tree_bs[:, None], of_tree_bts, by_position & (offset_bs < 0)[:, None])
 
 
 def attention_impl(dtype, head_dim: int) -> str:
@@ -133,7 +152,7 @@ def _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts: Options):
     return _ungrouped(out, t).astype(q_btnh.dtype)
 
 
-def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options):
+def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options, tree=None):
     """Attention over the cache in blocks of `BLOCK` slots, from the first block a query's window
     reaches to the last the longest live row needs (a loop with traced bounds), merged with an
     online softmax in float32. Hidden keys get no weight even in a block where a query sees
@@ -142,7 +161,9 @@ def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options):
     s = k_bskh.shape[1]
     block = min(BLOCK, s)
     q_bkmh = _grouped(q_btnh, k_bskh.shape[2])
-    q_pos_bm = jnp.repeat(q_pos_bt, q_bkmh.shape[2] // t, axis=1)
+    g = q_bkmh.shape[2] // t
+    q_pos_bm = jnp.repeat(q_pos_bt, g, axis=1)
+    tree_m = None if tree is None else (tree[0], jnp.repeat(tree[1], g, axis=1))
 
     def step(j, carry):
         max_bkm, sum_bkm, acc_bkmh = carry
@@ -152,7 +173,7 @@ def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options):
         scores = _scores(jax.lax.dot_general(q_bkmh, k_bksh, (((3,), (3,)), _BATCH), preferred_element_type=_F32),
                          opts, h)
         slot_s = start + jnp.arange(block, dtype=jnp.int32)
-        visible_bms = (slot_s >= j * block) & visible(slot_s, q_pos_bm[:, :, None], opts.window)
+        visible_bms = (slot_s >= j * block) & _cache_visible(slot_s, q_pos_bm, opts.window, tree_m)
         scores = jnp.where(visible_bms[:, None], scores, jnp.finfo(_F32).min)
         new_max = jnp.maximum(max_bkm, scores.max(-1))
         probs = jnp.where(visible_bms[:, None], jnp.exp(scores - new_max[..., None]), 0.0)

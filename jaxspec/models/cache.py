@@ -46,3 +46,17 @@ class KVCache:
     def commit(self, lengths: jax.Array) -> KVCache:
         """Sets each row's committed length (advance after a forward, or roll back)."""
         return self.replace(lengths=lengths.astype(jnp.int32))
+
+    def move(self, src_bd: jax.Array, count_b: jax.Array, dst_start_b: jax.Array) -> KVCache:
+        """Copies, in every row b, the keys and values at slots src_bd[b, :count_b[b]] to slots
+        dst_start_b[b], dst_start_b[b] + 1, ... (an accepted draft-tree path into the contiguous
+        slots its tokens now occupy); `lengths` is unchanged. All reads happen before any write."""
+        rows_b1 = jnp.arange(self.batch)[:, None]
+        step_d = jnp.arange(src_bd.shape[1])
+        dst_bd = jnp.where(step_d < count_b[:, None], dst_start_b[:, None] + step_d, self.max_len)
+        src_bd = jnp.clip(src_bd, 0, self.max_len - 1)
+
+        def moved(x):
+            return x.at[rows_b1, dst_bd].set(x[rows_b1, src_bd], mode="drop")
+
+        return self.replace(k=tuple(map(moved, self.k)), v=tuple(map(moved, self.v)))

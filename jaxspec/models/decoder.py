@@ -284,22 +284,27 @@ class Decoder(nnx.Module):
                                                  features)
         return x_md.reshape(b, t, -1), cache.replace(k=ks, v=vs), _rows(feats, b)
 
-    def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int, features=()):
+    def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int, features=(), tree=None):
         """Final hidden states of ragged windows packed into one flat buffer of m tokens.
 
-        Token m is column col_m of row row_m's window, at position lengths[row] + col; a column of
-        `width` marks an unused slot of the buffer. Token-wise work (projections, MLP) runs on the
-        m packed tokens only; attention alone scatters the queries into a padded [b, width] layout
-        and gathers its outputs back. Keys and values of used slots are written to the cache;
-        `lengths` is unchanged. Also returns the `features` layers' inputs [m, f], or None.
+        Token m is column col_m of row row_m's window, written at slot lengths[row] + col and, for
+        a chain, at that position; a column of `width` marks an unused slot of the buffer.
+        Token-wise work (projections, MLP) runs on the m packed tokens only; attention alone
+        scatters the queries into a padded [b, width] layout and gathers its outputs back. Keys
+        and values of used slots are written to the cache; `lengths` is unchanged. `tree` =
+        (depth_bw, ancestor_bww): the window is a draft tree; column j sits at position
+        lengths + depth_bw[b, j] and sees the columns ancestor_bww[b, j] marks (`attend_cache`).
+        Also returns the `features` layers' inputs [m, f], or None.
         """
         b = cache.batch
         used_m = col_m < width
-        pos_m = cache.lengths[row_m] + col_m
-        write_at_m = jnp.where(used_m, pos_m, cache.max_len)             # past the buffer: dropped
-        q_pos_bw = cache.lengths[:, None] + jnp.arange(width, dtype=jnp.int32)
-        live_b = jnp.minimum(cache.lengths + width, cache.max_len)
         read_col_m = jnp.minimum(col_m, width - 1)
+        write_at_m = jnp.where(used_m, cache.lengths[row_m] + col_m, cache.max_len)   # past the buffer: dropped
+        offset_bw = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width)) if tree is None else tree[0]
+        pos_m = cache.lengths[row_m] + offset_bw[row_m, read_col_m]
+        q_pos_bw = cache.lengths[:, None] + offset_bw
+        live_b = jnp.minimum(cache.lengths + width, cache.max_len)
+        attend_tree = None if tree is None else (cache.lengths, tree[1])
 
         def body(block, x_md, kv, i):
             ks, vs = kv
@@ -307,7 +312,7 @@ class Decoder(nnx.Module):
             k_layer = ks[i].at[row_m, write_at_m].set(k_mkh.astype(ks[i].dtype), mode="drop")
             v_layer = vs[i].at[row_m, write_at_m].set(v_mkh.astype(vs[i].dtype), mode="drop")
             q_bwnh = jnp.zeros((b, width) + q_mnh.shape[1:], q_mnh.dtype).at[row_m, col_m].set(q_mnh, mode="drop")
-            attn_bwnh = attend_cache(q_bwnh, k_layer, v_layer, q_pos_bw, live_b, block.attention)
+            attn_bwnh = attend_cache(q_bwnh, k_layer, v_layer, q_pos_bw, live_b, block.attention, attend_tree)
             kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
             return block.finish(x_md, attn_bwnh[row_m, read_col_m]), kv
 

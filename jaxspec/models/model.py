@@ -105,33 +105,39 @@ def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empt
     return decoder.head(hidden_btd), cache
 
 
-def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int, features=()):
+def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int, features=(),
+                   tree=None):
     """Runs the first `counts_b` tokens of each row's window through the cache, packed.
 
     The used tokens of all rows are laid end to end in a buffer of `packed_len` (static) slots, so
     the embedding, projections, MLP and LM head cost packed_len tokens however the windows are
-    shaped; sum(counts_b) must not exceed it. Logits come back in the padded layout [b, w, v] for
-    the acceptance rules; entries at columns >= counts_b are meaningless. With `features` (as for
-    `forward`), also those layers' inputs in the same padded layout [b, w, f].
+    shaped; the number of used tokens must not exceed it. Logits come back in the padded layout
+    [b, w, v] for the acceptance rules; entries of unused columns are meaningless. With `features`
+    (as for `forward`), also those layers' inputs in the same padded layout [b, w, f].
 
     Args:
       graphdef, params: as for `forward`.
-      window_bw: int [b, w] each row's tokens, written at positions cache.lengths[b] + j.
-      counts_b: int [b] leading tokens of each row to run (the rest are not written).
+      window_bw: int [b, w] each row's tokens, written at slots cache.lengths[b] + j.
+      counts_b: int [b] leading tokens of each row to run (the rest are not written), or, for a
+        tree, bool [b, w]: the columns to run (ancestors of a used column must be used).
       cache: the KVCache; its lengths are not advanced.
       packed_len: static size of the packed buffer.
       features: static layer indices, as for `forward`.
+      tree: None (each window is a chain: column j at position lengths + j, seeing columns <= j)
+        or (depth_bw, ancestor_bww): column j of a draft tree sits at position lengths +
+        depth_bw[b, j] and sees the committed cache and the columns ancestor_bww[b, j] marks (its
+        ancestors and itself; column 0, depth 0, is the root).
     """
     b, w = window_bw.shape
     col_w = jnp.arange(w, dtype=jnp.int32)
-    start_b = jnp.cumsum(counts_b) - counts_b
-    index_bw = jnp.where(col_w[None, :] < counts_b[:, None], start_b[:, None] + col_w, packed_len)
+    used_bw = counts_b if tree is not None else col_w[None, :] < counts_b[:, None]
+    index_bw = jnp.where(used_bw, jnp.cumsum(used_bw.reshape(-1)).reshape(b, w) - 1, packed_len)
     rows_bw = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
     tokens_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(window_bw, mode="drop")
     row_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(rows_bw, mode="drop")
     col_m = jnp.full((packed_len,), w, jnp.int32).at[index_bw].set(jnp.broadcast_to(col_w, (b, w)), mode="drop")
     decoder = nnx.merge(graphdef, params)
-    hidden_md, cache, features_mf = decoder.hidden_packed(tokens_m, row_m, col_m, cache, w, features)
+    hidden_md, cache, features_mf = decoder.hidden_packed(tokens_m, row_m, col_m, cache, w, features, tree)
     logits_mv = decoder.head(hidden_md)
     unpack_bw = jnp.minimum(index_bw, packed_len - 1)
     if features:
