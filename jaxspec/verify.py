@@ -87,3 +87,80 @@ def accept(key_b, draft_bk, q_bkv, target_logits_bkv, num_drafts_b, sampling: Sa
     if sampling.greedy:
         return greedy_accept(draft_bk, target_logits_bkv, num_drafts_b)
     return rejection_accept(key_b, draft_bk, q_bkv, target_logits_bkv, num_drafts_b, sampling)
+
+
+def accept_tree(key_b, tokens_bw, parent_bw, used_bw, target_logits_bwv, sampling: SamplingConfig, depth: int,
+                width: int):
+    """Acceptance of a draft tree per row: the path the target's own choices follow, then one token.
+
+    Column 0 is the root (the last committed token); column j's token was proposed after its
+    parent column's path, and target_logits_bwv[b, j] scores the token after column j. The
+    children of a node must be deterministic given its path (a dynamic tree's top-W choices),
+    so each child is a one-hot proposal. Greedy: follow the child equal to the target's argmax.
+    Sampling: at a node with target distribution p, try its children in column order; child x is
+    accepted with probability p(x), else p <- normalize(p with x removed); with every child
+    rejected (or none) the next token is drawn from what remains of p. This draws exactly from p
+    at every node (SpecInfer's multi-candidate rule with one-hot proposals), so the output
+    follows the target's distribution.
+
+    Args:
+      key_b: one PRNG key per row.
+      tokens_bw, parent_bw: int [b, w] each column's token and parent column (-1 at the root).
+      used_bw: bool [b, w] the verified columns (closed under ancestors).
+      target_logits_bwv: [b, w, v] target logits at every column.
+      sampling: the SamplingConfig applied to the target logits.
+      depth, width: static bounds: the longest path below the root, the most children of a node.
+
+    Returns:
+      (path [b, depth] accepted columns (0 past the count), accepted count [b], next token [b]).
+    """
+    b, w = tokens_bw.shape
+    rows_b = jnp.arange(b)
+    p_bwv = None if sampling.greedy else probabilities(target_logits_bwv, sampling)
+    choice_bw = jnp.argmax(target_logits_bwv, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda key: jax.random.split(key, (depth + 1) * (width + 1)))(key_b)
+    keys = keys.reshape(b, depth + 1, width + 1, *keys.shape[2:])   # [b, depth, sibling or final draw]
+    cur_b, count_b, alive_b = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)
+    path_bd, final_b = jnp.zeros((b, depth), jnp.int32), jnp.zeros((b,), jnp.int32)
+    for d in range(depth):
+        # The first `width` verified children of the current node, in column order.
+        order_bw = jnp.where(used_bw & (parent_bw == cur_b[:, None]), jnp.arange(w), w)
+        child_bc = jnp.sort(order_bw, axis=1)[:, :width]
+        valid_bc = (child_bc < w) & alive_b[:, None]
+        child_bc = jnp.minimum(child_bc, w - 1)
+        token_bc = jnp.take_along_axis(tokens_bw, child_bc, axis=1)
+        if sampling.greedy:
+            hit_bc = valid_bc & (token_bc == choice_bw[rows_b, cur_b][:, None])
+        else:
+            hit_bc, p_res_bv = _try_children(keys[:, d], token_bc, valid_bc, p_bwv[rows_b, cur_b])
+            drawn_b = jax.vmap(sample)(keys[:, d, width], p_res_bv)   # used if the row stops here
+            final_b = jnp.where(alive_b & ~hit_bc.any(1), drawn_b, final_b)
+        moved_b = hit_bc.any(1)
+        next_b = jnp.take_along_axis(child_bc, jnp.argmax(hit_bc, axis=1)[:, None], axis=1)[:, 0]
+        path_bd = path_bd.at[:, d].set(jnp.where(moved_b, next_b, 0))
+        count_b = count_b + moved_b
+        cur_b = jnp.where(moved_b, next_b, cur_b)
+        alive_b = moved_b
+    if sampling.greedy:
+        return path_bd, count_b, choice_bw[rows_b, cur_b]
+    # Rows that reached the depth bound draw their bonus token from p at their last node.
+    bonus_b = jax.vmap(sample)(keys[:, depth, width], p_bwv[rows_b, cur_b])
+    return path_bd, count_b, jnp.where(alive_b, bonus_b, final_b)
+
+
+def _try_children(keys_bc, token_bc, valid_bc, p_bv):
+    """One node's children as one-hot proposals, in order: child c is accepted with probability
+    p(x_c), else x_c leaves p (renormalised). Returns (which child was accepted [b, c], what
+    remains of p [b, v])."""
+    rows_b = jnp.arange(p_bv.shape[0])
+    hit_bc = jnp.zeros_like(valid_bc)
+    for c in range(token_bc.shape[1]):
+        x_b = token_bc[:, c]
+        u_b = jax.vmap(jax.random.uniform)(keys_bc[:, c])
+        trying_b = valid_bc[:, c] & ~hit_bc.any(1)
+        hit_bc = hit_bc.at[:, c].set(trying_b & (u_b < p_bv[rows_b, x_b]))
+        removed_bv = p_bv.at[rows_b, x_b].set(0.0)
+        mass_b1 = removed_bv.sum(-1, keepdims=True)
+        rejected_b = trying_b & ~hit_bc[:, c]
+        p_bv = jnp.where(rejected_b[:, None] & (mass_b1 > 0), removed_bv / jnp.maximum(mass_b1, 1e-30), p_bv)
+    return hit_bc, p_bv

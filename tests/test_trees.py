@@ -1,12 +1,14 @@
 """Draft trees: selection of the nodes to verify against a brute force over every ancestor-closed
-set of nodes."""
+set of nodes; the packed tree pass and the accepted path's move against uncached forwards; tree
+acceptance against the target's exact distribution (chi-square) and its argmax path."""
 
 import itertools
 
 import numpy as np
 import pytest
 
-from jaxspec import tetris
+from jaxspec import tetris, verify
+from jaxspec.sampling import SamplingConfig
 
 
 def random_forest(rng, rows: int, nodes: int, certain: float = 0.2):
@@ -147,3 +149,73 @@ def test_a_packed_tree_pass_and_the_path_move_equal_uncached_forwards(impl, monk
         seq = p + [int(window[r, c]) for c in paths[r]] + [int(following[r, 0])]
         np.testing.assert_allclose(np.asarray(logits_next[r, 0]), np.asarray(model.logits([seq]))[0, -1],
                                    rtol=2e-4, atol=2e-4)
+
+
+# A tree over a 5-token vocabulary: root -> tokens 1, 3 (columns 1, 2); column 1 -> tokens 0, 2
+# (columns 3, 4); column 2 -> token 4 (column 5); column 3 -> token 1 (column 6), left unverified.
+TREE_TOKENS = np.array([9, 1, 3, 0, 2, 4, 1])
+TREE_PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3])
+TREE_USED = np.array([True] * 6 + [False])
+
+
+def exact_emissions(p_wv, depth):
+    """{emitted tokens: probability} of walking the tree with the target's own draws."""
+    table = {}
+
+    def walk(col, emitted, prob, d):
+        for x, px in enumerate(p_wv[col]):
+            if px == 0:
+                continue
+            child = [c for c in range(len(TREE_TOKENS)) if TREE_USED[c] and TREE_PARENTS[c] == col
+                     and TREE_TOKENS[c] == x]
+            if child and d < depth:
+                walk(child[0], emitted + (x,), prob * px, d + 1)
+            else:
+                table[emitted + (x,)] = table.get(emitted + (x,), 0.0) + prob * px
+
+    walk(0, (), 1.0, 0)
+    return table
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=3)],
+                         ids=["t1", "t0.8-topk3"])
+def test_tree_acceptance_samples_the_targets_distribution(sampling):
+    import jax
+    from test_engine import assert_matches_distribution
+
+    from jaxspec.sampling import probabilities
+    rows = 40000
+    logits_wv = np.random.default_rng(3).normal(0, 0.7, (7, 5)).astype(np.float32)
+    for col in range(1, 6):   # the drafted tokens are likely under the target, as with a good draft
+        logits_wv[TREE_PARENTS[col], TREE_TOKENS[col]] += 1.5
+    p_wv = np.asarray(probabilities(logits_wv, sampling), np.float64)
+    tile = lambda x: np.broadcast_to(x, (rows, *x.shape))   # noqa: E731
+    keys = jax.random.split(jax.random.key(11), rows)
+    path, count, nxt = jax.jit(verify.accept_tree, static_argnums=(5, 6, 7))(
+        keys, tile(TREE_TOKENS), tile(TREE_PARENTS), tile(TREE_USED), tile(logits_wv), sampling, 2, 2)
+    path, count, nxt = map(np.asarray, (path, count, nxt))
+    emitted = [tuple(int(TREE_TOKENS[c]) for c in path[r, :count[r]]) + (int(nxt[r]),) for r in range(rows)]
+    assert_matches_distribution(emitted, exact_emissions(p_wv, depth=2), rows)
+    assert count.mean() > 0.3   # the tree is used, not bypassed
+
+
+def test_greedy_tree_acceptance_follows_the_targets_argmax_path():
+    import jax
+    rng = np.random.default_rng(8)
+    rows = 64
+    logits = rng.normal(0, 1, (rows, 7, 5)).astype(np.float32)
+    logits[:, :, :] += 4.0 * (np.arange(5) == rng.integers(0, 5, (rows, 7, 1)))   # clear argmaxes
+    tile = lambda x: np.broadcast_to(x, (rows, *x.shape))   # noqa: E731
+    path, count, nxt = verify.accept_tree(jax.random.split(jax.random.key(0), rows), tile(TREE_TOKENS),
+                                          tile(TREE_PARENTS), tile(TREE_USED), logits, SamplingConfig(), 2, 2)
+    for r in range(rows):
+        col, want = 0, []
+        while len(want) < 2:
+            top = int(np.argmax(logits[r, col]))
+            match = [c for c in range(7) if TREE_USED[c] and TREE_PARENTS[c] == col and TREE_TOKENS[c] == top]
+            if not match:
+                break
+            col = match[0]
+            want.append(col)
+        assert list(np.asarray(path[r, :count[r]])) == want
+        assert int(nxt[r]) == int(np.argmax(logits[r, col]))
