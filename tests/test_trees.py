@@ -219,3 +219,45 @@ def test_greedy_tree_acceptance_follows_the_targets_argmax_path():
             want.append(col)
         assert list(np.asarray(path[r, :count[r]])) == want
         assert int(nxt[r]) == int(np.argmax(logits[r, col]))
+
+
+def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_forward():
+    """Every column's token and cumulative log-probability against the draft model's uncached
+    logits after the prompt and the column's path; the expanded nodes are each depth's best."""
+    import jax.numpy as jnp
+    from scipy.special import log_softmax
+
+    import jaxspec
+    from jaxspec.models.model import forward, init_cache
+    from jaxspec.trees import TreeShape, draft_tree
+    model = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(vocab_size=32), seed=6)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 32, n).tolist() for n in (7, 3)]
+    shape = TreeShape(depth=3, width=2)
+    cache = init_cache(model.graphdef, model.params, 2, 32)
+    tokens = np.zeros((2, 8), np.int32)
+    for r, p in enumerate(prompts):
+        tokens[r, :len(p) - 1] = p[:-1]
+    _, cache = forward(model.graphdef, model.params, jnp.asarray(tokens), cache, empty=True)
+    cache = cache.commit(jnp.asarray([len(p) - 1 for p in prompts]))
+    root = jnp.asarray([p[-1] for p in prompts])
+    root_logits, cache = forward(model.graphdef, model.params, root[:, None], cache)
+    tree, _ = draft_tree(model.graphdef, model.params, cache, root, root_logits[:, 0], shape, SamplingConfig())
+    tok, par, anc, cum = (np.asarray(x) for x in (tree.tokens_bw, tree.parent_bw, tree.ancestor_bww, tree.cum_bw))
+    depth = shape.depth_w()
+    for r, p in enumerate(prompts):
+        for d in range(1, shape.depth + 1):
+            cols = np.nonzero(depth == d)[0]
+            parents = sorted(set(par[r, cols]))
+            if d > 1:   # the expanded parents are the depth above's best
+                above = np.nonzero(depth == d - 1)[0]
+                assert parents == sorted(above[np.argsort(-cum[r, above])[:shape.width]])
+            for q in parents:
+                path = path_to(q, par[r])
+                logits = np.asarray(model.logits([p + [int(tok[r, c]) for c in path]]), np.float64)[0, -1]
+                logq = log_softmax(logits)
+                kids = [c for c in cols if par[r, c] == q]
+                assert [int(tok[r, c]) for c in kids] == list(np.argsort(-logq)[:shape.width])
+                np.testing.assert_allclose(cum[r, kids], (cum[r, q] if q else 0.0) + logq[tok[r, kids]], atol=1e-4)
+                for c in kids:   # ancestors: the path and the root
+                    assert set(np.nonzero(anc[r, c])[0]) == {0, *path, c}
