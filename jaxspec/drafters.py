@@ -115,6 +115,10 @@ class Drafter:
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         raise NotImplementedError
 
+    def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
+        """A draft tree per row (`jaxspec.trees.Tree`, its root the pending token), and the state."""
+        raise ValueError(f"{type(self).__name__} cannot draft trees yet; SpecConfig(tree=...) needs a draft Model")
+
 
 def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> KVCache:
     """A drafter model's cache after the prompts, committed to all but the last prompt token
@@ -212,14 +216,28 @@ class ModelDrafter(Drafter):
         # never starts (large batches) this saves the draft's prefill, 3-4% of a 96-token run.
         return _ModelDraftState(cache=init_cache(self.model.graphdef, params, tokens_bp.shape[0], cache_len))
 
+    def _fed(self, params, state, seq_bl, pending_b):
+        """The cache through the pending token (committed to it) and the logits after it."""
+        cache = catch_up(self.model.graphdef, params, state.cache, seq_bl, pending_b - 1)
+        last_two_b2 = jnp.take_along_axis(seq_bl, pending_b[:, None] + jnp.array([[-1, 0]]), axis=1)
+        logits_b1v, cache = forward(self.model.graphdef, params, last_two_b2, cache, jnp.ones_like(pending_b)[:, None])
+        return logits_b1v[:, 0], cache.commit(pending_b + 1)
+
+    def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
+        from jaxspec.trees import draft_tree
+        logits_bv, cache = self._fed(params, state, seq_bl, pending_b)
+        root_b = jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1)[:, 0]
+        tree, cache = draft_tree(self.model.graphdef, params, cache.commit(pending_b), root_b, logits_bv, shape,
+                                 SamplingConfig() if self.greedy else sampling)
+        # The tree's nodes sit past the pending token's slot: untrusted, as rejected drafts are.
+        return tree, _ModelDraftState(cache=cache.commit(pending_b + 1))
+
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef = self.model.graphdef
         draw = SamplingConfig() if self.greedy else sampling
         keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
-        cache = catch_up(graphdef, params, state.cache, seq_bl, pending_b - 1)
-        last_two_b2 = jnp.take_along_axis(seq_bl, pending_b[:, None] + jnp.array([[-1, 0]]), axis=1)
-        logits_b1v, cache = forward(graphdef, params, last_two_b2, cache, jnp.ones_like(pending_b)[:, None])
-        cache = cache.commit(pending_b + 1)
+        logits_bv, cache = self._fed(params, state, seq_bl, pending_b)
+        logits_b1v = logits_bv[:, None]
 
         def draw_one(logits_bv, keys_b):
             token_b, q_bv = choose(keys_b, logits_bv, draw), probabilities(logits_bv, draw)

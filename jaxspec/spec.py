@@ -8,6 +8,7 @@ from typing import Any
 from jaxspec.cost import CostModel
 
 MAX_K = 16  # the largest draft length a program is compiled for
+MAX_TREE_COLUMNS = 64  # the most nodes (root included) a draft tree may have
 
 SELECTIONS = ("standard", "tetris")
 POLICIES = ("fixed", "goodput")
@@ -29,6 +30,9 @@ class SpecConfig:
       threshold: confidence-threshold drafting: a row's window ends at the first draft whose
         cumulative confidence (product of the drafter's per-token estimates) falls below this;
         k is then the most a row drafts. None: fixed-length windows.
+      tree: (depth D, width W): draft a tree (`jaxspec.trees`) instead of a chain; standard
+        selection verifies each row's k most probable nodes, "tetris" the batch's C best
+        (capacity, default N * k). None: a chain of k (+ extra) drafts.
     """
 
     k: int = 4
@@ -40,6 +44,7 @@ class SpecConfig:
     pipeline: bool = False
     greedy_draft: bool = False
     threshold: float | None = None
+    tree: tuple[int, int] | None = None
 
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -64,11 +69,33 @@ class SpecConfig:
         if self.policy == "goodput" and not isinstance(self.cost_model, CostModel):
             raise ValueError("policy='goodput' needs cost_model=jaxspec.CostModel(...) (CostModel.profile or "
                              f"CostModel.load), got {type(self.cost_model).__name__}")
+        if self.tree is not None:
+            self._check_tree()
         if self.policy == "goodput" and self.k < 1:
             raise ValueError(f"policy='goodput' needs k >= 1 (k is the largest draft length it may choose; plain "
                              f"decoding is always a candidate), got k={self.k}")
 
+    def _check_tree(self):
+        from jaxspec.trees import TreeShape
+        if not isinstance(self.tree, (tuple, list)) or len(self.tree) != 2:
+            raise ValueError(f"tree must be None or (depth, width), got {self.tree!r}")
+        shape = TreeShape(*self.tree)
+        object.__setattr__(self, "tree", (shape.depth, shape.width))
+        if shape.columns > MAX_TREE_COLUMNS:
+            raise ValueError(f"tree={self.tree} has {shape.columns} nodes with its root, more than "
+                             f"MAX_TREE_COLUMNS={MAX_TREE_COLUMNS}")
+        if self.k < 1 or self.k >= shape.columns:
+            raise ValueError(f"with tree={self.tree}, k (nodes verified per row) must be in 1..{shape.columns - 1}, "
+                             f"got k={self.k}")
+        for name, bad in (("policy='goodput'", self.policy == "goodput"), ("pipeline=True", self.pipeline),
+                          ("threshold", self.threshold is not None), ("extra", self.extra > 0)):
+            if bad:
+                raise ValueError(f"tree drafting does not support {name} yet")
+
     @property
     def draft_len(self) -> int:
-        """Draft tokens proposed per row per step."""
+        """Draft tokens proposed per row per step (a tree's nodes, its root excluded)."""
+        if self.tree is not None:
+            from jaxspec.trees import TreeShape
+            return TreeShape(*self.tree).columns - 1
         return self.k + (self.extra if self.selection == "tetris" else 0)

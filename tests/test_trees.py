@@ -261,3 +261,50 @@ def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_fo
                 np.testing.assert_allclose(cum[r, kids], (cum[r, q] if q else 0.0) + logq[tok[r, kids]], atol=1e-4)
                 for c in kids:   # ancestors: the path and the root
                     assert set(np.nonzero(anc[r, c])[0]) == {0, *path, c}
+
+
+@pytest.fixture(scope="module")
+def tree_pair():
+    import jaxspec
+    from jaxspec.benchmarking import layer_skip_pair
+    return layer_skip_pair(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4), draft_layers=2, damping=0.05)
+
+
+@pytest.mark.parametrize("spec", [dict(k=4, tree=(3, 2)), dict(k=3, tree=(2, 3), selection="tetris", capacity=6)],
+                         ids=["per-row", "batch-budget"])
+def test_tree_decoding_equals_the_targets_greedy_output(tree_pair, spec):
+    import jaxspec
+    target, draft = tree_pair
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 5, 14)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
+    for batch_size in (None, 2):   # all at once, and with refills
+        result = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(**spec)).generate(
+            prompts, max_new_tokens=20, batch_size=batch_size)
+        assert result.tokens == want
+    assert result.stats.mean_accepted_length > 1.5   # the tree is used
+
+
+def test_tree_sampling_follows_the_targets_distribution():
+    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+
+    import jaxspec
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    sampling, rows = SamplingConfig(temperature=1.0), 4000
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3, tree=(2, 2)), sampling=sampling)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=31)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    assert result.stats.accepted_tokens > 0
+
+
+def test_bad_tree_shapes_are_refused_with_the_limit():
+    import jaxspec
+    with pytest.raises(ValueError, match="tree width must be an int >= 1, got 0"):
+        jaxspec.SpecConfig(k=2, tree=(3, 0))
+    with pytest.raises(ValueError, match="more than MAX_TREE_COLUMNS=64"):
+        jaxspec.SpecConfig(k=2, tree=(5, 4))
+    with pytest.raises(ValueError, match=r"k \(nodes verified per row\) must be in 1..6"):
+        jaxspec.SpecConfig(k=7, tree=(2, 2))
+    with pytest.raises(ValueError, match="tree drafting does not support pipeline=True yet"):
+        jaxspec.SpecConfig(k=2, tree=(2, 2), pipeline=True)

@@ -32,6 +32,7 @@ from jaxspec.parallel.mesh import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
+from jaxspec.trees import TreeShape
 
 _NO_CAP = 2 ** 30   # a segment's step cap when none is wanted
 
@@ -86,6 +87,10 @@ class SpeculativeDecoder:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
+        if self.spec.tree is not None and (type(self.drafter) is not ModelDrafter or self._sliced):
+            raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model on the target's devices "
+                             f"so far, got {type(self.drafter).__name__}" + (" on a separate slice" if self._sliced
+                                                                            else ""))
         if isinstance(self.drafter, crossvocab.CrossVocabDrafter) and self._draft_mesh is not None:
             self.drafter = self.drafter.placed(sharding_lib.replicated(self._draft_mesh))
         self.draft = draft
@@ -273,6 +278,13 @@ class SpeculativeDecoder:
         TETRIS window at a few budgets around C, each budget a bucket of its own.
         """
         spec, big_k = self.spec, self.spec.draft_len
+        if spec.tree is not None:   # each row's k best nodes, or the batch's C best
+            shape = TreeShape(*spec.tree)
+            if spec.selection == "standard":
+                return Schedule(plans=(StepPlan(k=spec.k, tree=shape),)), (0,)
+            budget = min(spec.capacity if spec.capacity is not None else num_prompts * spec.k, rows * big_k)
+            capacity = tetris.capacity_bucket(budget, rows, big_k)
+            return Schedule(plans=(StepPlan(k=spec.k, capacity=capacity, tree=shape),)), (budget,)
         tetris_on = spec.selection == "tetris" and big_k > 0
         budget = 0
         if tetris_on:

@@ -32,7 +32,8 @@ from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward, forward_packed
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.sampling import SamplingConfig, probabilities, row_keys, sample
-from jaxspec.verify import accept
+from jaxspec.trees import Tree, TreeShape
+from jaxspec.verify import accept, accept_tree
 
 _DRAFT_TAG, _ACCEPT_TAG = 1, 2
 
@@ -113,11 +114,14 @@ class StepPlan:
         [b, k + 1] pass); else TETRIS, compiled for a packed pass of b + capacity tokens (the
         step selects the traced `budget` <= capacity drafts).
       threshold: confidence-threshold drafting (SpecConfig.threshold).
+      tree: a TreeShape: a draft tree per row, of which k nodes per row (standard) or `capacity`
+        across the batch (TETRIS) are verified in one packed pass.
     """
 
     k: int
     capacity: int | None = None
     threshold: float | None = None
+    tree: TreeShape | None = None
 
 
 def empty_proposal(b: int) -> Proposal:
@@ -127,7 +131,7 @@ def empty_proposal(b: int) -> Proposal:
 
 
 def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params, draft_state, seq_bl, pending_b,
-                n_out_b, request_keys_b) -> tuple[Proposal, object]:
+                n_out_b, request_keys_b, tree: TreeShape | None = None) -> tuple[Proposal | Tree, object]:
     """Step part 1, the drafter's side: propose k tokens per row.
 
     It reads only token ids and lengths of the target's side (`seq_bl`, the pending positions, the
@@ -136,6 +140,8 @@ def draft_phase(drafter: Drafter, k: int, sampling: SamplingConfig, draft_params
     """
     if k == 0:
         return empty_proposal(seq_bl.shape[0]), draft_state
+    if tree is not None:
+        return drafter.propose_tree(draft_params, draft_state, seq_bl, pending_b, tree, sampling)
     step_key_b = row_keys(request_keys_b, n_out_b)
     draft_key_b = jax.vmap(jax.random.fold_in, (0, None))(step_key_b, _DRAFT_TAG)
     return drafter.propose(draft_params, draft_state, seq_bl, pending_b, k, draft_key_b, sampling)
@@ -163,6 +169,9 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     """
     b, k = state.seq_bl.shape[0], plan.k
     features = _absorbed_features(drafter, state)
+    if plan.tree is not None:
+        return tree_verify_phase(target_graphdef, plan, sampling, target_params, state, proposal, request_keys_b,
+                                 max_new_b, eos_id, out_len, budget)
     if k == 0 and state.probs_bov is None:
         return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
                           out_len, drafter, draft_params)
@@ -259,7 +268,7 @@ def speculative_step(target_graphdef, drafter: Drafter, plan: StepPlan, sampling
     functions on two device slices.
     """
     proposal, draft_state = draft_phase(drafter, plan.k, sampling, draft_params, state.draft_state, state.seq_bl,
-                                        state.target_cache.lengths, state.n_out_b, request_keys_b)
+                                        state.target_cache.lengths, state.n_out_b, request_keys_b, plan.tree)
     return verify_phase(target_graphdef, plan, sampling, target_params, state.replace(draft_state=draft_state),
                         proposal, request_keys_b, max_new_b, eos_id, out_len, budget, drafter, draft_params)
 
@@ -279,6 +288,43 @@ def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: Decode
     verify_b = tetris.select(tetris.acceptance_logprobs(proposal, usable_bk), plan.capacity, budget)
     return verify_b, forward_packed(target_graphdef, target_params, window_bk1, verify_b + 1, state.target_cache,
                                     b + plan.capacity, features)
+
+
+def tree_verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
+                      tree: Tree, request_keys_b, max_new_b, eos_id, out_len: int, budget=None) -> DecodeState:
+    """`verify_phase` for a draft tree: select nodes (each row's k best, or the batch's `capacity`
+    best), verify them with the root in one packed pass, accept a path (`verify.accept_tree`),
+    move its keys and values into the slots after the pending token, commit."""
+    b, shape = state.seq_bl.shape[0], plan.tree
+    depth_w = jnp.asarray(shape.depth_w())
+    live_b = ~state.done_b
+    remaining_b = max_new_b - state.n_out_b
+    # A node at depth d emits d + 1 tokens with its correction: it must fit the row's budget.
+    usable_bw = live_b[:, None] & (depth_w[None, :] >= 1) & (depth_w[None, :] + 1 <= remaining_b[:, None])
+    cum_bw = jnp.where(usable_bw, tree.cum_bw, -jnp.inf)
+    if plan.capacity is None:
+        chosen_bw, packed = tetris.select_nodes(cum_bw, plan.k, per_row=True), b * (plan.k + 1)
+    else:
+        chosen_bw, packed = tetris.select_nodes(cum_bw, plan.capacity, budget), b + plan.capacity
+    used_bw = chosen_bw | (depth_w[None, :] == 0)
+    pending_b = state.target_cache.lengths
+    logits_bwv, cache = forward_packed(target_graphdef, target_params, tree.tokens_bw, used_bw, state.target_cache,
+                                       packed, tree=(jnp.broadcast_to(depth_w, (b, shape.columns)), tree.ancestor_bww))
+    accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(row_keys(request_keys_b, state.n_out_b), _ACCEPT_TAG)
+    path_bd, accepted_b, next_b = accept_tree(accept_key_b, tree.tokens_bw, tree.parent_bw, used_bw, logits_bwv,
+                                              sampling, shape.depth, shape.width)
+    cache = cache.move(pending_b[:, None] + path_bd, accepted_b, pending_b + 1)
+    j = jnp.arange(shape.depth + 1)[None, :]
+    path_tokens_bd = jnp.take_along_axis(tree.tokens_bw, path_bd, axis=1)
+    emitted_bk1 = jnp.where(j < accepted_b[:, None], jnp.pad(path_tokens_bd, ((0, 0), (0, 1))), next_b[:, None])
+    state, count_b = emit_and_commit(state.replace(target_cache=cache), emitted_bk1, accepted_b + 1, max_new_b,
+                                     eos_id, out_len)
+    live, verified_b = live_b.astype(jnp.int32), jnp.sum(chosen_bw, axis=1).astype(jnp.int32)
+    c = state.counters
+    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * jnp.sum(jnp.isfinite(cum_bw), axis=1),
+                        verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
+                        emitted=c.emitted + count_b, tried=c.tried + live * jnp.minimum(accepted_b + 1, verified_b))
+    return state.replace(counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
 
 
 def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
