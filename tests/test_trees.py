@@ -245,7 +245,16 @@ def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_fo
     tree, _ = draft_tree(model.graphdef, model.params, cache, root, root_logits[:, 0], shape, SamplingConfig())
     tok, par, anc, cum = (np.asarray(x) for x in (tree.tokens_bw, tree.parent_bw, tree.ancestor_bww, tree.cum_bw))
     depth = shape.depth_w()
-    for r, p in enumerate(prompts):
+    # The draft's uncached log-probabilities after the prompt and every node's path, in one call
+    # (right-padded rows: a causal model's logits at a position ignore what follows).
+    seqs = {(r, q): p + [int(tok[r, c]) for c in path_to(q, par[r])] for r, p in enumerate(prompts)
+            for q in range(shape.columns)}
+    batch = np.zeros((len(seqs), max(map(len, seqs.values()))), np.int32)
+    for i, seq in enumerate(seqs.values()):
+        batch[i, :len(seq)] = seq
+    logits = np.asarray(model.logits(batch), np.float64)
+    logq = {key: log_softmax(logits[i, len(seq) - 1]) for i, (key, seq) in enumerate(seqs.items())}
+    for r in range(len(prompts)):
         for d in range(1, shape.depth + 1):
             cols = np.nonzero(depth == d)[0]
             parents = sorted(set(par[r, cols]))
@@ -253,14 +262,12 @@ def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_fo
                 above = np.nonzero(depth == d - 1)[0]
                 assert parents == sorted(above[np.argsort(-cum[r, above])[:shape.width]])
             for q in parents:
-                path = path_to(q, par[r])
-                logits = np.asarray(model.logits([p + [int(tok[r, c]) for c in path]]), np.float64)[0, -1]
-                logq = log_softmax(logits)
                 kids = [c for c in cols if par[r, c] == q]
-                assert [int(tok[r, c]) for c in kids] == list(np.argsort(-logq)[:shape.width])
-                np.testing.assert_allclose(cum[r, kids], (cum[r, q] if q else 0.0) + logq[tok[r, kids]], atol=1e-4)
+                assert [int(tok[r, c]) for c in kids] == list(np.argsort(-logq[r, q])[:shape.width])
+                np.testing.assert_allclose(cum[r, kids], (cum[r, q] if q else 0.0) + logq[r, q][tok[r, kids]],
+                                           atol=1e-4)
                 for c in kids:   # ancestors: the path and the root
-                    assert set(np.nonzero(anc[r, c])[0]) == {0, *path, c}
+                    assert set(np.nonzero(anc[r, c])[0]) == {0, *path_to(c, par[r])}
 
 
 @pytest.fixture(scope="module")
@@ -278,10 +285,11 @@ def test_tree_decoding_equals_the_targets_greedy_output(tree_pair, spec):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 5, 14)]
     want = jaxspec.generate(target, prompts, max_new_tokens=20).tokens
-    for batch_size in (None, 2):   # all at once, and with refills
-        result = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(**spec)).generate(
-            prompts, max_new_tokens=20, batch_size=batch_size)
-        assert result.tokens == want
+    # Per row: with refills (2 slots for 4 prompts); the batch budget: all rows at once.
+    batch_size = 2 if spec.get("selection") is None else None
+    result = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(**spec)).generate(
+        prompts, max_new_tokens=20, batch_size=batch_size)
+    assert result.tokens == want
     assert result.stats.mean_accepted_length > 1.5   # the tree is used
 
 
