@@ -44,13 +44,23 @@ def _build_spec(args) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxsp
     spec = jaxspec.SpecConfig(k=0 if plain else args.k, extra=0 if plain else args.extra,
                               selection="standard" if plain else args.selection, capacity=args.capacity,
                               policy=args.policy, cost_model=cost,
-                              pipeline=args.pipeline)
+                              pipeline=args.pipeline, tree=None if plain else _tree(args.tree))
     sampling = jaxspec.SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     mesh = None
     if args.target_tp != 1 or args.target_dp != 1 or args.draft_tp is not None:
         mesh = jaxspec.MeshConfig(target_tp=args.target_tp, target_dp=args.target_dp,
                                   draft_tp=args.draft_tp if args.draft_tp is not None else 0)
     return spec, sampling, mesh
+
+
+def _tree(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        depth, width = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tree must be DEPTH,WIDTH (two ints, e.g. 3,2), got {text!r}") from None
+    return depth, width
 
 
 def _encode_jobs(todo: list[jobs_lib.Job], model: jaxspec.Model, args, max_positions: int
@@ -213,6 +223,9 @@ def _add_generate(sub) -> None:
     dec.add_argument("--selection", default="standard", choices=["standard", "tetris"],
                      help="tetris: draft k + extra per row, verify the batch's most promising drafts")
     dec.add_argument("--extra", type=int, default=0, help="extra draft tokens per row for --selection tetris")
+    dec.add_argument("--tree", metavar="D,W", default=None,
+                     help="draft a tree of depth D, W children per expanded node; --k nodes verified per row "
+                          "(or --selection tetris: the batch's --capacity best)")
     dec.add_argument("--capacity", type=int, default=None,
                      help="TETRIS drafts verified per step (default: batch * k)")
     dec.add_argument("--policy", default="fixed", choices=["fixed", "goodput"],

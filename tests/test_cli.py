@@ -82,7 +82,8 @@ def test_generate_subprocess_matches_python_api(tiny_path, tmp_path):
                                         ["--draft", "SELF", "--k", "2", "--target-tp", "2", "--draft-tp", "1",
                                          "--pipeline"],
                                         ["--draft", "SELF", "--k", "2", "--draft-tp", "1", "--pipeline",
-                                         "--policy", "goodput", "--cost-model", "COST"]])
+                                         "--policy", "goodput", "--cost-model", "COST"],
+                                        ["--draft", "SELF", "--k", "3", "--tree", "2,2"]])
 def test_generate_in_process_is_lossless(tiny_path, tiny_model, tmp_path, draft_args, capsys):
     """Plain decoding (--draft none), TETRIS, and a draft model on its own device slice, pipelined,
     with a fixed k and under the goodput policy, all give the greedy tokens."""
@@ -292,6 +293,8 @@ def test_skip_bad_lines_warns_and_runs_the_rest(tiny_path, tiny_model, tmp_path,
     (["--extra", "2"], "only applies with --selection tetris"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--k", "-1"], "k must be an int >= 0"),
+    (["--tree", "3"], "--tree must be DEPTH,WIDTH"),
+    (["--tree", "9,4"], "more than MAX_TREE_COLUMNS=64"),
 ])
 def test_bad_settings_fail_before_loading(tmp_path, capsys, args, message):
     prompts = write_jobs(tmp_path / "in.jsonl", token_jobs(2))
