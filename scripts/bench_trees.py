@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +102,8 @@ def main():
     note = (f"Pair `{args.pair}`, greedy, {args.new_tokens} new tokens, k = {args.k} verified per row per step "
             f"(TETRIS and batch budgets: N * k), {args.rounds} rounds round-robin.")
     write_results(name, {"note": note, "rows": rows, "args": vars(args)},
-                  f"# {name}\n\n{note}\n\n`python scripts/bench_trees.py --pair {args.pair}`\n\n{table(rows, COLUMNS)}")
+                  f"# {name}\n\n{note}\n\n`python scripts/bench_trees.py {' '.join(sys.argv[1:])}`\n\n"
+                  f"{table(rows, COLUMNS)}")
     plot(rows, name)
 
 
