@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.drafters import CATCH_UP_CHUNK, Drafter, Proposal, abstract, catch_up, draft_logprob
+from jaxspec.drafters import CATCH_UP_CHUNK, Drafter, Proposal, abstract, catch_up, draft_chain, draft_logprob
 from jaxspec.models.cache import KVCache
 from jaxspec.models.gguf_tokenizer import byte_alphabet
 from jaxspec.models.model import Model, forward, init_cache
@@ -240,10 +240,9 @@ class CrossVocabDrafter(Drafter):
     def _draft(self, params, cache: KVCache, logits_bw, k: int, key_b, sampling: SamplingConfig):
         """k draws from the draft's distribution restricted to the shared tokens: the draft
         tokens, their distributions over the target vocabulary, their TETRIS scores, the cache."""
-        graphdef, tables = self.model.graphdef, params["tables"]
+        tables = params["tables"]
         draw = SamplingConfig() if self.greedy else sampling
         shared_w = tables["to_target_w"] >= 0
-        keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
 
         def draw_one(logits_bw, keys_b):
             masked_bw = jnp.where(shared_w, logits_bw, -jnp.inf)
@@ -251,18 +250,8 @@ class CrossVocabDrafter(Drafter):
             q_bv = jnp.take(jnp.pad(q_bw, ((0, 0), (0, 1))), tables["to_draft_v"], axis=1)
             return token_b, q_bv, draft_logprob(masked_bw, token_b, q_bw, sampling, draw.greedy)
 
-        first = draw_one(logits_bw, keys_bk[:, 0])
-
-        def step(carry, keys_b):
-            cache, token_b = carry
-            logits_b1w, cache = forward(graphdef, params["model"], token_b[:, None], cache)
-            drawn = draw_one(logits_b1w[:, 0], keys_b)
-            return (cache.commit(cache.lengths + 1), drawn[0]), drawn
-
-        (cache, _), rest = jax.lax.scan(step, (cache, first[0]), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
-        drafts_bk, q_bkv, logprob_bk = (jnp.concatenate([a[:, None], jnp.swapaxes(r, 0, 1)], axis=1)
-                                        for a, r in zip(first, rest))
-        return drafts_bk, q_bkv, logprob_bk, cache
+        drawn, cache = draft_chain(self.model.graphdef, params["model"], cache, logits_bw, k, key_b, draw_one)
+        return (*drawn, cache)
 
 
 def _sync(tables, state: _BridgeState, seq_bl, upto_b, chunk: int, room: int) -> _BridgeState:

@@ -165,6 +165,23 @@ def feed_missing(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = 
     return jax.lax.while_loop(lambda c: jnp.any(c[0].lengths < upto_b), feed, (cache, drafter_state))
 
 
+def draft_chain(graphdef, params, cache: KVCache, logits_bv, k: int, key_b, draw_one):
+    """k autoregressive draws from a draft model: `draw_one(logits, keys)` -> (token, q, score)
+    turns the logits after the last fed token into a draw; each draw but the last is fed back
+    (committed). Returns the k draws stacked along axis 1, and the cache."""
+    keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
+    first = draw_one(logits_bv, keys_bk[:, 0])
+
+    def step(carry, keys_b):
+        cache, token_b = carry
+        logits_b1v, cache = forward(graphdef, params, token_b[:, None], cache)
+        drawn = draw_one(logits_b1v[:, 0], keys_b)
+        return (cache.commit(cache.lengths + 1), drawn[0]), drawn
+
+    (cache, _), rest = jax.lax.scan(step, (cache, first[0]), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
+    return tuple(jnp.concatenate([a[:, None], jnp.swapaxes(r, 0, 1)], axis=1) for a, r in zip(first, rest)), cache
+
+
 @struct.dataclass
 class _ModelDraftState:
     cache: KVCache
@@ -235,26 +252,13 @@ class ModelDrafter(Drafter):
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef = self.model.graphdef
         draw = SamplingConfig() if self.greedy else sampling
-        keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
         logits_bv, cache = self._fed(params, state, seq_bl, pending_b)
-        logits_b1v = logits_bv[:, None]
 
         def draw_one(logits_bv, keys_b):
             token_b, q_bv = choose(keys_b, logits_bv, draw), probabilities(logits_bv, draw)
             return token_b, q_bv, draft_logprob(logits_bv, token_b, q_bv, sampling, draw.greedy)
 
-        first = draw_one(logits_b1v[:, 0], keys_bk[:, 0])
-
-        def step(carry, keys_b):
-            cache, token_b = carry
-            logits_b1v, cache = forward(graphdef, params, token_b[:, None], cache)
-            cache = cache.commit(cache.lengths + 1)
-            drawn = draw_one(logits_b1v[:, 0], keys_b)
-            return (cache, drawn[0]), drawn
-
-        (cache, _), rest = jax.lax.scan(step, (cache, first[0]), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
-        tokens_bk, q_bkv, logprob_bk = (jnp.concatenate([a[:, None], jnp.swapaxes(r, 0, 1)], axis=1)
-                                        for a, r in zip(first, rest))
+        (tokens_bk, q_bkv, logprob_bk), cache = draft_chain(graphdef, params, cache, logits_bv, k, key_b, draw_one)
         proposal = Proposal(tokens_bk=tokens_bk, q_bkv=q_bkv, logprob_bk=logprob_bk,
                             num_drafts_b=jnp.full(pending_b.shape, k, jnp.int32))
         return proposal, _ModelDraftState(cache=cache)

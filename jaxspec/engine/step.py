@@ -210,12 +210,16 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     if features:   # the drafter takes in the target's features of the tokens kept (EAGLE)
         state = state.replace(draft_state=drafter.absorb(draft_params, state.draft_state, out[2], emitted_bk1,
                                                          count_b))
-    live = live_b.astype(jnp.int32)
-    c = state.counters
-    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * proposal.num_drafts_b,
+    return _counted(state, live_b, proposal.num_drafts_b, verified_b, accepted_b, count_b, verify_b)
+
+
+def _counted(state: DecodeState, live_b, drafted_b, verified_b, accepted_b, count_b, window_b) -> DecodeState:
+    """The state with a verifying step's counts added for its live rows (`window_b`: drafts the
+    acceptance rule could reach; a trial is each accepted draft plus the first rejection)."""
+    live, c = live_b.astype(jnp.int32), state.counters
+    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * drafted_b,
                         verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
-                        emitted=c.emitted + count_b,
-                        tried=c.tried + live * jnp.minimum(accepted_b + 1, verify_b))
+                        emitted=c.emitted + count_b, tried=c.tried + live * jnp.minimum(accepted_b + 1, window_b))
     # A step over finished rows only (a host-driven loop may run one) is not counted.
     return state.replace(counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
 
@@ -319,12 +323,8 @@ def tree_verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig,
     emitted_bk1 = jnp.where(j < accepted_b[:, None], jnp.pad(path_tokens_bd, ((0, 0), (0, 1))), next_b[:, None])
     state, count_b = emit_and_commit(state.replace(target_cache=cache), emitted_bk1, accepted_b + 1, max_new_b,
                                      eos_id, out_len)
-    live, verified_b = live_b.astype(jnp.int32), jnp.sum(chosen_bw, axis=1).astype(jnp.int32)
-    c = state.counters
-    counters = Counters(row_steps=c.row_steps + live, drafted=c.drafted + live * jnp.sum(jnp.isfinite(cum_bw), axis=1),
-                        verified=c.verified + live * verified_b, accepted=c.accepted + live * accepted_b,
-                        emitted=c.emitted + count_b, tried=c.tried + live * jnp.minimum(accepted_b + 1, verified_b))
-    return state.replace(counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
+    verified_b = jnp.sum(chosen_bw, axis=1).astype(jnp.int32)
+    return _counted(state, live_b, jnp.sum(jnp.isfinite(cum_bw), axis=1), verified_b, accepted_b, count_b, verified_b)
 
 
 def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
