@@ -130,7 +130,7 @@ def test_sampling_with_refills_matches_the_target_distribution(spec):
 @pytest.mark.parametrize("mesh, pipeline", [
     (jaxspec.MeshConfig(target_tp=2, draft_tp=1), True),
     (jaxspec.MeshConfig(target_tp=2, draft_tp=1), False),
-    (jaxspec.MeshConfig(target_dp=2, target_tp=2, draft_tp=2), True),
+    pytest.param(jaxspec.MeshConfig(target_dp=2, target_tp=2, draft_tp=2), True, marks=pytest.mark.slow),   # 14 s
 ], ids=["tp2+draft1-pipelined", "tp2+draft1-sequential", "dp2xtp2+draft2-pipelined"])
 def test_two_slice_engines_refill_too(pair, requests, alone, mesh, pipeline):
     target, draft = pair
