@@ -17,6 +17,8 @@ a tiny shape):
                 and the loop's compile time at 1/4, 1/2 and all of the layers (unrolled blocks).
   eagle_head    one EAGLE-3 head draft step against a one-token target step (batch 1).
   tetris        `tetris.select` at N = 64, K = 8; packed against padded verification at batch 64.
+  trees         draft trees against a chain with the speculative section's pair at batch 1 and 16:
+                chain k = 4, a 4x2 tree verifying 4 and 8 nodes per row (tokens per pass, tokens/s).
 
     python scripts/device_check.py [--cpu-smoke] [--out docs/results/gpu] [--deadline 420]
 """
@@ -42,7 +44,7 @@ from jaxspec.drafters import NgramDrafter
 from jaxspec.engine import timing
 
 # In order of importance: a short lease runs the first ones.
-SECTIONS = ("step_profile", "attention", "speculative", "xla_options", "eagle_head", "tetris")
+SECTIONS = ("step_profile", "attention", "speculative", "trees", "xla_options", "eagle_head", "tetris")
 STEPS = 8   # decode steps per timed / traced loop
 _GRAPHS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION"   # XLA's default set
 OPTIONS = {"gpu": {"default": {},
@@ -57,12 +59,12 @@ def shapes(smoke: bool) -> dict:
     if smoke:
         tiny = jaxspec.ModelConfig.preset("tiny")
         return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [2],
-                "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
+                "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2], "trees": [(2, 2, 2)],
                 "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24,
                 "int8_verify": False, "attention": (2, 2, 128, [16, 96])}
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
-            "ks": [1, 2, 4], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30,
+            "ks": [1, 2, 4], "trees": [(4, 2, 4), (4, 2, 8)], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30,
             "int8_verify": True, "attention": (4, 8, 4096, [256, 3800])}   # layers, batch, slots, live
 
 
@@ -148,25 +150,29 @@ def tetris_section(target, s, out: dict, before_deadline) -> None:
     out["packed"] = packed_rows(target, s["packed"], repeats=3, capacities=(0.5, 1, 2))
 
 
-def speculative(target, s, out: dict, before_deadline) -> None:
+def speculative(target, s, out: dict, before_deadline, trees: bool = False) -> None:
     target, draft = skeleton_pair(s["target"], s["draft"], damping=7e-4, sharpness=6.0, dtype="bfloat16")
     rows = out.setdefault("rows", [])
+    specs = ({f"tree {d}x{w} k={k}": jaxspec.SpecConfig(k=k, tree=(d, w)) for d, w, k in s["trees"]} if trees
+             else {})
+    specs = {f"k={k}": jaxspec.SpecConfig(k=k) for k in ([max(s["ks"])] if trees else s["ks"])} | specs
     for batch in s["spec_batches"]:
         if not before_deadline():
             out.setdefault("skipped", []).append(f"batch {batch}")
             continue
         prompts = prompt_sets(s["target"].vocab_size, batch, 1)[0]
         fns = {"autoregressive": lambda on_finish: jaxspec.generate(target, prompts, max_new_tokens=s["new_tokens"])}
-        for k in s["ks"]:
-            decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k))
-            fns[f"k={k}"] = lambda on_finish, d=decoder: d.generate(prompts, max_new_tokens=s["new_tokens"],
-                                                                    on_finish=on_finish)
+        for label, spec in specs.items():
+            decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec)
+            fns[label] = lambda on_finish, d=decoder: d.generate(prompts, max_new_tokens=s["new_tokens"],
+                                                                 on_finish=on_finish)
         timing.side_by_side([functools.partial(fn, None) for fn in fns.values()])   # compiles side by side
         results, seconds, _ = round_robin(fns, s["rounds"])
         for label, res in results.items():
             rows.append({"batch": batch, "method": label,
                          "tok_s": batch * s["new_tokens"] / float(np.median(seconds[label])),
                          "vs_ar": float(np.median(seconds["autoregressive"] / seconds[label])),
+                         "tokens_per_pass": None if label == "autoregressive" else res.stats.mean_accepted_length,
                          "acceptance": None if label == "autoregressive" else res.stats.acceptance_rate,
                          "same_output": res.tokens == results["autoregressive"].tokens})
         print(table(rows[-len(fns):]), flush=True)
@@ -188,7 +194,7 @@ def main() -> None:
     report = {"args": vars(args), "shapes": {k: str(v) for k, v in s.items()}, "sections": {}, "seconds": {}}
     runs = {"step_profile": step_profile, "attention": attention, "xla_options": xla_options,
             "eagle_head": eagle_head, "tetris": tetris_section,
-            "speculative": speculative}
+            "speculative": speculative, "trees": functools.partial(speculative, trees=True)}
     for section in args.sections:
         if time.time() - start > args.deadline:
             report["sections"][section] = "not run: past the deadline"
@@ -230,6 +236,9 @@ def markdown(report: dict) -> str:
     spec = sec.get("speculative")
     if isinstance(spec, dict) and spec.get("rows"):
         parts += ["", "Plain against speculative decoding (skeleton pair, greedy):", "", table(spec["rows"])]
+    trees = sec.get("trees")
+    if isinstance(trees, dict) and trees.get("rows"):
+        parts += ["", "Draft trees against a chain (skeleton pair, greedy):", "", table(trees["rows"])]
     skipped = {k: v for k, v in sec.items() if isinstance(v, str) or (isinstance(v, dict) and v.get("skipped"))}
     if skipped:
         parts += ["", f"Not run (deadline): {skipped}"]

@@ -125,9 +125,10 @@ def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0)
 def side_by_side(jobs) -> list:
     """Runs zero-argument callables in threads, one per core this process may use, and returns
     their results in order (JAX's compilation and dispatch are thread-safe; one compilation
-    leaves cores idle)."""
+    leaves cores idle). On CPU only: on a GPU one thread's first run of a program aborts the
+    process while another captures a CUDA graph (XLA 0.11, H200), so there they run in turn."""
     jobs = list(jobs)
-    if len(jobs) < 2:
+    if len(jobs) < 2 or jax.default_backend() != "cpu":
         return [job() for job in jobs]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(jobs), cores)) as pool:
