@@ -323,6 +323,10 @@ class NgramDrafter(Drafter):
                             logprob_bk=jnp.zeros(tokens_bk.shape, _F32))
         return proposal, state
 
+    def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
+        from jaxspec.trees import ngram_tree
+        return ngram_tree(seq_bl, pending_b, shape, self.max_ngram, self.min_ngram), state
+
 
 @struct.dataclass
 class _EagleState:
@@ -401,6 +405,13 @@ class EagleDrafter(Drafter):
         """The state with the head's rows from `length_b` on dropped (they are absorbed again);
         its last output is stale until the next `absorb`."""
         return state.replace(cache=state.cache.commit(jnp.minimum(state.cache.lengths, length_b)))
+
+    def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
+        from jaxspec.trees import eagle_tree
+        root_b = jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1)[:, 0]
+        return eagle_tree(self.head.graphdef, params["head"], params["embed_vd"], self.head.draft_ids,
+                          self.head.config.target_vocab_size, state.cache, state.hidden_bd, state.logits_bw, root_b,
+                          shape, sampling), state
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef, vocab = self.head.graphdef, self.head.config.target_vocab_size

@@ -1,4 +1,5 @@
-"""Draft trees: their static layout and dynamic drafting (EAGLE-2) with a draft model.
+"""Draft trees: their static layout and dynamic drafting (EAGLE-2), with a draft model or any
+logits function.
 
 Shape key: b rows, w tree columns, v vocabulary, e expanded nodes per depth (= width).
 
@@ -75,18 +76,16 @@ def _children(logits_bev, shape: TreeShape, sampling: SamplingConfig):
     return token.astype(jnp.int32), jnp.log(prob)
 
 
-def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: TreeShape,
-               sampling: SamplingConfig) -> tuple[Tree, KVCache]:
-    """Drafts a tree per row with a draft model (EAGLE-2's dynamic tree).
+def grow_tree(root_b, root_logits_bv, shape: TreeShape, sampling: SamplingConfig, expand, carry) -> tuple[Tree, object]:
+    """A draft tree per row (EAGLE-2's dynamic tree), whatever computes the draft's logits.
 
-    `cache` holds the committed tokens below slot cache.lengths and the root's keys and values at
-    that slot; `root_logits_bv` are the draft's logits after the root. Each depth below the first
-    feeds the W most probable nodes of the depth above in one packed pass (each at its column's
-    slot, seeing its own ancestors) and takes their W most probable children. Returns the tree
-    and the cache with the fed nodes written (its lengths unchanged).
+    The root's W most probable next tokens make depth 1; each later depth takes the W children of
+    each of the W most probable nodes of the depth above. `expand(carry, d, expand_be, tokens_bw,
+    parent_bw, ancestor_bww)` returns the draft's logits after each of the e nodes `expand_be`
+    (columns at depth d) [b, e, v] and the new carry; the tree's columns are filled up to depth d.
     """
     b, w, width = root_b.shape[0], shape.columns, shape.width
-    starts, depth_w = shape.starts(), jnp.asarray(shape.depth_w())
+    starts = shape.starts()
     tokens = jnp.zeros((b, w), jnp.int32).at[:, 0].set(root_b)
     parent = jnp.full((b, w), -1, jnp.int32).at[:, 1:1 + width].set(0)
     ancestor = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w)).at[:, 1:1 + width, 0].set(True)
@@ -98,12 +97,9 @@ def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: 
         lo, hi = starts[d - 1], starts[d]
         _, pick_be = jax.lax.top_k(cum[:, lo:hi], width)
         expand_be = lo + pick_be                                           # the columns fed at this depth
-        used = jnp.zeros((b, w), bool).at[rows_b1, expand_be].set(True)
-        logits_bwv, cache = forward_packed(graphdef, params, tokens, used, cache, b * width,
-                                           tree=(jnp.broadcast_to(depth_w, (b, w)), ancestor))
-        token_bec, logq_bec = _children(logits_bwv[rows_b1, expand_be], shape, sampling)
-        cols_bec = hi + jnp.arange(width * width).reshape(width, width)[None]     # children of expanded e
-        cols_bn = cols_bec.reshape(1, -1).repeat(b, 0)
+        logits_bev, carry = expand(carry, d, expand_be, tokens, parent, ancestor)
+        token_bec, logq_bec = _children(logits_bev, shape, sampling)
+        cols_bn = (hi + jnp.arange(width * width))[None].repeat(b, 0)   # children of expanded e at hi + e W + c
         parents_bn = jnp.repeat(expand_be, width, axis=1)
         tokens = tokens.at[rows_b1, cols_bn].set(token_bec.reshape(b, -1))
         parent = parent.at[rows_b1, cols_bn].set(parents_bn)
@@ -111,4 +107,90 @@ def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: 
                                            .reshape(b, -1))
         inherited = jnp.take_along_axis(ancestor, parents_bn[:, :, None], axis=1)      # [b, n, w]
         ancestor = ancestor.at[rows_b1, cols_bn].set(inherited | jax.nn.one_hot(cols_bn, w, dtype=bool))
-    return Tree(tokens_bw=tokens, parent_bw=parent, ancestor_bww=ancestor, cum_bw=cum), cache
+    return Tree(tokens_bw=tokens, parent_bw=parent, ancestor_bww=ancestor, cum_bw=cum), carry
+
+
+def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: TreeShape,
+               sampling: SamplingConfig) -> tuple[Tree, KVCache]:
+    """`grow_tree` with a draft model.
+
+    `cache` holds the committed tokens below slot cache.lengths and the root's keys and values at
+    that slot; `root_logits_bv` are the draft's logits after the root. Each depth below the first
+    feeds the W most probable nodes of the depth above in one packed pass (each at its column's
+    slot, seeing its own ancestors). Returns the tree and the cache with the fed nodes written
+    (its lengths unchanged).
+    """
+    b, depth_bw = root_b.shape[0], jnp.broadcast_to(jnp.asarray(shape.depth_w()), (root_b.shape[0], shape.columns))
+
+    def expand(cache, d, expand_be, tokens_bw, parent_bw, ancestor_bww):
+        used = jnp.zeros(tokens_bw.shape, bool).at[jnp.arange(b)[:, None], expand_be].set(True)
+        logits_bwv, cache = forward_packed(graphdef, params, tokens_bw, used, cache, b * shape.width,
+                                           tree=(depth_bw, ancestor_bww))
+        return jnp.take_along_axis(logits_bwv, expand_be[:, :, None], axis=1), cache
+
+    return grow_tree(root_b, root_logits_bv, shape, sampling, expand, cache)
+
+
+def eagle_tree(graphdef, params, embed_vd, draft_ids, vocab_size: int, cache: KVCache, hidden_bd, logits_bw, root_b,
+               shape: TreeShape, sampling: SamplingConfig) -> Tree:
+    """`grow_tree` with an EAGLE-3 head (`jaxspec.models.eagle`) whose cache is committed to the
+    kept tokens, `hidden_bd` and `logits_bw` its output after the root (its first draft's input
+    and scores). A node is fed with its parent's output (the root's: `hidden_bd`), at the
+    position after its parent's and at slot lengths + column - 1 (the root is not fed), seeing
+    its fed ancestors; the head's cache past `lengths` is scratch (`absorb` rewrites it)."""
+    from jaxspec.models import eagle as eagle_lib
+    b, rows_b1 = root_b.shape[0], jnp.arange(root_b.shape[0])[:, None]
+
+    def expand(carry, d, expand_be, tokens_bw, parent_bw, ancestor_bww):
+        cache, hidden_bwd = carry
+        hidden_bed = jnp.take_along_axis(hidden_bwd, jnp.take_along_axis(parent_bw, expand_be, 1)[:, :, None], 1)
+        tree = (expand_be - 1, jnp.full_like(expand_be, d - 1), ancestor_bww[rows_b1, expand_be][:, :, 1:])
+        logits_bew, out_bed, cache = eagle_lib.head_forward(graphdef, params, embed_vd, hidden_bed,
+                                                            jnp.take_along_axis(tokens_bw, expand_be, 1), cache, tree)
+        hidden_bwd = hidden_bwd.at[rows_b1, expand_be].set(out_bed.astype(hidden_bwd.dtype))
+        return eagle_lib.to_target_logits(logits_bew, draft_ids, vocab_size), (cache, hidden_bwd)
+
+    hidden_bwd = jnp.zeros((b, shape.columns, hidden_bd.shape[-1]), hidden_bd.dtype).at[:, 0].set(hidden_bd)
+    root_logits_bv = eagle_lib.to_target_logits(logits_bw, draft_ids, vocab_size)
+    return grow_tree(root_b, root_logits_bv, shape, sampling, expand, (cache, hidden_bwd))[0]
+
+
+def ngram_tree(seq_bl, pending_b, shape: TreeShape, max_ngram: int, min_ngram: int) -> Tree:
+    """A prompt-lookup tree per row: up to W branches, each continuing one earlier occurrence of
+    the row's last n tokens for D tokens (the longest n first, then the latest), with distinct
+    first tokens. Branch i's node at depth d scores -(d + i) (no model, no probabilities: each
+    token and each rank down counts as one unit of doubt); nodes past the present are unusable.
+    Branch i sits in column 1 + i at depth 1 and in the first child column of expanded node i
+    below, so the layout is `TreeShape`'s."""
+    b, slots = seq_bl.shape
+    width, starts, cols_w = shape.width, shape.starts(), jnp.arange(shape.columns)
+    slot_l = jnp.arange(slots)
+    score_bl = jnp.full((b, slots), -1, jnp.int32)       # by continuation start: n * slots + start, -1: none
+    for n in range(max_ngram, min_ngram - 1, -1):
+        suffix_bn = jnp.take_along_axis(seq_bl, jnp.clip(pending_b[:, None] - n + 1 + jnp.arange(n), 0), axis=1)
+        match_bl = (slot_l[None, :] + n <= pending_b[:, None]) & (pending_b[:, None] + 1 >= n)
+        for j in range(n):
+            match_bl &= jnp.take(seq_bl, jnp.clip(slot_l + j, 0, slots - 1), axis=1) == suffix_bn[:, j:j + 1]
+        cont_l = jnp.minimum(slot_l + n, slots - 1)
+        score_bl = jnp.maximum(score_bl, jnp.full((b, slots), -1, jnp.int32).at[:, cont_l].max(
+            jnp.where(match_bl, n * slots + cont_l[None], -1)))
+    rows_b1 = jnp.arange(b)[:, None]
+    tokens = jnp.zeros((b, shape.columns), jnp.int32).at[:, 0].set(seq_bl[rows_b1[:, 0], pending_b])
+    parent = jnp.full((b, shape.columns), -1, jnp.int32)
+    cum = jnp.full((b, shape.columns), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
+    ancestor = jnp.broadcast_to(jnp.eye(shape.columns, dtype=bool), (b, shape.columns, shape.columns))
+    for i in range(width):
+        start_b = jnp.argmax(score_bl, axis=1)
+        found_b = jnp.max(score_bl, axis=1) >= 0
+        score_bl = jnp.where(seq_bl == seq_bl[rows_b1[:, 0], start_b][:, None], -1, score_bl)   # distinct firsts
+        above_b = jnp.zeros((b,), jnp.int32)
+        for d in range(1, shape.depth + 1):
+            col = 1 + i if d == 1 else starts[d - 1] + i * width
+            ok_b = found_b & (start_b + d - 1 <= pending_b)
+            tokens = tokens.at[:, col].set(jnp.take_along_axis(seq_bl, jnp.minimum(start_b + d - 1, slots - 1)[:, None],
+                                                               axis=1)[:, 0])
+            parent = parent.at[:, col].set(above_b)
+            cum = cum.at[:, col].set(jnp.where(ok_b, -float(d + i), -jnp.inf))
+            ancestor = ancestor.at[:, col].set(ancestor[rows_b1[:, 0], above_b] | (cols_w == col)[None])
+            above_b = jnp.full((b,), col, jnp.int32)
+    return Tree(tokens_bw=tokens, parent_bw=parent, ancestor_bww=ancestor, cum_bw=cum)

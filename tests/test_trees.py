@@ -254,7 +254,16 @@ def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_fo
         batch[i, :len(seq)] = seq
     logits = np.asarray(model.logits(batch), np.float64)
     logq = {key: log_softmax(logits[i, len(seq) - 1]) for i, (key, seq) in enumerate(seqs.items())}
-    for r in range(len(prompts)):
+    assert_dynamic_tree(tree, shape, lambda r, q: logq[r, q])
+
+
+def assert_dynamic_tree(tree, shape, logq):
+    """Each depth's expanded nodes are the best W of the depth above; each expanded node's
+    children are the W most probable tokens under `logq(row, column)` (the draft's log
+    probabilities after the column's path), with cumulative log-probabilities and ancestors."""
+    tok, par, anc, cum = (np.asarray(x) for x in (tree.tokens_bw, tree.parent_bw, tree.ancestor_bww, tree.cum_bw))
+    depth = shape.depth_w()
+    for r in range(tok.shape[0]):
         for d in range(1, shape.depth + 1):
             cols = np.nonzero(depth == d)[0]
             parents = sorted(set(par[r, cols]))
@@ -263,11 +272,79 @@ def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_fo
                 assert parents == sorted(above[np.argsort(-cum[r, above])[:shape.width]])
             for q in parents:
                 kids = [c for c in cols if par[r, c] == q]
-                assert [int(tok[r, c]) for c in kids] == list(np.argsort(-logq[r, q])[:shape.width])
-                np.testing.assert_allclose(cum[r, kids], (cum[r, q] if q else 0.0) + logq[r, q][tok[r, kids]],
+                assert [int(tok[r, c]) for c in kids] == list(np.argsort(-logq(r, q))[:shape.width])
+                np.testing.assert_allclose(cum[r, kids], (cum[r, q] if q else 0.0) + logq(r, q)[tok[r, kids]],
                                            atol=1e-4)
                 for c in kids:   # ancestors: the path and the root
                     assert set(np.nonzero(anc[r, c])[0]) == {0, *path_to(c, par[r])}
+
+
+def test_an_eagle_tree_is_each_expanded_paths_top_children_fed_one_token_at_a_time():
+    """The head drafts a tree in one pass per depth (tree slots and masks); the reference feeds
+    each node's path to the head one token at a time from the committed state (chain steps)."""
+    import jax.numpy as jnp
+    from scipy.special import log_softmax
+
+    import jaxspec
+    from jaxspec.models import eagle
+    from jaxspec.trees import TreeShape, eagle_tree
+    target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(vocab_size=32), seed=6)
+    head = eagle.EagleHead.init(target, draft_vocab_size=24, token_counts=np.arange(32) % 5, seed=2)
+    rng, shape, lengths = np.random.default_rng(3), TreeShape(depth=3, width=2), jnp.asarray([5, 3])
+    hidden = jnp.asarray(rng.normal(size=(2, 5, head.config.layer.hidden_size)), head.embed_vd.dtype)
+    logits, out, cache = eagle.head_forward(head.graphdef, head.params, head.embed_vd, hidden,
+                                            jnp.asarray(rng.integers(0, 32, (2, 5))), head.init_cache(2, 32))
+    cache = cache.commit(lengths)   # row 1 kept 3 of its 5 (the rest is stale, as after a rejection)
+    last = (jnp.arange(2), lengths - 1)
+    tree = eagle_tree(head.graphdef, head.params, head.embed_vd, head.draft_ids, 32, cache, out[last], logits[last],
+                      jnp.asarray([7, 9]), shape, SamplingConfig())
+    tok, par = np.asarray(tree.tokens_bw), np.asarray(tree.parent_bw)
+
+    def logq(r, q):
+        step_logits, h, c = logits[last], out[last], cache
+        for col in path_to(q, par[r]):
+            step, h, c = eagle.head_forward(head.graphdef, head.params, head.embed_vd, h[:, None],
+                                            jnp.full((2, 1), tok[r, col]), c)
+            step_logits, h, c = step[:, 0], h[:, 0], c.commit(c.lengths + 1)
+        full = eagle.to_target_logits(step_logits, head.draft_ids, 32)
+        return log_softmax(np.asarray(full[r], np.float64))
+
+    assert_dynamic_tree(tree, shape, logq)
+
+
+def ngram_branches(ctx, max_n, min_n, width, depth):
+    """Brute force: up to `width` continuations (`depth` tokens, or up to the present) of earlier
+    occurrences of the context's last n tokens, longest n then latest first, distinct first tokens."""
+    score = {}
+    for n in range(max_n, min_n - 1, -1):
+        for s in range(len(ctx) - n):
+            if ctx[s:s + n] == ctx[-n:]:
+                score[s + n] = max(score.get(s + n, -1), n * 10_000 + s + n)
+    branches = []
+    while score and len(branches) < width:
+        c = max(score, key=score.get)
+        branches.append(ctx[c:c + depth])
+        score = {x: v for x, v in score.items() if ctx[x] != ctx[c]}
+    return branches
+
+
+def test_an_ngram_tree_holds_the_best_continuations_with_distinct_first_tokens():
+    import jax.numpy as jnp
+
+    from jaxspec.trees import TreeShape, ngram_tree
+    rng, shape = np.random.default_rng(4), TreeShape(depth=3, width=3)
+    contexts = [rng.integers(0, 4, n).tolist() for n in (20, 9, 14, 2)] + [[1, 2, 3, 1, 2, 3, 1, 2]]
+    seq = np.zeros((len(contexts), 24), np.int32)
+    for r, ctx in enumerate(contexts):
+        seq[r, :len(ctx)] = ctx
+    tree = ngram_tree(jnp.asarray(seq), jnp.asarray([len(c) - 1 for c in contexts]), shape, 3, 1)
+    tok, par, cum = (np.asarray(x) for x in (tree.tokens_bw, tree.parent_bw, tree.cum_bw))
+    for r, ctx in enumerate(contexts):
+        usable = np.nonzero(np.isfinite(cum[r]))[0]
+        leaves = {c for c in usable if c > 0 and not any(par[r, x] == c for x in usable)}
+        got = sorted((-cum[r, c] - len(path_to(c, par[r])), [int(tok[r, x]) for x in path_to(c, par[r])])
+                     for c in leaves)
+        assert got == list(enumerate(ngram_branches(ctx, 3, 1, shape.width, shape.depth))), r
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +368,57 @@ def test_tree_decoding_equals_the_targets_greedy_output(tree_pair, spec):
         prompts, max_new_tokens=20, batch_size=batch_size)
     assert result.tokens == want
     assert result.stats.mean_accepted_length > 1.5   # the tree is used
+
+
+@pytest.fixture(scope="module")
+def vocab6():
+    """A 6-token target (random drafts often agree with it) and a head over 4 of its tokens."""
+    import jaxspec
+    from jaxspec.models import eagle
+    target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, num_layers=4), seed=3)
+    return target, eagle.EagleHead.init(target, draft_vocab_size=4, token_counts=[0, 5, 5, 0, 5, 5], seed=6)
+
+
+@pytest.mark.parametrize("spec", [dict(k=3, tree=(3, 2)), dict(k=3, tree=(2, 3), selection="tetris", capacity=8)],
+                         ids=["per-row", "batch-budget"])
+def test_eagle_and_ngram_trees_decode_the_targets_greedy_output(vocab6, spec):
+    import jaxspec
+    target, head = vocab6
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 6, n).tolist() for n in (3, 9, 5, 12, 2, 7)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=24).tokens
+    for drafter in (jaxspec.EagleDrafter(head), jaxspec.NgramDrafter()):
+        result = jaxspec.SpeculativeDecoder(target, drafter, spec=jaxspec.SpecConfig(**spec)).generate(
+            prompts, max_new_tokens=24, batch_size=4)   # 6 requests in 4 slots: refills
+        assert result.tokens == want
+        assert result.stats.mean_accepted_length > 1.1, drafter   # drafts were accepted
+
+
+@pytest.mark.parametrize("mesh", [dict(target_tp=2, draft_tp=0), dict(target_dp=2, target_tp=2, draft_tp=0)],
+                         ids=["tp2", "dp2xtp2"])
+def test_tree_decoding_on_a_mesh_equals_the_targets_greedy_output(tree_pair, mesh):
+    import jaxspec
+    target, draft = tree_pair
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (4, 11, 6, 2)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=16).tokens
+    result = jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(**mesh), spec=jaxspec.SpecConfig(
+        k=3, tree=(2, 2), selection="tetris")).generate(prompts, max_new_tokens=16)
+    assert result.tokens == want
+    assert result.stats.mean_accepted_length > 1.2
+
+
+def test_eagle_tree_sampling_follows_the_targets_distribution(vocab6):
+    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+
+    import jaxspec
+    target, head = vocab6
+    sampling, rows = SamplingConfig(temperature=1.0), 4000
+    decoder = jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(head), spec=jaxspec.SpecConfig(k=3, tree=(2, 2)),
+                                         sampling=sampling)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=37)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    assert result.stats.accepted_tokens > 0
 
 
 def test_tree_sampling_follows_the_targets_distribution():

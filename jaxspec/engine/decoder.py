@@ -34,6 +34,8 @@ from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 from jaxspec.trees import TreeShape
 
+TREE_DRAFTERS = (ModelDrafter, EagleDrafter, NgramDrafter)   # those with `propose_tree`
+
 _NO_CAP = 2 ** 30   # a segment's step cap when none is wanted
 
 
@@ -87,10 +89,10 @@ class SpeculativeDecoder:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
-        if self.spec.tree is not None and (type(self.drafter) is not ModelDrafter or self._sliced):
-            raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model on the target's devices "
-                             f"so far, got {type(self.drafter).__name__}" + (" on a separate slice" if self._sliced
-                                                                            else ""))
+        if self.spec.tree is not None and (type(self.drafter) not in TREE_DRAFTERS or self._sliced):
+            raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head or n-gram "
+                             f"lookup on the target's devices, got {type(self.drafter).__name__}"
+                             + (" on a separate slice" if self._sliced else ""))
         if isinstance(self.drafter, crossvocab.CrossVocabDrafter) and self._draft_mesh is not None:
             self.drafter = self.drafter.placed(sharding_lib.replicated(self._draft_mesh))
         self.draft = draft

@@ -171,7 +171,7 @@ def verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, targ
     features = _absorbed_features(drafter, state)
     if plan.tree is not None:
         return tree_verify_phase(target_graphdef, plan, sampling, target_params, state, proposal, request_keys_b,
-                                 max_new_b, eos_id, out_len, budget)
+                                 max_new_b, eos_id, out_len, budget, drafter, draft_params)
     if k == 0 and state.probs_bov is None:
         return plain_step(target_graphdef, sampling, target_params, state, request_keys_b, max_new_b, eos_id,
                           out_len, drafter, draft_params)
@@ -295,10 +295,12 @@ def _tetris_verify(target_graphdef, target_params, plan: StepPlan, state: Decode
 
 
 def tree_verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig, target_params, state: DecodeState,
-                      tree: Tree, request_keys_b, max_new_b, eos_id, out_len: int, budget=None) -> DecodeState:
+                      tree: Tree, request_keys_b, max_new_b, eos_id, out_len: int, budget=None, drafter=None,
+                      draft_params=None) -> DecodeState:
     """`verify_phase` for a draft tree: select nodes (each row's k best, or the batch's `capacity`
     best), verify them with the root in one packed pass, accept a path (`verify.accept_tree`),
-    move its keys and values into the slots after the pending token, commit."""
+    move its keys and values into the slots after the pending token, commit; an EAGLE drafter
+    absorbs the target's features of the root and the accepted path."""
     b, shape = state.seq_bl.shape[0], plan.tree
     depth_w = jnp.asarray(shape.depth_w())
     live_b = ~state.done_b
@@ -312,8 +314,10 @@ def tree_verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig,
         chosen_bw, packed = tetris.select_nodes(cum_bw, plan.capacity, budget), b + plan.capacity
     used_bw = chosen_bw | (depth_w[None, :] == 0)
     pending_b = state.target_cache.lengths
-    logits_bwv, cache = forward_packed(target_graphdef, target_params, tree.tokens_bw, used_bw, state.target_cache,
-                                       packed, tree=(jnp.broadcast_to(depth_w, (b, shape.columns)), tree.ancestor_bww))
+    features = _absorbed_features(drafter, state)
+    out = forward_packed(target_graphdef, target_params, tree.tokens_bw, used_bw, state.target_cache, packed, features,
+                         tree=(jnp.broadcast_to(depth_w, (b, shape.columns)), tree.ancestor_bww))
+    logits_bwv, cache = out[:2]
     accept_key_b = jax.vmap(jax.random.fold_in, (0, None))(row_keys(request_keys_b, state.n_out_b), _ACCEPT_TAG)
     path_bd, accepted_b, next_b = accept_tree(accept_key_b, tree.tokens_bw, tree.parent_bw, used_bw, logits_bwv,
                                               sampling, shape.depth, shape.width)
@@ -323,6 +327,10 @@ def tree_verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig,
     emitted_bk1 = jnp.where(j < accepted_b[:, None], jnp.pad(path_tokens_bd, ((0, 0), (0, 1))), next_b[:, None])
     state, count_b = emit_and_commit(state.replace(target_cache=cache), emitted_bk1, accepted_b + 1, max_new_b,
                                      eos_id, out_len)
+    if features:   # the root, then the accepted path (past it: ignored)
+        kept_bk1 = jnp.concatenate([jnp.zeros((b, 1), path_bd.dtype), path_bd], axis=1)
+        state = state.replace(draft_state=drafter.absorb(draft_params, state.draft_state, jnp.take_along_axis(
+            out[2], kept_bk1[:, :, None], axis=1), emitted_bk1, count_b))
     verified_b = jnp.sum(chosen_bw, axis=1).astype(jnp.int32)
     return _counted(state, live_b, jnp.sum(jnp.isfinite(cum_bw), axis=1), verified_b, accepted_b, count_b, verified_b)
 

@@ -133,7 +133,7 @@ def fuse(graphdef, params, features_btf):
     return nnx.merge(graphdef, params).fuse(features_btf)
 
 
-def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCache):
+def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCache, tree=None):
     """One draft step for t tokens per row at positions cache.lengths[b] + t.
 
     Args:
@@ -142,20 +142,28 @@ def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCac
       hidden_btd: the hidden inputs: fused target features (`fuse`), or the head's own output.
       tokens_bt: the tokens paired with them (the token after each feature's token).
       cache: the head's KVCache; the keys and values are written, `lengths` not advanced.
+      tree: None, or (slot_bt, offset_bt, ancestor_btn) for nodes of a draft tree: token i is
+        written at slot lengths + slot_bt[b, i], sits at position lengths + offset_bt[b, i], and
+        sees the committed cache and the n tree slots (from lengths on) ancestor_btn marks.
 
     Returns (draft-vocabulary logits [b, t, w] in float32, pre-norm outputs [b, t, d] that feed
     the next step, cache).
     """
     module = nnx.merge(graphdef, params)
     b, t = tokens_bt.shape
-    pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    if tree is None:
+        slot_bt = pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+        live_b, attend_tree = jnp.minimum(cache.lengths + t, cache.max_len), None
+    else:
+        slot_bt, pos_bt = cache.lengths[:, None] + tree[0], cache.lengths[:, None] + tree[1]
+        live_b, attend_tree = jnp.minimum(cache.lengths + tree[2].shape[2], cache.max_len), (cache.lengths, tree[2])
     rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     hidden_md = hidden_btd.reshape(b * t, -1).astype(embed_vd.dtype)
     q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in
                module.qkv(hidden_md, jnp.take(embed_vd, tokens_bt.reshape(-1), axis=0), pos_bt.reshape(-1)))
-    k_cache = cache.k[0].at[rows_bt, pos_bt].set(k.astype(cache.k[0].dtype), mode="drop")
-    v_cache = cache.v[0].at[rows_bt, pos_bt].set(v.astype(cache.v[0].dtype), mode="drop")
-    attn = attend_cache(q, k_cache, v_cache, pos_bt, jnp.minimum(cache.lengths + t, cache.max_len))
+    k_cache = cache.k[0].at[rows_bt, slot_bt].set(k.astype(cache.k[0].dtype), mode="drop")
+    v_cache = cache.v[0].at[rows_bt, slot_bt].set(v.astype(cache.v[0].dtype), mode="drop")
+    attn = attend_cache(q, k_cache, v_cache, pos_bt, live_b, tree=attend_tree)
     out_md = module.finish(hidden_md, attn.reshape(b * t, *attn.shape[2:]))
     return (module.head(out_md).reshape(b, t, -1), out_md.reshape(b, t, -1),
             cache.replace(k=(k_cache,), v=(v_cache,)))
