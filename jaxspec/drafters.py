@@ -117,7 +117,8 @@ class Drafter:
 
     def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
         """A draft tree per row (`jaxspec.trees.Tree`, its root the pending token), and the state."""
-        raise ValueError(f"{type(self).__name__} cannot draft trees yet; SpecConfig(tree=...) needs a draft Model")
+        raise ValueError(f"{type(self).__name__} cannot draft trees yet; SpecConfig(tree=...) needs a draft "
+                         "Model, an EAGLE head or n-gram lookup")
 
 
 def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> KVCache:

@@ -243,8 +243,7 @@ def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_fo
     root = jnp.asarray([p[-1] for p in prompts])
     root_logits, cache = forward(model.graphdef, model.params, root[:, None], cache)
     tree, _ = draft_tree(model.graphdef, model.params, cache, root, root_logits[:, 0], shape, SamplingConfig())
-    tok, par, anc, cum = (np.asarray(x) for x in (tree.tokens_bw, tree.parent_bw, tree.ancestor_bww, tree.cum_bw))
-    depth = shape.depth_w()
+    tok, par = np.asarray(tree.tokens_bw), np.asarray(tree.parent_bw)
     # The draft's uncached log-probabilities after the prompt and every node's path, in one call
     # (right-padded rows: a causal model's logits at a position ignore what follows).
     seqs = {(r, q): p + [int(tok[r, c]) for c in path_to(q, par[r])] for r, p in enumerate(prompts)
