@@ -108,16 +108,19 @@ class CostModel:
         return (self.target_fixed + self.target_per_token * batched_tokens
                 + self.target_per_context_token * context_tokens + self.target_per_attention * attention_pairs)
 
-    def step_seconds(self, batch, k, cache_len=0, packed_tokens=None, window=None):
+    def step_seconds(self, batch, k, cache_len=0, packed_tokens=None, window=None, tree=None):
         """One speculative step at a compiled shape: k draft positions over `batch` rows, then a
         verification of batch * (k + 1) tokens (or `packed_tokens` for a packed TETRIS pass, whose
         attention still runs over the padded window of `window` tokens per row, default k + 1).
-        k = 0 is a plain decoding step. `cache_len` is the compiled cache size."""
-        window = k + 1 if window is None else window
+        k = 0 is a plain decoding step. `cache_len` is the compiled cache size. With `tree` (a
+        `TreeShape`; k then counts the nodes verified per row) the draft runs one position, then
+        depth - 1 positions of `width` tokens per row, and attention spans the tree's columns."""
+        window = (k + 1 if tree is None else tree.columns) if window is None else window
         tokens = batch * (k + 1) if packed_tokens is None else packed_tokens
         speculation = self.speculation_fixed + self.speculation_per_row * batch if k > 0 else 0.0
-        return (self.draft_seconds(batch, k) + speculation
-                + self.verify_seconds(tokens, batch * cache_len, batch * window * cache_len))
+        draft = (self.draft_seconds(batch, k) if tree is None else
+                 self.draft_seconds(batch) + self.draft_seconds(batch * tree.width, tree.depth - 1))
+        return draft + speculation + self.verify_seconds(tokens, batch * cache_len, batch * window * cache_len)
 
     # --- persistence ---
 

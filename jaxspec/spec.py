@@ -32,7 +32,8 @@ class SpecConfig:
         k is then the most a row drafts. None: fixed-length windows.
       tree: (depth D, width W): draft a tree (`jaxspec.trees`) instead of a chain; standard
         selection verifies each row's k most probable nodes, "tetris" the batch's C best
-        (capacity, default N * k). None: a chain of k (+ extra) drafts.
+        (capacity, default N * k); under the goodput policy each step runs the tree or plain
+        decoding, whichever it predicts faster. None: a chain of k (+ extra) drafts.
     """
 
     k: int = 4
@@ -87,7 +88,7 @@ class SpecConfig:
         if self.k < 1 or self.k >= shape.columns:
             raise ValueError(f"with tree={self.tree}, k (nodes verified per row) must be in 1..{shape.columns - 1}, "
                              f"got k={self.k}")
-        for name, bad in (("policy='goodput'", self.policy == "goodput"), ("pipeline=True", self.pipeline),
+        for name, bad in (("pipeline=True", self.pipeline),
                           ("threshold", self.threshold is not None), ("extra", self.extra > 0)):
             if bad:
                 raise ValueError(f"tree drafting does not support {name} yet")

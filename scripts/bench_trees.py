@@ -8,7 +8,11 @@ verified draft (VSR), tokens/s against autoregressive decoding (median of per-ro
 round-robin after warm-up), and identity with autoregressive output. Writes
 docs/results/<name>.{json,md} and <name>.png (tokens per target pass by batch).
 
-    python scripts/bench_trees.py [--pair qwen|tiny] [--batches 1 4 16] [--k 4] [--tree 4 2] [--rounds 2]
+    python scripts/bench_trees.py [--pair qwen|tiny] [--draft model|eagle] [--batches 1 4 16] [--k 4]
+                                  [--tree 4 2] [--rounds 2]
+
+`--draft eagle` drafts with the EAGLE-3 head trained for the Qwen target (models/qwen-eagle3,
+`make train-eagle-qwen`) instead of the 0.5B model.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ["batch", "method", "tokens_per_pass", "vsr", "verified_per_row", "tok_s", "vs_ar", "same_output"]
 
 
-def load_pair(name: str):
+def load_pair(name: str, draft_kind: str = "model"):
     if name == "tiny":
         target, draft = layer_skip_pair(jaxspec.ModelConfig.preset("tiny").replace(num_layers=8), draft_layers=2,
                                         damping=0.05)
         return target, draft, [list(np.random.default_rng(i).integers(0, 256, 24)) for i in range(16)]
     target = jaxspec.load(REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-    draft = jaxspec.load(REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    draft = (jaxspec.EagleDrafter(jaxspec.load(REPO / "models" / "qwen-eagle3", target=target)) if draft_kind == "eagle"
+             else jaxspec.load(REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
     lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
     prompts = [target.tokenizer(line["prompt"])["input_ids"] for line in lines]
     return target, draft, (prompts * 2)[:16]
@@ -47,7 +52,7 @@ def configurations(k: int, tree: tuple[int, int], extra: int):
 
 
 def run(args):
-    target, draft, prompts = load_pair(args.pair)
+    target, draft, prompts = load_pair(args.pair, args.draft)
     rows = []
     for batch in args.batches:
         chosen = [list(map(int, p)) for p in prompts[:batch]]
@@ -89,6 +94,7 @@ def plot(rows, name: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", choices=["qwen", "tiny"], default="qwen")
+    parser.add_argument("--draft", choices=["model", "eagle"], default="model", help="qwen pair: the draft")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--k", type=int, default=4, help="draft tokens verified per row per step (all methods)")
     parser.add_argument("--tree", type=int, nargs=2, default=[4, 2], metavar=("DEPTH", "WIDTH"))
@@ -97,9 +103,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
-    name = args.name or f"bench_trees_{args.pair}"
+    name = args.name or f"bench_trees_{args.pair}" + ("_eagle" if args.draft == "eagle" else "")
     rows = run(args)
-    note = (f"Pair `{args.pair}`, greedy, {args.new_tokens} new tokens, k = {args.k} verified per row per step "
+    note = (f"Pair `{args.pair}` ({args.draft} draft), greedy, {args.new_tokens} new tokens, k = {args.k} verified per row per step "
             f"(TETRIS and batch budgets: N * k), {args.rounds} rounds round-robin.")
     write_results(name, {"note": note, "rows": rows, "args": vars(args)},
                   f"# {name}\n\n{note}\n\n`python scripts/bench_trees.py {' '.join(sys.argv[1:])}`\n\n"

@@ -227,3 +227,16 @@ def test_profile_passes_spread_a_drifting_machine_over_the_grid(tiny_model, monk
     assert spread(cost) < 1.2 < 1.35 < spread(CostModel.fit_points(one_by_one))
     with pytest.raises(ValueError, match="passes must be an int >= 1"):
         CostModel.profile(tiny_model, None, batches=batches, ks=ks, cache_lens=cache_lens, passes=0)
+
+
+def test_a_tree_step_prices_its_draft_passes_and_its_verified_nodes():
+    """A (3, 2) tree verifying 3 nodes per row at batch 4: one draft position over the 4 rows, two
+    over 8 node tokens, one speculation overhead, 16 verified tokens attending over the tree's
+    11 columns (hand-summed from the coefficients)."""
+    from jaxspec.trees import TreeShape
+    cost = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=10.0, target_per_token=0.01,
+                                       target_per_context_token=0.001, target_per_attention=1e-4,
+                                       speculation_fixed=0.5, speculation_per_row=0.05)
+    draft = (1.0 + 0.1 * 4) + 2 * (1.0 + 0.1 * 8)
+    verify = 10.0 + 0.01 * 16 + 0.001 * 4 * 100 + 1e-4 * 4 * 11 * 100
+    assert cost.step_seconds(4, 3, 100, tree=TreeShape(3, 2)) == pytest.approx(draft + 0.5 + 0.05 * 4 + verify)

@@ -369,6 +369,27 @@ def test_tree_decoding_equals_the_targets_greedy_output(tree_pair, spec):
     assert result.stats.mean_accepted_length > 1.5   # the tree is used
 
 
+@pytest.mark.parametrize("selection", ["standard", "tetris"])
+def test_goodput_runs_the_tree_where_it_pays_and_plain_steps_where_not(tree_pair, selection):
+    """The policy's candidates are plain decoding and the tree: with a nearly free draft it drafts
+    trees, with a draft dearer than anything it could save it never drafts; both lossless."""
+    import jaxspec
+    target, draft = tree_pair
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 5, 14)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=16).tokens
+    drafted = []
+    for draft_fixed in (1e-6, 1.0):
+        cost = jaxspec.CostModel.from_coefficients(draft_fixed=draft_fixed, draft_per_token=0.0, target_fixed=1e-2,
+                                                   target_per_token=1e-5)
+        spec = jaxspec.SpecConfig(k=3, tree=(3, 2), selection=selection, policy="goodput", cost_model=cost)
+        result = jaxspec.SpeculativeDecoder(target, draft, spec=spec).generate(prompts, max_new_tokens=16,
+                                                                               batch_size=2)
+        assert result.tokens == want
+        drafted.append(result.stats.drafted_tokens)
+    assert drafted[0] > 0 and drafted[1] == 0, drafted
+
+
 @pytest.fixture(scope="module")
 def vocab6():
     """A 6-token target (random drafts often agree with it) and a head over 4 of its tokens."""

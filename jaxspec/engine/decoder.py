@@ -221,8 +221,8 @@ class SpeculativeDecoder:
     def _plan_seconds(self, schedule: Schedule, slots: int, cache_len: int) -> np.ndarray:
         """The cost model's seconds for one step of each plan at this batch shape."""
         cost = self.spec.cost_model
-        return np.asarray([cost.step_seconds(slots, plan.k, cache_len) if plan.capacity is None else
-                           cost.step_seconds(slots, plan.k, cache_len, packed_tokens=slots + plan.capacity)
+        return np.asarray([cost.step_seconds(slots, plan.k, cache_len, tree=plan.tree,
+                                             packed_tokens=None if plan.capacity is None else slots + plan.capacity)
                            for plan in schedule.plans], np.float32)
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
@@ -277,16 +277,19 @@ class SpeculativeDecoder:
         speculative decoding with k spends, the paper's fair comparison. A fixed program is
         compiled for C rounded up to a bucket and selects exactly C inside it. The goodput policy's
         candidates are every draft length 0..k (standard), or with TETRIS 0..k+extra-1 and the
-        TETRIS window at a few budgets around C, each budget a bucket of its own.
+        TETRIS window at a few budgets around C, each budget a bucket of its own; with a tree,
+        plain decoding and the tree.
         """
         spec, big_k = self.spec, self.spec.draft_len
         if spec.tree is not None:   # each row's k best nodes, or the batch's C best
-            shape = TreeShape(*spec.tree)
-            if spec.selection == "standard":
-                return Schedule(plans=(StepPlan(k=spec.k, tree=shape),)), (0,)
-            budget = min(spec.capacity if spec.capacity is not None else num_prompts * spec.k, rows * big_k)
-            capacity = tetris.capacity_bucket(budget, rows, big_k)
-            return Schedule(plans=(StepPlan(k=spec.k, capacity=capacity, tree=shape),)), (budget,)
+            shape, budget, capacity = TreeShape(*spec.tree), 0, None
+            if spec.selection == "tetris":
+                budget = min(spec.capacity if spec.capacity is not None else num_prompts * spec.k, rows * big_k)
+                capacity = tetris.capacity_bucket(budget, rows, big_k)
+            tree = StepPlan(k=spec.k, capacity=capacity, tree=shape)
+            if spec.policy == "fixed":
+                return Schedule(plans=(tree,)), (budget,)
+            return Schedule(plans=(StepPlan(k=0), tree), goodput=True), (0, budget)   # plain or the tree
         tetris_on = spec.selection == "tetris" and big_k > 0
         budget = 0
         if tetris_on:

@@ -36,8 +36,10 @@ class Schedule:
 
     @property
     def policy_plans(self) -> tuple[tuple[int, int | None], ...]:
-        """The plans as the policy sees them: (draft length, TETRIS budget or None)."""
-        return tuple((plan.k, plan.capacity) for plan in self.plans)
+        """The plans as the policy sees them: (draft length, TETRIS budget or None); a tree plan
+        as a window of its depth (its acceptance is counted per depth of the accepted path)."""
+        return tuple((plan.tree.depth, None) if plan.tree is not None else (plan.k, plan.capacity)
+                     for plan in self.plans)
 
 
 _STATIC = ("target_graphdef", "drafter", "schedule", "sampling", "cache_len", "seq_len", "out_len", "mesh")
@@ -56,7 +58,7 @@ def _fresh_rows(target_graphdef, drafter: Drafter, schedule: Schedule, sampling:
                                         out_len=out_len, mesh=mesh, features=features)
     drafts_now = True
     if schedule.goodput:
-        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], max(p.k for p in schedule.plans), prior)
+        policy = policy_lib.PolicyState.init(tokens_bp.shape[0], max(k for k, _ in schedule.policy_plans), prior)
         choice = _choose(policy, state, schedule, seconds, None, max_new_b, draining)
         drafts_now = jnp.asarray([plan.k > 0 for plan in schedule.plans])[choice]
         # Opening with plain decoding, the drafter skips its prefill: it is a prompt behind.

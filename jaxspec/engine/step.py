@@ -332,6 +332,9 @@ def tree_verify_phase(target_graphdef, plan: StepPlan, sampling: SamplingConfig,
         state = state.replace(draft_state=drafter.absorb(draft_params, state.draft_state, jnp.take_along_axis(
             out[2], kept_bk1[:, :, None], axis=1), emitted_bk1, count_b))
     verified_b = jnp.sum(chosen_bw, axis=1).astype(jnp.int32)
+    if state.policy is not None:   # acceptance per depth of the path: the deepest verified node bounds the trials
+        deepest_b = jnp.max(jnp.where(chosen_bw, depth_w[None, :], 0), axis=1)
+        state = state.replace(policy=policy_lib.observe(state.policy, deepest_b, accepted_b, live_b))
     return _counted(state, live_b, jnp.sum(jnp.isfinite(cum_bw), axis=1), verified_b, accepted_b, count_b, verified_b)
 
 
