@@ -105,8 +105,8 @@ def main():
     args = parser.parse_args()
     name = args.name or f"bench_trees_{args.pair}" + ("_eagle" if args.draft == "eagle" else "")
     rows = run(args)
-    note = (f"Pair `{args.pair}` ({args.draft} draft), greedy, {args.new_tokens} new tokens, k = {args.k} verified per row per step "
-            f"(TETRIS and batch budgets: N * k), {args.rounds} rounds round-robin.")
+    note = (f"Pair `{args.pair}` ({args.draft} draft), greedy, {args.new_tokens} new tokens, k = {args.k} verified "
+            f"per row per step (TETRIS and batch budgets: N * k), {args.rounds} rounds round-robin.")
     write_results(name, {"note": note, "rows": rows, "args": vars(args)},
                   f"# {name}\n\n{note}\n\n`python scripts/bench_trees.py {' '.join(sys.argv[1:])}`\n\n"
                   f"{table(rows, COLUMNS)}")
