@@ -88,10 +88,9 @@ class SpecConfig:
         if self.k < 1 or self.k >= shape.columns:
             raise ValueError(f"with tree={self.tree}, k (nodes verified per row) must be in 1..{shape.columns - 1}, "
                              f"got k={self.k}")
-        for name, bad in (("pipeline=True", self.pipeline),
-                          ("threshold", self.threshold is not None), ("extra", self.extra > 0)):
-            if bad:
-                raise ValueError(f"tree drafting does not support {name} yet")
+        if self.threshold is not None or self.extra > 0:   # a tree's k already counts its verified nodes
+            raise ValueError(f"tree drafting takes neither threshold nor extra, got threshold={self.threshold!r}, "
+                             f"extra={self.extra}")
 
     @property
     def draft_len(self) -> int:

@@ -428,6 +428,20 @@ def test_tree_decoding_on_a_mesh_equals_the_targets_greedy_output(tree_pair, mes
     assert result.stats.mean_accepted_length > 1.2
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["two-slices", "pipelined"])
+def test_tree_decoding_with_the_draft_on_its_own_slice_equals_the_targets_greedy_output(tree_pair, pipeline):
+    import jaxspec
+    target, draft = tree_pair
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (4, 11, 6, 2, 9)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=[12, 5, 16, 9, 3]).tokens
+    result = jaxspec.SpeculativeDecoder(target, draft, mesh=jaxspec.MeshConfig(target_tp=1, draft_tp=1),
+                                        spec=jaxspec.SpecConfig(k=3, tree=(2, 2), pipeline=pipeline)).generate(
+        prompts, max_new_tokens=[12, 5, 16, 9, 3], batch_size=4)   # refills
+    assert result.tokens == want
+    assert result.stats.mean_accepted_length > 1.2
+
+
 def test_eagle_tree_sampling_follows_the_targets_distribution(vocab6):
     from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
@@ -462,5 +476,6 @@ def test_bad_tree_shapes_are_refused_with_the_limit():
         jaxspec.SpecConfig(k=2, tree=(5, 4))
     with pytest.raises(ValueError, match=r"k \(nodes verified per row\) must be in 1..6"):
         jaxspec.SpecConfig(k=7, tree=(2, 2))
-    with pytest.raises(ValueError, match="tree drafting does not support pipeline=True yet"):
-        jaxspec.SpecConfig(k=2, tree=(2, 2), pipeline=True)
+    with pytest.raises(ValueError, match="tree drafting takes neither threshold nor extra, got threshold=None, "
+                                         "extra=1"):
+        jaxspec.SpecConfig(k=2, tree=(2, 2), extra=1)

@@ -89,10 +89,9 @@ class SpeculativeDecoder:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
-        if self.spec.tree is not None and (type(self.drafter) not in TREE_DRAFTERS or self._sliced):
+        if self.spec.tree is not None and type(self.drafter) not in TREE_DRAFTERS:
             raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head or n-gram "
-                             f"lookup on the target's devices, got {type(self.drafter).__name__}"
-                             + (" on a separate slice" if self._sliced else ""))
+                             f"lookup, got {type(self.drafter).__name__}")
         if isinstance(self.drafter, crossvocab.CrossVocabDrafter) and self._draft_mesh is not None:
             self.drafter = self.drafter.placed(sharding_lib.replicated(self._draft_mesh))
         self.draft = draft

@@ -51,8 +51,9 @@ def lane_step_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelin
     out = []
     for plan in plans:
         tokens = rows * (plan.k + 1) if plan.capacity is None else rows + plan.capacity
-        draft = cost.draft_seconds(rows, plan.k)
-        verify = (cost.step_seconds(rows, plan.k, cache_len, packed_tokens=tokens) - draft)
+        draft = (cost.draft_seconds(rows, plan.k) if plan.tree is None else
+                 cost.draft_seconds(rows) + cost.draft_seconds(rows * plan.tree.width, plan.tree.depth - 1))
+        verify = (cost.step_seconds(rows, plan.k, cache_len, packed_tokens=tokens, tree=plan.tree) - draft)
         out.append(max(draft, verify) if pipelined else draft + verify)
     return np.asarray(out, np.float32)
 
@@ -69,11 +70,11 @@ def _draft_start(drafter, params, tokens_bp, prompt_len_b, *, cache_len):
     return drafter.init(params, tokens_bp, prompt_len_b, cache_len)
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "k", "sampling"), donate_argnums=(4,))
-def _draft(drafter, k, sampling: SamplingConfig, params, draft_state, seq_bl, pending_b, n_out_b, keys_b):
+@functools.partial(jax.jit, static_argnames=("drafter", "k", "sampling", "tree"), donate_argnums=(4,))
+def _draft(drafter, k, sampling: SamplingConfig, params, draft_state, seq_bl, pending_b, n_out_b, keys_b, tree=None):
     proposal, draft_state = step.draft_phase(drafter, k, sampling, params, draft_state, seq_bl, pending_b,
-                                               n_out_b, keys_b)
-    if sampling.greedy:
+                                               n_out_b, keys_b, tree)
+    if sampling.greedy and tree is None:
         # Greedy acceptance never reads q: do not ship [b, k, v] floats across slices.
         proposal = proposal.replace(q_bkv=jnp.zeros(proposal.q_bkv.shape[:2] + (0,), jnp.float32))
     return proposal, draft_state
@@ -210,7 +211,7 @@ class SlicedRunner:
         start = time.perf_counter()
         view = self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b))
         proposal, lane.draft_state = _draft(self._static_drafter, k, self.sampling, self.drafter.params,
-                                            lane.draft_state, *view, lane.keys_d)
+                                            lane.draft_state, *view, lane.keys_d, tree=self.plans[lane.plan].tree)
         lane.proposal = self._to_target(proposal)
         self._timed("draft", start, lane.proposal)
 
