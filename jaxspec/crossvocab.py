@@ -237,6 +237,27 @@ class CrossVocabDrafter(Drafter):
         proposal = Proposal(tokens_bk=tokens_bk, q_bkv=q_bkv, num_drafts_b=num_b, logprob_bk=logprob_bk)
         return proposal, state.replace(cache=cache, seq_bd=seq_bd)
 
+    def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
+        """A tree drafted over the shared tokens (each node one target token) after the same sync
+        as `propose`. Its nodes do not join the draft sequence: the next sync feeds the tokens
+        the target kept."""
+        from jaxspec.trees import draft_tree
+        graphdef, tables = self.model.graphdef, params["tables"]
+        state = _sync(tables, state, seq_bl, pending_b + 1, shape.depth + 1,
+                      state.seq_bd.shape[1] - max(shape.columns, CATCH_UP_CHUNK) - 2)
+        live_b = (state.synced_b == pending_b + 1) & (state.length_b >= 2)
+        last_b, trusted_b = jnp.maximum(state.length_b - 1, 1), state.cache.lengths
+        cache = catch_up(graphdef, params["model"], state.cache, state.seq_bd, last_b - 1)
+        last_two_b2 = jnp.take_along_axis(state.seq_bd, last_b[:, None] + jnp.array([[-1, 0]]), axis=1)
+        logits_b1w, cache = forward(graphdef, params["model"], last_two_b2, cache, jnp.ones_like(last_b)[:, None])
+        tree, cache = draft_tree(graphdef, params["model"], cache.commit(last_b), last_two_b2[:, 1], logits_b1w[:, 0],
+                                 shape, SamplingConfig() if self.greedy else sampling, tables["to_target_w"] >= 0)
+        root_b = jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1)[:, 0]
+        tree = tree.replace(tokens_bw=jnp.take(tables["to_target_w"], tree.tokens_bw).at[:, 0].set(root_b),
+                            cum_bw=jnp.where(live_b[:, None], tree.cum_bw, tree.cum_bw.at[:, 1:].set(-jnp.inf)))
+        cache = cache.commit(jnp.where(live_b, last_b + 1, jnp.minimum(trusted_b, state.length_b)))
+        return tree, state.replace(cache=cache)
+
     def _draft(self, params, cache: KVCache, logits_bw, k: int, key_b, sampling: SamplingConfig):
         """k draws from the draft's distribution restricted to the shared tokens: the draft
         tokens, their distributions over the target vocabulary, their TETRIS scores, the cache."""

@@ -111,24 +111,25 @@ def grow_tree(root_b, root_logits_bv, shape: TreeShape, sampling: SamplingConfig
 
 
 def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: TreeShape,
-               sampling: SamplingConfig) -> tuple[Tree, KVCache]:
+               sampling: SamplingConfig, allowed_v=None) -> tuple[Tree, KVCache]:
     """`grow_tree` with a draft model.
 
     `cache` holds the committed tokens below slot cache.lengths and the root's keys and values at
     that slot; `root_logits_bv` are the draft's logits after the root. Each depth below the first
     feeds the W most probable nodes of the depth above in one packed pass (each at its column's
-    slot, seeing its own ancestors). Returns the tree and the cache with the fed nodes written
-    (its lengths unchanged).
+    slot, seeing its own ancestors). `allowed_v` (bool [v]): the only tokens it may draft.
+    Returns the tree and the cache with the fed nodes written (its lengths unchanged).
     """
     b, depth_bw = root_b.shape[0], jnp.broadcast_to(jnp.asarray(shape.depth_w()), (root_b.shape[0], shape.columns))
+    allow = (lambda x: x) if allowed_v is None else (lambda logits: jnp.where(allowed_v, logits, -jnp.inf))
 
     def expand(cache, d, expand_be, tokens_bw, parent_bw, ancestor_bww):
         used = jnp.zeros(tokens_bw.shape, bool).at[jnp.arange(b)[:, None], expand_be].set(True)
         logits_bwv, cache = forward_packed(graphdef, params, tokens_bw, used, cache, b * shape.width,
                                            tree=(depth_bw, ancestor_bww))
-        return jnp.take_along_axis(logits_bwv, expand_be[:, :, None], axis=1), cache
+        return allow(jnp.take_along_axis(logits_bwv, expand_be[:, :, None], axis=1)), cache
 
-    return grow_tree(root_b, root_logits_bv, shape, sampling, expand, cache)
+    return grow_tree(root_b, allow(root_logits_bv), shape, sampling, expand, cache)
 
 
 def eagle_tree(graphdef, params, embed_vd, draft_ids, vocab_size: int, cache: KVCache, hidden_bd, logits_bw, root_b,

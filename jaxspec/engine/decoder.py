@@ -34,7 +34,7 @@ from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
 from jaxspec.trees import TreeShape
 
-TREE_DRAFTERS = (ModelDrafter, EagleDrafter, NgramDrafter)   # those with `propose_tree`
+TREE_DRAFTERS = (ModelDrafter, EagleDrafter, NgramDrafter, crossvocab.CrossVocabDrafter)   # with `propose_tree`
 
 _NO_CAP = 2 ** 30   # a segment's step cap when none is wanted
 
