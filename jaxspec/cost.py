@@ -10,12 +10,10 @@ shapes it has not run. The model is linear in the work that scales:
     speculation (any k >= 1)   = speculation_fixed + speculation_per_row * batch
 
 batched_tokens: the tokens the target runs (N * (k + 1) padded, N + C packed); context_tokens: the
-key/value slots attention reads (rows * cache length: the compiled attention reads every slot of
-the static cache); attention_pairs: query x key products (rows * window * cache length: attention
-runs in the padded per-row layout even when the token-wise work is packed). The speculation terms
-are what a step that drafts at all pays on top (catch-up, draft sampling, acceptance over a
-window): measured steps jump from k = 0 to k = 1 by more than from k = 1 to k = 2. Seconds
-throughout.
+key/value slots attention reads (rows * cache length); attention_pairs: query x key products (rows
+* window * cache length: attention runs in the padded per-row layout even when the token-wise work
+is packed). The speculation terms are what a step that drafts at all pays on top (catch-up, draft
+sampling, acceptance): measured steps jump from k = 0 to 1 by more than from 1 to 2. Seconds.
 
 `CostModel.profile` times the real decode step over a grid of (batch, k, cache size) with the
 engine's step timer (`jaxspec.engine.timing`, which registers itself here: timing steps belongs to
@@ -100,8 +98,11 @@ class CostModel:
 
     # --- predictions ---
 
-    def draft_seconds(self, batch, positions=1):
-        """`positions` sequential draft positions over `batch` rows."""
+    def draft_seconds(self, batch, positions=1, tree=None):
+        """`positions` sequential draft positions over `batch` rows; for a tree (`TreeShape`), one
+        position, then depth - 1 of `width` tokens per row."""
+        if tree is not None:
+            return self.draft_seconds(batch) + self.draft_seconds(batch * tree.width, tree.depth - 1)
         return positions * (self.draft_fixed + self.draft_per_token * batch)
 
     def verify_seconds(self, batched_tokens, context_tokens=0, attention_pairs=0):
@@ -109,18 +110,15 @@ class CostModel:
                 + self.target_per_context_token * context_tokens + self.target_per_attention * attention_pairs)
 
     def step_seconds(self, batch, k, cache_len=0, packed_tokens=None, window=None, tree=None):
-        """One speculative step at a compiled shape: k draft positions over `batch` rows, then a
-        verification of batch * (k + 1) tokens (or `packed_tokens` for a packed TETRIS pass, whose
-        attention still runs over the padded window of `window` tokens per row, default k + 1).
-        k = 0 is a plain decoding step. `cache_len` is the compiled cache size. With `tree` (a
-        `TreeShape`; k then counts the nodes verified per row) the draft runs one position, then
-        depth - 1 positions of `width` tokens per row, and attention spans the tree's columns."""
+        """One speculative step at a compiled shape: k draft positions over `batch` rows (or a
+        `tree`, of which k nodes per row are verified), then a verification of batch * (k + 1)
+        tokens (or `packed_tokens`, packed, whose attention still runs over a padded `window` per
+        row: k + 1, or the tree's columns). k = 0 is a plain step; `cache_len` the cache size."""
         window = (k + 1 if tree is None else tree.columns) if window is None else window
         tokens = batch * (k + 1) if packed_tokens is None else packed_tokens
         speculation = self.speculation_fixed + self.speculation_per_row * batch if k > 0 else 0.0
-        draft = (self.draft_seconds(batch, k) if tree is None else
-                 self.draft_seconds(batch) + self.draft_seconds(batch * tree.width, tree.depth - 1))
-        return draft + speculation + self.verify_seconds(tokens, batch * cache_len, batch * window * cache_len)
+        return (self.draft_seconds(batch, k, tree) + speculation
+                + self.verify_seconds(tokens, batch * cache_len, batch * window * cache_len))
 
     # --- persistence ---
 

@@ -51,8 +51,7 @@ def lane_step_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelin
     out = []
     for plan in plans:
         tokens = rows * (plan.k + 1) if plan.capacity is None else rows + plan.capacity
-        draft = (cost.draft_seconds(rows, plan.k) if plan.tree is None else
-                 cost.draft_seconds(rows) + cost.draft_seconds(rows * plan.tree.width, plan.tree.depth - 1))
+        draft = cost.draft_seconds(rows, plan.k, plan.tree)
         verify = (cost.step_seconds(rows, plan.k, cache_len, packed_tokens=tokens, tree=plan.tree) - draft)
         out.append(max(draft, verify) if pipelined else draft + verify)
     return np.asarray(out, np.float32)
