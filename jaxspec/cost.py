@@ -90,11 +90,8 @@ class CostModel:
                           target_per_attention: float = 0.0, speculation_fixed: float = 0.0,
                           speculation_per_row: float = 0.0, **provenance) -> CostModel:
         """A cost model from known coefficients (tests, what-if studies)."""
-        return cls(draft_fixed=float(draft_fixed), draft_per_token=float(draft_per_token),
-                   target_fixed=float(target_fixed), target_per_token=float(target_per_token),
-                   target_per_context_token=float(target_per_context_token),
-                   target_per_attention=float(target_per_attention), speculation_fixed=float(speculation_fixed),
-                   speculation_per_row=float(speculation_per_row), **provenance)
+        given = dict(locals())
+        return cls(**{name: float(given[name]) for name in COEFFICIENTS}, **provenance)
 
     # --- predictions ---
 
