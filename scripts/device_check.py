@@ -17,8 +17,10 @@ a tiny shape):
                 and the loop's compile time at 1/4, 1/2 and all of the layers (unrolled blocks).
   eagle_head    one EAGLE-3 head draft step against a one-token target step (batch 1).
   tetris        `tetris.select` at N = 64, K = 8; packed against padded verification at batch 64.
-  trees         draft trees against a chain with the speculative section's pair at batch 1 and 16:
-                chain k = 4, a 4x2 tree verifying 4 and 8 nodes per row (tokens per pass, tokens/s).
+  trees         draft trees against chains with the speculative section's pair at batch 1 and 16:
+                at 4 and at 8 verified drafts per row, the chain, the TETRIS chain (+2 drafted, the
+                batch's N * k best verified) and a tree per row and with the batch's N * k best
+                nodes (4x2, 6x2 at 8); tokens per pass and tokens/s.
 
     python scripts/device_check.py [--cpu-smoke] [--out docs/results/gpu] [--deadline 420]
 """
@@ -64,7 +66,7 @@ def shapes(smoke: bool) -> dict:
                 "int8_verify": False, "attention": (2, 2, 128, [16, 96])}
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
-            "ks": [1, 2, 4], "trees": [(4, 2, 4), (4, 2, 8)], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30,
+            "ks": [1, 2, 4], "trees": [(4, 2, 4), (6, 2, 8)], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30,
             "int8_verify": True, "attention": (4, 8, 4096, [256, 3800])}   # layers, batch, slots, live
 
 
@@ -153,9 +155,14 @@ def tetris_section(target, s, out: dict, before_deadline) -> None:
 def speculative(target, s, out: dict, before_deadline, trees: bool = False) -> None:
     target, draft = skeleton_pair(s["target"], s["draft"], damping=7e-4, sharpness=6.0, dtype="bfloat16")
     rows = out.setdefault("rows", [])
-    specs = ({f"tree {d}x{w} k={k}": jaxspec.SpecConfig(k=k, tree=(d, w)) for d, w, k in s["trees"]} if trees
-             else {})
-    specs = {f"k={k}": jaxspec.SpecConfig(k=k) for k in ([max(s["ks"])] if trees else s["ks"])} | specs
+    specs = {f"k={k}": jaxspec.SpecConfig(k=k) for k in s["ks"]}
+    if trees:
+        specs = {}
+        for d, w, k in s["trees"]:
+            specs |= {f"k={k}": jaxspec.SpecConfig(k=k),
+                      f"k={k} TETRIS +2": jaxspec.SpecConfig(k=k, extra=2, selection="tetris"),
+                      f"tree {d}x{w} k={k}": jaxspec.SpecConfig(k=k, tree=(d, w)),
+                      f"tree {d}x{w} k={k} TETRIS": jaxspec.SpecConfig(k=k, tree=(d, w), selection="tetris")}
     for batch in s["spec_batches"]:
         if not before_deadline():
             out.setdefault("skipped", []).append(f"batch {batch}")
