@@ -1,6 +1,8 @@
 """The `jaxspec` command line: thin front ends over the library.
 
     jaxspec generate --target PATH --draft PATH|ngram|none --prompts IN.jsonl --output OUT.jsonl
+             [--coordinator HOST:PORT --num-processes N --process-id I]
+    jaxspec merge OUT.jsonl
     jaxspec profile --target PATH --draft PATH --output cost.json
     jaxspec distill / train-eagle --target PATH ... --output DIR
     jaxspec bench [--quick] [--only NAME]
@@ -12,6 +14,8 @@ weights at a preset's shape (`preset:qwen2.5-1.5b`): timings depend on shapes, n
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import jaxspec
 from jaxspec import jobs as jobs_lib
+from jaxspec import multihost
 from jaxspec import prompts as prompts_lib
 from jaxspec.benchmarking import table
 from jaxspec.cli_eagle import _add_train_eagle
@@ -96,7 +101,8 @@ def _encode_jobs(todo: list[jobs_lib.Job], model: jaxspec.Model, args, max_posit
 
 
 def generate(args) -> int:
-    """`jaxspec generate`: a JSONL batch job, resumable (see jaxspec.jobs)."""
+    """`jaxspec generate`: a JSONL batch job, resumable (see jaxspec.jobs), over one process or
+    several (see jaxspec.multihost)."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
@@ -106,42 +112,86 @@ def generate(args) -> int:
         raise ValueError("--output must differ from --prompts")
     if not output.parent.is_dir():
         raise FileNotFoundError(f"--output {args.output}: folder {str(output.parent)!r} does not exist")
+    placement = multihost.placement(args.coordinator, args.num_processes, args.process_id)
     # Everything that can be checked without the models is checked first: a typo fails in a second.
     jobs = jobs_lib.read_jobs(args.prompts, skip_bad_lines=args.skip_bad_lines, warn=_warn)
-    scan = jobs_lib.scan_output(args.output)
-    todo = jobs_lib.pending(jobs, scan.done)
-    skipped = len(jobs) - len(todo)
     spec, sampling, mesh = _build_spec(args)
-    if skipped:
-        print(f"resuming: skipped {skipped} of {len(jobs)} requests already in {args.output}", flush=True)
-    if not todo:
-        if scan.torn or scan.needs_newline:
-            _repair(args.output, scan)
-        print(f"nothing to do: all {len(jobs)} requests are in {args.output}")
-        return 0
-    target = load_model(args.target, args.dtype, quantize=args.quantize)
-    drafter = jaxspec.NgramDrafter(max_ngram=3)
-    max_positions = target.config.max_position_embeddings
-    if args.draft not in ("none", "ngram") and is_eagle_folder(args.draft):
-        drafter = jaxspec.EagleDrafter(jaxspec.load(args.draft, target=target))
-    elif args.draft not in ("none", "ngram"):
-        drafter = load_model(args.draft, args.dtype, seed=1, quantize=args.quantize)
-        max_positions = min(max_positions, drafter.config.max_position_embeddings)
-    prompts, budgets = _encode_jobs(todo, target, args, max_positions)
-    decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=spec, sampling=sampling, mesh=mesh)
-    tok = target.tokenizer
-    eos = tok.eos_token_id if args.eos and tok is not None else None
-    _repair(args.output, scan)
-    # Each request samples from the RNG stream of its position in the input file, so a resumed run
-    # draws the same tokens an uninterrupted one would have.
-    position = {jobs_lib.id_key(job.id): i for i, job in enumerate(jobs)}
-    streams = [position[jobs_lib.id_key(job.id)] for job in todo]
-    summary = {"skipped": skipped, **_run(decoder, todo, prompts, budgets, eos, streams, args)}
-    print(table([summary]))
+    n, me = 1, 0
+    if placement is not None:
+        multihost.start(*placement)
+        n, me = placement[1], placement[2]
+        multihost.agree({**{k: v for k, v in vars(args).items() if k not in _OWN_ARGS},
+                         "prompts": multihost.digest(args.prompts)})
+    done = multihost.finished(args.output)   # the output and every part file of earlier runs
+    peers = multihost.PeerProgress(args.output, me, n) if placement is not None else None
+    if placement is not None:
+        multihost.barrier("jaxspec-generate-scanned")   # nobody writes before everyone has read
+        if me == 0:
+            multihost.write_manifest(args.output, args.prompts)
+    pending = jobs_lib.pending(jobs, done)
+    todo = pending[me::n]
+    own = multihost.part_path(args.output, me) if placement is not None else output
+    scan = jobs_lib.scan_output(own)
+    if me == 0 and len(pending) < len(jobs):
+        print(f"resuming: skipped {len(jobs) - len(pending)} of {len(jobs)} requests already in {args.output}"
+              + (" and its parts" if placement is not None else ""), flush=True)
+    summary = {"process": me, "requests": 0, "new_tokens": 0, "seconds": 0.0}
+    if todo:
+        summary = {"process": me, **_decode(args, jobs, todo, spec, sampling, mesh, own, scan,
+                                            (len(pending), peers) if placement is not None else None)}
+    elif scan.torn or scan.needs_newline:
+        _repair(own, scan)
+    everyone = multihost.gather(summary) if placement is not None else [summary]
+    if me == 0:
+        if not pending:
+            print(f"nothing to do: all {len(jobs)} requests are in {args.output}")
+        else:
+            print(table(everyone if n > 1 else [{k: v for k, v in summary.items() if k != "process"}]))
+        if placement is not None:
+            print(f"parts written: `jaxspec merge {args.output}` gathers them in input order once every request "
+                  "is done", flush=True)
     return 0
 
 
-def _repair(path: str, scan: jobs_lib.OutputScan) -> None:
+# Options that may differ between the processes of one job (none changes a request's tokens).
+_OWN_ARGS = ("process_id", "no_progress", "batch_size", "run")
+
+
+def _decode(args, jobs, todo, spec, sampling, mesh, own, scan, shared) -> dict:
+    """Loads the models and runs this process's requests, appending to `own`; `shared` =
+    (requests of the whole run, `multihost.PeerProgress`) for a multi-process job, whose
+    processes each run a replica on their local devices."""
+    import jax
+    device = None
+    if shared is not None:
+        local = jax.local_devices()
+        if mesh is not None and mesh.num_devices > len(local):
+            raise ValueError(f"this mesh needs {mesh.num_devices} devices and a process has {len(local)}: "
+                             "jaxspec generate runs one replica per process (a mesh over hosts: the Python API)")
+        mesh = None if mesh is None else dataclasses.replace(mesh, devices=local)
+        device = jax.default_device(local[0])
+    with device or contextlib.nullcontext():
+        target = load_model(args.target, args.dtype, quantize=args.quantize)
+        drafter = jaxspec.NgramDrafter(max_ngram=3)
+        max_positions = target.config.max_position_embeddings
+        if args.draft not in ("none", "ngram") and is_eagle_folder(args.draft):
+            drafter = jaxspec.EagleDrafter(jaxspec.load(args.draft, target=target))
+        elif args.draft not in ("none", "ngram"):
+            drafter = load_model(args.draft, args.dtype, seed=1, quantize=args.quantize)
+            max_positions = min(max_positions, drafter.config.max_position_embeddings)
+        prompts, budgets = _encode_jobs(todo, target, args, max_positions)
+        decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=spec, sampling=sampling, mesh=mesh)
+        tok = target.tokenizer
+        eos = tok.eos_token_id if args.eos and tok is not None else None
+        _repair(own, scan)
+        # Each request samples from the RNG stream of its position in the input file, so a resumed
+        # run, or another process, draws the same tokens an uninterrupted one would have.
+        position = {jobs_lib.id_key(job.id): i for i, job in enumerate(jobs)}
+        streams = [position[jobs_lib.id_key(job.id)] for job in todo]
+        return _run(decoder, todo, prompts, budgets, eos, streams, args, own, shared)
+
+
+def _repair(path, scan: jobs_lib.OutputScan) -> None:
     if scan.torn:
         shown = scan.torn if len(scan.torn) <= 60 else scan.torn[:57] + "..."
         _warn(f"{path} ends with a torn line (an interrupted write: {shown!r}); truncating it away, its request "
@@ -150,16 +200,19 @@ def _repair(path: str, scan: jobs_lib.OutputScan) -> None:
 
 
 def _run(decoder: jaxspec.SpeculativeDecoder, todo: list[jobs_lib.Job], prompts: list[list[int]],
-         budgets: list[int], eos: int | None, streams: list[int], args) -> dict:
-    """Runs the requests, appending each one's line to the output as soon as it finishes."""
+         budgets: list[int], eos: int | None, streams: list[int], args, own, shared) -> dict:
+    """Runs the requests, appending each one's line to `own` as soon as it finishes. Process 0 of a
+    multi-process job shows the whole run's progress (the other processes' parts, read as it goes)."""
+    import jax
     from tqdm import tqdm
-
     tok = decoder.target.tokenizer
     totals = {"new_tokens": 0, "drafted": 0, "accepted": 0}
+    lead = shared is None or jax.process_index() == 0
+    peers = shared[1] if shared is not None else None
     start = time.perf_counter()
-    with jobs_lib.ResultWriter(args.output) as writer, \
-            tqdm(total=len(todo), unit="req", desc="generate", file=sys.stderr, disable=args.no_progress,
-                 dynamic_ncols=True) as bar:
+    with jobs_lib.ResultWriter(own) as writer, \
+            tqdm(total=len(todo) if shared is None else shared[0], unit="req", desc="generate", file=sys.stderr,
+                 disable=args.no_progress or not lead, dynamic_ncols=True) as bar:
         def on_finish(index: int, tokens: list[int], counters: dict[str, int]) -> None:
             stats = jobs_lib.request_stats(counters)
             stats["finish"] = "eos" if eos is not None and tokens and tokens[-1] == eos else "length"
@@ -168,12 +221,14 @@ def _run(decoder: jaxspec.SpeculativeDecoder, todo: list[jobs_lib.Job], prompts:
             totals["new_tokens"] += counters["emitted"]
             totals["drafted"] += counters["drafted"]
             totals["accepted"] += counters["accepted"]
+            others, other_tokens = peers.poll() if peers is not None and lead else (0, 0)
+            totals["all_tokens"] = totals.get("all_tokens", 0) + counters["emitted"] + other_tokens
             elapsed = time.perf_counter() - start
-            postfix = {"tok/s": f"{totals['new_tokens'] / elapsed:.1f}"}
+            postfix = {"tok/s": f"{totals['all_tokens'] / elapsed:.1f}"}
             if totals["drafted"]:
                 postfix["accept"] = f"{totals['accepted'] / totals['drafted']:.2f}"
             bar.set_postfix(postfix, refresh=False)
-            bar.update(1)
+            bar.update(1 + others)
 
         result = decoder.generate(prompts, max_new_tokens=budgets, seed=args.seed, eos_token_id=eos,
                                   batch_size=min(args.batch_size, len(prompts)), on_finish=on_finish,
@@ -182,7 +237,7 @@ def _run(decoder: jaxspec.SpeculativeDecoder, todo: list[jobs_lib.Job], prompts:
     # Seconds include compilation: this is the job's wall time, not a steady-state benchmark.
     return {"requests": len(todo), "new_tokens": s.new_tokens, "seconds": seconds,
             "tokens/s": s.new_tokens / seconds, "acceptance": s.acceptance_rate,
-            "tokens/step": s.mean_accepted_length, "output": args.output}
+            "tokens/step": s.mean_accepted_length, "output": str(own)}
 
 
 def _add_generate(sub) -> None:
@@ -248,13 +303,32 @@ def _add_generate(sub) -> None:
                      help="devices of the draft model's own slice (default: share the target's)")
     par.add_argument("--pipeline", action="store_true",
                      help="two pipelined batches: the draft drafts one while the target verifies the other")
+    hosts = p.add_argument_group("several processes (hosts): the same command once per process; each runs a "
+                                 "replica on its own devices and a share of the requests, writing OUT.part-ID")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    hosts.add_argument("--num-processes", type=int, metavar="N", help="processes of the job (or JAX_NUM_PROCESSES)")
+    hosts.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (or JAX_PROCESS_ID)")
     p.set_defaults(run=generate)
+
+
+def merge(args) -> int:
+    """`jaxspec merge`: a finished multi-process job's output, in input order."""
+    print(table([multihost.merge(args.output, args.prompts)]))
+    return 0
+
+
+def _add_merge(sub) -> None:
+    p = sub.add_parser("merge", help="gather a multi-process job's part files into OUT.jsonl, in input order")
+    p.add_argument("output", metavar="OUT.jsonl", help="the job's --output")
+    p.add_argument("--prompts", metavar="IN.jsonl", help="the job's input (default: named in OUT.jsonl.job.json)")
+    p.set_defaults(run=merge)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxspec", description="Batch speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_merge(sub)
     _add_profile(sub)
     _add_bench(sub)
     _add_distill(sub)

@@ -117,3 +117,11 @@ def compile_counter():
 
 def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, tiny_model):
+    """The tiny random model as a jaxspec checkpoint folder (no tokenizer: token-id prompts)."""
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    tiny_model.save(path)
+    return str(path)

@@ -19,14 +19,6 @@ from jaxspec.cost import CostModel
 CLI = [sys.executable, "-m", "jaxspec.cli"]
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory, tiny_model):
-    """The tiny random model as a jaxspec checkpoint folder (no tokenizer: token-id prompts)."""
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    tiny_model.save(path)
-    return str(path)
-
-
 def write_jobs(path, records) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)

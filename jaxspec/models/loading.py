@@ -181,7 +181,10 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None)
     stored, stored_quant = resolve_dtype(manifest["dtype"]), manifest.get("quantization")
     if stored_quant is not None and quantize not in (None, stored_quant):
         raise ValueError(f"{path} holds {stored_quant} weights; it cannot be loaded with quantize={quantize!r}")
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), _our_shapes(config, stored, stored_quant))
+    # On this process's first device: under jax.distributed each process reads its own replica.
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=local),
+                          _our_shapes(config, stored, stored_quant))
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(path / "params", target)
     if stored != dtype:
