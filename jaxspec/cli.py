@@ -116,7 +116,7 @@ def generate(args) -> int:
     # Everything that can be checked without the models is checked first: a typo fails in a second.
     jobs = jobs_lib.read_jobs(args.prompts, skip_bad_lines=args.skip_bad_lines, warn=_warn)
     spec, sampling, mesh = _build_spec(args)
-    n, me = 1, 0
+    n, me, began = 1, 0, time.perf_counter()
     if placement is not None:
         multihost.start(*placement)
         n, me = placement[1], placement[2]
@@ -135,12 +135,14 @@ def generate(args) -> int:
     if me == 0 and len(pending) < len(jobs):
         print(f"resuming: skipped {len(jobs) - len(pending)} of {len(jobs)} requests already in {args.output}"
               + (" and its parts" if placement is not None else ""), flush=True)
+    coordination = time.perf_counter() - began   # the job's reading and agreeing, before any decoding
     summary = {"process": me, "requests": 0, "new_tokens": 0, "seconds": 0.0}
     if todo:
         summary = {"process": me, **_decode(args, jobs, todo, spec, sampling, mesh, own, scan,
                                             (len(pending), peers) if placement is not None else None)}
     elif scan.torn or scan.needs_newline:
         _repair(own, scan)
+    summary["setup_s"] = coordination
     everyone = multihost.gather(summary) if placement is not None else [summary]
     if me == 0:
         if not pending:
