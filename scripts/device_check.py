@@ -61,13 +61,14 @@ def shapes(smoke: bool) -> dict:
     if smoke:
         tiny = jaxspec.ModelConfig.preset("tiny")
         return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [2],
-                "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2], "trees": [(2, 2, 2)],
-                "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24,
+                "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
+                "trees": [(2, 2, 2)], "tree_chains": False, "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24,
                 "int8_verify": False, "attention": (2, 2, 128, [16, 96])}
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
-            "ks": [1, 2, 4], "trees": [(4, 2, 4), (6, 2, 8)], "new_tokens": 64, "rounds": 3, "bandwidth_bytes": 1 << 30,
-            "int8_verify": True, "attention": (4, 8, 4096, [256, 3800])}   # layers, batch, slots, live
+            "ks": [1, 2, 4], "trees": [(4, 2, 4), (6, 2, 8)], "tree_chains": True, "new_tokens": 64, "rounds": 3,
+            "bandwidth_bytes": 1 << 30, "int8_verify": True,
+            "attention": (4, 8, 4096, [256, 3800])}   # layers, batch, slots, live
 
 
 def step_profile(target, s, out: dict, before_deadline) -> None:
@@ -159,9 +160,10 @@ def speculative(target, s, out: dict, before_deadline, trees: bool = False) -> N
     if trees:
         specs = {}
         for d, w, k in s["trees"]:
-            specs |= {f"k={k}": jaxspec.SpecConfig(k=k),
-                      f"k={k} TETRIS +2": jaxspec.SpecConfig(k=k, extra=2, selection="tetris"),
-                      f"tree {d}x{w} k={k}": jaxspec.SpecConfig(k=k, tree=(d, w)),
+            if s["tree_chains"]:   # (the smoke run leaves the chains to the speculative section)
+                specs |= {f"k={k}": jaxspec.SpecConfig(k=k),
+                          f"k={k} TETRIS +2": jaxspec.SpecConfig(k=k, extra=2, selection="tetris")}
+            specs |= {f"tree {d}x{w} k={k}": jaxspec.SpecConfig(k=k, tree=(d, w)),
                       f"tree {d}x{w} k={k} TETRIS": jaxspec.SpecConfig(k=k, tree=(d, w), selection="tetris")}
     for batch in s["spec_batches"]:
         if not before_deadline():

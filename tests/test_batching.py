@@ -128,7 +128,7 @@ def test_sampling_with_refills_matches_the_target_distribution(spec):
 
 
 @pytest.mark.parametrize("mesh, pipeline", [
-    (jaxspec.MeshConfig(target_tp=2, draft_tp=1), True),
+    pytest.param(jaxspec.MeshConfig(target_tp=2, draft_tp=1), True, marks=pytest.mark.slow),   # 16 s
     (jaxspec.MeshConfig(target_tp=2, draft_tp=1), False),
     pytest.param(jaxspec.MeshConfig(target_dp=2, target_tp=2, draft_tp=2), True, marks=pytest.mark.slow),   # 14 s
 ], ids=["tp2+draft1-pipelined", "tp2+draft1-sequential", "dp2xtp2+draft2-pipelined"])

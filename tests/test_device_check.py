@@ -20,7 +20,8 @@ def test_device_check_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check_cpu.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"step_profile", "attention", "speculative", "xla_options", "eagle_head", "tetris"}
+    assert set(sections) == {"step_profile", "attention", "speculative", "trees", "xla_options", "eagle_head",
+                             "tetris"}
     assert (tmp_path / "device_check_cpu.md").read_text().startswith("Device check on cpu")
 
     rows = sections["step_profile"]["rows"]
@@ -46,3 +47,6 @@ def test_device_check_cpu_smoke(tmp_path):
     assert [r["method"] for r in spec] == ["autoregressive", "k=2"]
     assert all(r["same_output"] for r in spec)
     assert 0 < spec[1]["acceptance"] <= 1
+    trees = sections["trees"]["rows"]
+    assert [r["method"] for r in trees] == ["autoregressive", "tree 2x2 k=2", "tree 2x2 k=2 TETRIS"]
+    assert all(r["same_output"] for r in trees) and all(r["tokens_per_pass"] > 1 for r in trees[1:])

@@ -127,6 +127,7 @@ def acceptance_runs(bigram_target, tmp_path_factory):
     return draft, heldout, runs
 
 
+@pytest.mark.slow   # 26 s of training: quality, not losslessness (suite time)
 @pytest.mark.parametrize("loss", distill_lib.LOSSES)
 def test_distillation_raises_heldout_acceptance(bigram_target, acceptance_runs, loss):
     draft, heldout, runs = acceptance_runs

@@ -54,6 +54,7 @@ def job(tmp_path_factory, tiny_path):
     return prompts, {i: r["tokens"] for i, r in read_output(single).items()}
 
 
+@pytest.mark.slow   # 30 s: three process launches
 def test_two_processes_merge_into_the_single_process_output(job, tiny_path, tmp_path):
     prompts, want = job
     out = tmp_path / "out.jsonl"
@@ -96,9 +97,8 @@ def test_a_killed_process_and_a_rerun_with_three_leave_every_request_once(tiny_p
     assert {i: r["tokens"] for i, r in read_output(out).items()} == want
 
 
-def test_a_process_with_other_options_is_refused_before_anything_is_written(job, tiny_path, tmp_path):
-    prompts, _ = job
-    out = tmp_path / "out.jsonl"
+def test_a_process_with_other_options_is_refused_before_anything_is_written(tiny_path, tmp_path):
+    prompts, out = write_jobs(tmp_path / "in.jsonl", token_jobs(4)), tmp_path / "out.jsonl"
     procs = launch(2, generate_args(tiny_path, prompts, out, *OPTIONS), lambda i: ("--k", "2") if i else ())
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [2, 2]

@@ -369,7 +369,7 @@ def test_tree_decoding_equals_the_targets_greedy_output(tree_pair, spec):
     assert result.stats.mean_accepted_length > 1.5   # the tree is used
 
 
-@pytest.mark.parametrize("selection", ["standard", "tetris"])
+@pytest.mark.parametrize("selection", ["standard", pytest.param("tetris", marks=pytest.mark.slow)])
 def test_goodput_runs_the_tree_where_it_pays_and_plain_steps_where_not(tree_pair, selection):
     """The policy's candidates are plain decoding and the tree: with a nearly free draft it drafts
     trees, with a draft dearer than anything it could save it never drafts; both lossless."""
@@ -399,7 +399,8 @@ def vocab6():
     return target, eagle.EagleHead.init(target, draft_vocab_size=4, token_counts=[0, 5, 5, 0, 5, 5], seed=6)
 
 
-@pytest.mark.parametrize("spec", [dict(k=3, tree=(3, 2)), dict(k=3, tree=(2, 3), selection="tetris", capacity=8)],
+@pytest.mark.parametrize("spec", [dict(k=3, tree=(3, 2)), pytest.param(dict(k=3, tree=(2, 3), selection="tetris",
+                                                                            capacity=8), marks=pytest.mark.slow)],
                          ids=["per-row", "batch-budget"])
 def test_eagle_and_ngram_trees_decode_the_targets_greedy_output(vocab6, spec):
     import jaxspec
@@ -414,7 +415,8 @@ def test_eagle_and_ngram_trees_decode_the_targets_greedy_output(vocab6, spec):
         assert result.stats.mean_accepted_length > 1.1, drafter   # drafts were accepted
 
 
-@pytest.mark.parametrize("mesh", [dict(target_tp=2, draft_tp=0), dict(target_dp=2, target_tp=2, draft_tp=0)],
+@pytest.mark.parametrize("mesh", [dict(target_tp=2, draft_tp=0),
+                                  pytest.param(dict(target_dp=2, target_tp=2, draft_tp=0), marks=pytest.mark.slow)],
                          ids=["tp2", "dp2xtp2"])
 def test_tree_decoding_on_a_mesh_equals_the_targets_greedy_output(tree_pair, mesh):
     import jaxspec
@@ -428,7 +430,8 @@ def test_tree_decoding_on_a_mesh_equals_the_targets_greedy_output(tree_pair, mes
     assert result.stats.mean_accepted_length > 1.2
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["two-slices", "pipelined"])
+@pytest.mark.parametrize("pipeline", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["two-slices", "pipelined"])
 def test_tree_decoding_with_the_draft_on_its_own_slice_equals_the_targets_greedy_output(tree_pair, pipeline):
     import jaxspec
     target, draft = tree_pair
