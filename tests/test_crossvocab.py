@@ -118,7 +118,8 @@ def test_greedy_equals_target_alone_under_goodput_and_on_a_mesh(pair):
 
 
 @pytest.mark.parametrize("kind, sampling", [("twin", SamplingConfig(temperature=1.0)),
-                                            ("other", SamplingConfig(temperature=0.7, top_k=3))], ids=["twin", "other"])
+                                            pytest.param("other", SamplingConfig(temperature=0.7, top_k=3),
+                                                         marks=pytest.mark.slow)], ids=["twin", "other"])
 def test_sampling_follows_the_target_distribution(pair, kind, sampling):
     target, drafters = pair
     prompt, rows = PROMPTS[1], 4000

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow   # 60-80 s (suite time); run it before every GPU lease
 def test_device_check_cpu_smoke(tmp_path):
     # The persistent compilation cache lets the step profile's second compile of a program (for
     # its text) load the first one's result.

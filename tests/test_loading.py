@@ -88,6 +88,7 @@ def test_smollm2_bfloat16_tracks_transformers(smollm2_path, quantize):
     assert rel < TOLERANCE[quantize][0] and top1 >= TOLERANCE[quantize][1]
 
 
+@pytest.mark.slow   # 28 s (suite time); the CLI tests save and load a tiny checkpoint
 def test_orbax_round_trip_keeps_logits_and_tokenizer(smollm2, tmp_path):
     smollm2.save(tmp_path / "smol")
     again = jaxspec.load(tmp_path / "smol")

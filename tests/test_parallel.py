@@ -149,7 +149,7 @@ def test_draft_that_does_not_divide_its_slice_is_rejected(pair):
 
 @pytest.mark.parametrize("pipeline,selection", [(False, "standard"),
                                                 pytest.param(True, "standard", marks=pytest.mark.slow),  # 15 s
-                                                (True, "tetris"),
+                                                pytest.param(True, "tetris", marks=pytest.mark.slow),   # 14 s
                                                 pytest.param(False, "tetris", marks=pytest.mark.slow)],   # 9 s
                          ids=["draft-slice", "pipelined", "pipelined-tetris", "draft-slice-tetris"])
 def test_goodput_on_two_slices_drafts_where_it_pays_and_equals_the_target(pair, prompts, reference, pipeline,

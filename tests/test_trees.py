@@ -369,7 +369,8 @@ def test_tree_decoding_equals_the_targets_greedy_output(tree_pair, spec):
     assert result.stats.mean_accepted_length > 1.5   # the tree is used
 
 
-@pytest.mark.parametrize("selection", ["standard", pytest.param("tetris", marks=pytest.mark.slow)])
+@pytest.mark.slow   # 18 s per case (suite time)
+@pytest.mark.parametrize("selection", ["standard", "tetris"])
 def test_goodput_runs_the_tree_where_it_pays_and_plain_steps_where_not(tree_pair, selection):
     """The policy's candidates are plain decoding and the tree: with a nearly free draft it drafts
     trees, with a draft dearer than anything it could save it never drafts; both lossless."""
@@ -445,6 +446,7 @@ def test_tree_decoding_with_the_draft_on_its_own_slice_equals_the_targets_greedy
     assert result.stats.mean_accepted_length > 1.2
 
 
+@pytest.mark.slow   # 12 s (suite time); model trees' sampling stays in the default suite
 def test_eagle_tree_sampling_follows_the_targets_distribution(vocab6):
     from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
