@@ -161,6 +161,7 @@ def uninterrupted(small_pair):
     return jaxspec.distill(target, draft, _prompts(0, 12, 64), **RUN, **EVAL)
 
 
+@pytest.mark.slow   # its training fixture: 16 s (suite time)
 def test_learning_rate_schedule_warms_up_then_decays(uninterrupted):
     _, history = uninterrupted
     lr = history["learning_rate"]
@@ -176,6 +177,7 @@ class _Kill(Exception):
     pass
 
 
+@pytest.mark.slow   # the same training fixture
 def test_killed_run_resumes_to_the_same_params(small_pair, uninterrupted, tmp_path):
     target, draft = small_pair
     full, full_history = uninterrupted
