@@ -213,20 +213,27 @@ class CrossVocabDrafter(Drafter):
                              seq_bd=jnp.zeros((b, slots), jnp.int32), length_b=zeros_b, synced_b=zeros_b)
         return _sync(params["tables"], state, tokens_bp, prompt_len_b, tokens_bp.shape[1], slots - _PREFILL_CHUNK)
 
-    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
-        graphdef, tables = self.model.graphdef, params["tables"]
-        slots = state.seq_bd.shape[1]
-        room = slots - max(k, CATCH_UP_CHUNK) - 2
-        state = _sync(tables, state, seq_bl, pending_b + 1, k + 1, room)
-        # Rows that could not take in all their text, or have under two draft tokens, sit out.
+    def _fed(self, params, state, seq_bl, pending_b, chunk: int, ahead: int):
+        """Syncs the draft sequence to the committed text (`chunk` target tokens per round, leaving
+        room for `ahead` slots of drafting) and feeds the draft through its last token. Returns
+        the state, the rows that may draft (those that took in all their text and have two draft
+        tokens), the last draft token's slot, the cache's trusted length before feeding, the
+        draft's logits after the last token, and the cache (its lengths at that slot)."""
+        graphdef = self.model.graphdef
+        state = _sync(params["tables"], state, seq_bl, pending_b + 1, chunk,
+                      state.seq_bd.shape[1] - max(ahead, CATCH_UP_CHUNK) - 2)
         live_b = (state.synced_b == pending_b + 1) & (state.length_b >= 2)
-        last_b = jnp.maximum(state.length_b - 1, 1)
-        trusted_b = state.cache.lengths
+        last_b, trusted_b = jnp.maximum(state.length_b - 1, 1), state.cache.lengths
         cache = catch_up(graphdef, params["model"], state.cache, state.seq_bd, last_b - 1)
         last_two_b2 = jnp.take_along_axis(state.seq_bd, last_b[:, None] + jnp.array([[-1, 0]]), axis=1)
         logits_b1w, cache = forward(graphdef, params["model"], last_two_b2, cache, jnp.ones_like(last_b)[:, None])
-        cache = cache.commit(last_b + 1)
-        drafts_bk, q_bkv, logprob_bk, cache = self._draft(params, cache, logits_b1w[:, 0], k, key_b, sampling)
+        return state, live_b, last_b, trusted_b, logits_b1w[:, 0], cache.commit(last_b)
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        tables, slots = params["tables"], state.seq_bd.shape[1]
+        state, live_b, last_b, trusted_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b, k + 1, k)
+        drafts_bk, q_bkv, logprob_bk, cache = self._draft(params, cache.commit(last_b + 1), logits_bw, k, key_b,
+                                                          sampling)
         # This step's drafts join the draft sequence tentatively: the next sync keeps the cache
         # up to the first one the target did not keep.
         at_bk = jnp.where(live_b[:, None], last_b[:, None] + 1 + jnp.arange(k), slots)
@@ -242,16 +249,12 @@ class CrossVocabDrafter(Drafter):
         as `propose`. Its nodes do not join the draft sequence: the next sync feeds the tokens
         the target kept."""
         from jaxspec.trees import draft_tree
-        graphdef, tables = self.model.graphdef, params["tables"]
-        state = _sync(tables, state, seq_bl, pending_b + 1, shape.depth + 1,
-                      state.seq_bd.shape[1] - max(shape.columns, CATCH_UP_CHUNK) - 2)
-        live_b = (state.synced_b == pending_b + 1) & (state.length_b >= 2)
-        last_b, trusted_b = jnp.maximum(state.length_b - 1, 1), state.cache.lengths
-        cache = catch_up(graphdef, params["model"], state.cache, state.seq_bd, last_b - 1)
-        last_two_b2 = jnp.take_along_axis(state.seq_bd, last_b[:, None] + jnp.array([[-1, 0]]), axis=1)
-        logits_b1w, cache = forward(graphdef, params["model"], last_two_b2, cache, jnp.ones_like(last_b)[:, None])
-        tree, cache = draft_tree(graphdef, params["model"], cache.commit(last_b), last_two_b2[:, 1], logits_b1w[:, 0],
-                                 shape, SamplingConfig() if self.greedy else sampling, tables["to_target_w"] >= 0)
+        tables = params["tables"]
+        state, live_b, last_b, trusted_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b,
+                                                                       shape.depth + 1, shape.columns)
+        root_w = jnp.take_along_axis(state.seq_bd, last_b[:, None], axis=1)[:, 0]
+        tree, cache = draft_tree(self.model.graphdef, params["model"], cache, root_w, logits_bw, shape,
+                                 SamplingConfig() if self.greedy else sampling, tables["to_target_w"] >= 0)
         root_b = jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1)[:, 0]
         tree = tree.replace(tokens_bw=jnp.take(tables["to_target_w"], tree.tokens_bw).at[:, 0].set(root_b),
                             cum_bw=jnp.where(live_b[:, None], tree.cum_bw, tree.cum_bw.at[:, 1:].set(-jnp.inf)))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,14 +129,19 @@ def write_manifest(output, prompts) -> None:
 
 
 class PeerProgress:
-    """New lines (finished requests) and their tokens in the other processes' part files since the
-    last `poll` (read incrementally; a torn last line waits for its end)."""
+    """New lines (finished requests) and their tokens in the other processes' part files (read
+    incrementally; a torn last line waits for its end)."""
 
-    def __init__(self, output, own: int, num_processes: int):
+    def __init__(self, output, own: int, num_processes: int, every: float = 1.0):
         self.paths = [part_path(output, i) for i in range(num_processes) if i != own]
         self.offsets = {p: p.stat().st_size if p.exists() else 0 for p in self.paths}
+        self.every, self.last = every, 0.0
 
     def poll(self) -> tuple[int, int]:
+        """(requests, tokens) finished since the last poll; reads the files at most every `every` s."""
+        if time.monotonic() - self.last < self.every:
+            return 0, 0
+        self.last = time.monotonic()
         requests = tokens = 0
         for path in self.paths:
             if not path.exists():
