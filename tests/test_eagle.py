@@ -150,7 +150,7 @@ def test_bad_heads_are_refused_with_the_limit(head_and_target):
 
 # --- EagleDrafter in the engine ---
 
-from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint  # noqa: E402
+from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint  # noqa: E402
 
 from jaxspec.sampling import SamplingConfig  # noqa: E402
 
@@ -203,12 +203,13 @@ def test_a_profiled_eagle_cost_model_prices_the_heads_steps(vocab6_heads):
 
 @pytest.mark.parametrize("head_index", [1, 2], ids=["full-vocab", "reduced-vocab"])
 def test_eagle_sampling_matches_the_targets_distribution(vocab6_heads, head_index):
+    """Four tokens: the prefill's, the window's two drafts and its bonus."""
     target, heads = vocab6_heads[0], vocab6_heads[1:]
-    sampling, rows = SamplingConfig(temperature=1.0), 4000
+    sampling, rows = SamplingConfig(temperature=1.0, top_p=0.8), 4000
     decoder = jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(heads[head_index - 1]),
                                          spec=jaxspec.SpecConfig(k=2), sampling=sampling)
-    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=31)
-    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=4, seed=31)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 4, sampling), rows)
     assert 0 < result.stats.acceptance_rate < 1
 
 

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import random_prompts
-from scipy import stats
+from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
 import jaxspec
 from jaxspec.drafters import ModelDrafter
-from jaxspec.sampling import SamplingConfig, probabilities
+from jaxspec.sampling import SamplingConfig
 
 SMALL_VOCAB = 16
 
@@ -204,10 +204,7 @@ def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
     assert done.all() and (np.asarray(lean.n_out_b) < np.asarray(max_new)).any()   # some row stopped at eos
 
 
-# --- sampling: the exact distribution of the first three tokens on a 6-token vocabulary ---
-
-VOCAB6_PROMPT = [1, 4, 2]
-
+# --- sampling: the exact distribution of the first tokens on a 6-token vocabulary (exactness.py) ---
 
 @pytest.fixture(scope="module")
 def vocab6():
@@ -216,71 +213,51 @@ def vocab6():
             jaxspec.Model.random(cfg.replace(num_layers=1, hidden_size=32, intermediate_size=64), seed=5))
 
 
-def exact_joint(model, prompt, depth, sampling):
-    """P(first `depth` tokens) by enumeration over model.logits with the same transforms."""
-    table = {}
-
-    def walk(prefix, prob):
-        if len(prefix) == depth:
-            table[tuple(prefix)] = prob
-            return
-        p = np.asarray(probabilities(np.asarray(model.logits([prompt + prefix]))[0, -1], sampling), np.float64)
-        for token in np.nonzero(p > 0)[0]:
-            walk(prefix + [int(token)], prob * p[token])
-
-    walk([], 1.0)
-    return table
-
-
-def assert_matches_distribution(tokens, table, rows):
-    counts = Counter(tuple(t) for t in tokens)
-    assert set(counts) <= set(table), "sampled a sequence the transforms exclude"
-    keys = sorted(table)
-    observed = np.array([counts.get(key, 0) for key in keys], float)
-    expected = np.array([table[key] for key in keys]) * rows
-    small = expected < 5
-    if small.any():  # pool rare cells so the chi-square approximation holds
-        observed = np.r_[observed[~small], observed[small].sum()]
-        expected = np.r_[expected[~small], expected[small].sum()]
-    expected *= observed.sum() / expected.sum()
-    assert stats.chisquare(observed, expected).pvalue > 1e-3
-
-
 SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),
              SamplingConfig(temperature=1.0, top_p=0.8)]
+T1, TOPK3, TOPP = SAMPLINGS
 
 
 def test_sampling_lossless_plain_steps(vocab6):
     """k = 0 (the goodput policy's plain decoding) samples from the target's distribution."""
     target, draft, _ = vocab6
-    rows, sampling = 4000, SAMPLINGS[1]
+    rows, sampling = 4000, TOPK3
     decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=0), sampling=sampling)
     result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=23)
     assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk3", "topp0.8"])
-@pytest.mark.parametrize("greedy_draft", [False, True], ids=["sampled-draft", "greedy-draft"])
-def test_sampling_lossless(vocab6, sampling, greedy_draft):
+# (k, sampling, rows, greedy draft). The first k + 2 tokens are compared: the prefill's token, the
+# first window's k drafts (or its correction) and, after a full accept, its bonus token, so a bonus
+# drawn from the wrong position changes the compared distribution. At depth 5 the full vocabulary
+# pools most of the joint into rare cells, so k = 3 runs with top-k / top-p and twice the rows.
+WINDOWS = [(1, T1, 4000, False), (1, TOPK3, 4000, False), (1, TOPP, 4000, False), (1, T1, 4000, True),
+           (3, TOPK3, 8000, False), (3, TOPP, 8000, False), (3, TOPK3, 8000, True)]
+
+
+@pytest.mark.parametrize("k, sampling, rows, greedy_draft", WINDOWS,
+                         ids=["k1-t1", "k1-topk3", "k1-topp", "k1-t1-greedy-draft", "k3-topk3", "k3-topp",
+                              "k3-topk3-greedy-draft"])
+def test_sampling_lossless(vocab6, k, sampling, rows, greedy_draft):
     target, draft, _ = vocab6
-    rows = 4000
-    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2, greedy_draft=greedy_draft),
+    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=k, greedy_draft=greedy_draft),
                                          sampling=sampling)
-    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=17)
-    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=k + 2, seed=17)
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, k + 2, sampling), rows)
     assert 0 < result.stats.acceptance_rate < 1
 
 
 def test_sampling_lossless_ngram_and_chain(vocab6):
+    """k = 2 and four tokens: the first window's bonus is the fourth."""
     target, middle, smallest = vocab6
-    sampling, rows = SamplingConfig(temperature=1.0), 4000
-    table = exact_joint(target, VOCAB6_PROMPT, 3, sampling)
+    sampling, rows, prompt = TOPK3, 4000, VOCAB6_PROMPT + [1, 4, 2, 5, 1, 4]
+    table = exact_joint(target, prompt, 4, sampling)
     chain = jaxspec.SpeculativeDecoder(middle, smallest, spec=jaxspec.SpecConfig(k=2), sampling=sampling)
     for draft in (jaxspec.NgramDrafter(max_ngram=2), chain):
         decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=2), sampling=sampling)
-        result = decoder.generate([VOCAB6_PROMPT + [1, 4, 2, 5, 1, 4]] * rows, max_new_tokens=3, seed=23)
-        table = exact_joint(target, VOCAB6_PROMPT + [1, 4, 2, 5, 1, 4], 3, sampling)
+        result = decoder.generate([prompt] * rows, max_new_tokens=4, seed=23)
         assert_matches_distribution(result.tokens, table, rows)
+        assert result.stats.acceptance_rate > 0
 
 
 def first_tokens(tokens, n):

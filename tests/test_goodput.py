@@ -60,14 +60,15 @@ def test_goodput_policy_switches_off_for_an_expensive_draft_and_maxes_a_perfect_
 @pytest.mark.slow   # 36 s per case (suite time)
 @pytest.mark.parametrize("selection", ["standard", "tetris"])
 def test_goodput_policy_is_lossless_under_sampling(selection):
-    """Exact distribution of the first three tokens on a 6-token vocabulary, with the plan changing
-    within the run: the optimistic prior opens with drafting, the measured acceptance (about 0.5)
-    does not pay for this draft cost, and the counts' ageing probes drafting again now and then."""
-    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+    """Exact distribution of the first four tokens (a k = 2 window's bonus is the fourth) on a
+    6-token vocabulary, with the plan changing within the run: the optimistic prior opens with
+    drafting, the measured acceptance (about 0.5) does not pay for this draft cost, and the
+    counts' ageing probes drafting again now and then."""
+    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
     cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
     target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
-    sampling = jaxspec.SamplingConfig(temperature=1.0)
+    sampling = jaxspec.SamplingConfig(temperature=0.7, top_k=3)
     rows = 4000
     cost = CostModel.from_coefficients(draft_fixed=2.8e-3, draft_per_token=1e-9, target_fixed=5e-3,
                                        target_per_token=1e-6)
@@ -75,6 +76,6 @@ def test_goodput_policy_is_lossless_under_sampling(selection):
                               selection=selection, policy="goodput", cost_model=cost)
     result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling).generate(
         [VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37, batch_size=1000)
-    assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    assert_matches_distribution([t[:4] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 4, sampling), rows)
     trace = result.stats.extra["k_trace"]
     assert 0 in trace and max(trace) > 0, trace   # drafting and plain steps both emitted tokens

@@ -85,19 +85,23 @@ def test_pipelined_greedy_equals_target_with_a_long_tail(pair, prompts, referenc
     assert result.stats.extra["lanes"] == 2
 
 
-@pytest.mark.parametrize("pipeline", [pytest.param(False, marks=pytest.mark.slow), True],   # 14 s
-                         ids=["draft-slice", "pipelined"])
-def test_two_slice_sampling_equals_single_program(pair, prompts, pipeline):
-    """Standard selection: each row's random draws depend only on its request, so drafting on its
-    own slice (sequentially or pipelined over two batches) must give exactly the single-program
-    output, whose distribution the engine tests check against the target's (chi-square)."""
+@pytest.mark.parametrize("mesh, pipeline", [
+    pytest.param(jaxspec.MeshConfig(target_tp=2, draft_tp=1), False, marks=pytest.mark.slow),   # 14 s
+    (jaxspec.MeshConfig(target_tp=2, draft_tp=1), True),
+    (jaxspec.MeshConfig(target_dp=2, target_tp=2, draft_tp=0), False),
+], ids=["tp2+draft-slice", "tp2+draft-slice-pipelined", "dp2xtp2"])
+def test_mesh_sampling_equals_single_program(pair, prompts, mesh, pipeline):
+    """Standard selection: each row's random draws depend only on its request, so a sharded
+    target (tensor, or data x tensor parallel), with the draft on its own slice or pipelined over
+    two batches, must give exactly the single-program output, whose distribution the engine tests
+    check against the target's (chi-square)."""
     target, draft = pair
     sampling = jaxspec.SamplingConfig(temperature=1.0, top_k=20)
     want = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3), sampling=sampling).generate(
         prompts, max_new_tokens=BUDGETS, seed=7).tokens
-    sliced = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3, pipeline=pipeline),
-                                        sampling=sampling, mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=1))
-    assert sliced.generate(prompts, max_new_tokens=BUDGETS, seed=7).tokens == want
+    sharded = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3, pipeline=pipeline),
+                                         sampling=sampling, mesh=mesh)
+    assert sharded.generate(prompts, max_new_tokens=BUDGETS, seed=7).tokens == want
 
 
 def test_balanced_split_is_near_the_best_equal_size_partition():
@@ -210,11 +214,11 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
     aged evidence probes drafting again), so tokens from drafting and from plain steps are both
     counted. Pipelined, drafting is hidden behind the other lane's verification up to its time,
     so the draft is made dearer there."""
-    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
     cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
     target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
-    sampling = jaxspec.SamplingConfig(temperature=1.0)
+    sampling = jaxspec.SamplingConfig(temperature=0.7, top_k=3)
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=8e-3 if pipeline else 3e-3,
                                                draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)
     spec = jaxspec.SpecConfig(k=2 if selection == "standard" else 1, extra=1 if selection == "tetris" else 0,
@@ -223,7 +227,7 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
     rows = 2000
     result = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling, mesh=jaxspec.MeshConfig(
         target_tp=1, draft_tp=1)).generate([VOCAB6_PROMPT] * rows, max_new_tokens=6, seed=37, batch_size=1000)
-    assert_matches_distribution([t[:3] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    assert_matches_distribution([t[:4] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 4, sampling), rows)
     trace = result.stats.extra["k_trace"]
     assert 0 in trace and max(trace) > 0, trace
 

@@ -181,7 +181,7 @@ def exact_emissions(p_wv, depth):
                          ids=["t1", "t0.8-topk3"])
 def test_tree_acceptance_samples_the_targets_distribution(sampling):
     import jax
-    from test_engine import assert_matches_distribution
+    from exactness import assert_matches_distribution
 
     from jaxspec.sampling import probabilities
     rows = 40000
@@ -448,28 +448,38 @@ def test_tree_decoding_with_the_draft_on_its_own_slice_equals_the_targets_greedy
 
 @pytest.mark.slow   # 12 s (suite time); model trees' sampling stays in the default suite
 def test_eagle_tree_sampling_follows_the_targets_distribution(vocab6):
-    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
     import jaxspec
     target, head = vocab6
-    sampling, rows = SamplingConfig(temperature=1.0), 4000
+    sampling, rows = SamplingConfig(temperature=0.7, top_k=3), 4000
     decoder = jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(head), spec=jaxspec.SpecConfig(k=3, tree=(2, 2)),
                                          sampling=sampling)
-    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=37)
-    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=4, seed=37)   # the 4th: a full path's bonus
+    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 4, sampling), rows)
     assert result.stats.accepted_tokens > 0
 
 
-def test_tree_sampling_follows_the_targets_distribution():
-    from test_engine import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+@pytest.mark.parametrize("kind", ["model", "ngram", pytest.param("bridge", marks=pytest.mark.slow)])
+def test_tree_sampling_follows_the_targets_distribution(kind):
+    """A draft model's, an n-gram lookup's (a prompt with repeats, so it finds continuations) and
+    the cross-vocabulary bridge's trees; four tokens, the 4th a full path's bonus."""
+    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
 
     import jaxspec
+    from jaxspec.crossvocab import CrossVocabDrafter, VocabMap
     cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
     target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
-    sampling, rows = SamplingConfig(temperature=1.0), 4000
-    decoder = jaxspec.SpeculativeDecoder(target, draft, spec=jaxspec.SpecConfig(k=3, tree=(2, 2)), sampling=sampling)
-    result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=3, seed=31)
-    assert_matches_distribution(result.tokens, exact_joint(target, VOCAB6_PROMPT, 3, sampling), rows)
+    pieces = [bytes([97 + i]) for i in range(6)]   # the bridge's draft: tokens 1 and 4 missing
+    drafter = {"model": draft, "ngram": jaxspec.NgramDrafter(max_ngram=2),
+               "bridge": CrossVocabDrafter(jaxspec.Model.random(cfg.replace(vocab_size=4, num_layers=1), seed=4),
+                                           VocabMap([pieces[i] for i in (0, 2, 3, 5)], pieces))}[kind]
+    prompt = VOCAB6_PROMPT + [1, 4, 2, 5, 1, 4] if kind == "ngram" else VOCAB6_PROMPT
+    sampling, rows = SamplingConfig(temperature=0.7, top_k=3), 4000
+    decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=jaxspec.SpecConfig(k=3, tree=(2, 2)),
+                                         sampling=sampling)
+    result = decoder.generate([prompt] * rows, max_new_tokens=4, seed=31)
+    assert_matches_distribution(result.tokens, exact_joint(target, prompt, 4, sampling), rows)
     assert result.stats.accepted_tokens > 0
 
 
