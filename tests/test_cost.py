@@ -16,7 +16,10 @@ def test_fit_recovers_known_coefficients_from_noisy_timings():
                      for s in (128, 512, 2048)])
     seconds = grid @ true * rng.normal(1.0, 0.03, len(grid))  # 3% multiplicative noise
     coef, fit = fit_linear(grid, seconds)
-    np.testing.assert_allclose(coef, true, rtol=0.1)
+    # Measured with this noise: coefficients 0.6%, 0.7%, 6.5% and 1.5% off (the context term is the
+    # least determined), 1 - r2 = 5e-3, the worst held-out point 5.8% off (about 2 sigma of the
+    # noise). The bounds are 3-4x those.
+    assert (np.abs(coef / true - 1) < [0.03, 0.03, 0.2, 0.06]).all(), coef / true - 1
     assert fit["r2"] > 0.98 and fit["worst_heldout_rel_error"] < 0.15 and fit["heldout"] == len(grid) // 4
 
 
@@ -32,10 +35,12 @@ def test_fit_points_recovers_every_step_coefficient_including_the_cost_of_specul
     points = [(b, k, s, true.step_seconds(b, k, s) * rng.normal(1.0, 0.02))
               for b in (1, 2, 4, 8, 16, 32, 64) for k in (0, 1, 2, 4, 6) for s in (128, 256)]
     fitted = CostModel.fit_points(points, target_name="t")
+    # Measured: these coefficients 0.5%, 1.2%, 3.5% and 4.9% off (up to 8% with other noise
+    # seeds), the predictions at most 1.2%.
     for name in ("target_fixed", "target_per_token", "speculation_fixed", "speculation_per_row"):
-        assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=0.25), name
+        assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=0.15), name
     for b, k in ((1, 0), (1, 1), (64, 0), (64, 1), (16, 4)):
-        assert fitted.step_seconds(b, k, 200) == pytest.approx(true.step_seconds(b, k, 200), rel=0.05), (b, k)
+        assert fitted.step_seconds(b, k, 200) == pytest.approx(true.step_seconds(b, k, 200), rel=0.04), (b, k)
     assert fitted.fit["step"]["points"] == len(points) and fitted.target_name == "t"
     # Without the speculation terms the same points cannot be described.
     x = np.array([[k, k * b, 1.0, b * (k + 1), b * s, b * (k + 1) * s] for b, k, s, _ in points])
@@ -60,7 +65,7 @@ def test_fit_points_leaves_out_timings_that_noise_made_near_zero_or_stalled():
         points[i] = (*shapes[i], seconds)
     fitted = CostModel.fit_points(points)
     assert fitted.fit["step"]["outliers"] == 3
-    for b, k, s in shapes:
+    for b, k, s in shapes:   # measured at most 2.1% off (1.2-2.1% over three noise seeds)
         assert fitted.step_seconds(b, k, s) == pytest.approx(true.step_seconds(b, k, s), rel=0.05), (b, k, s)
     # Clean timings lose nothing.
     clean = [(b, k, s, true.step_seconds(b, k, s)) for b, k, s in shapes]
@@ -106,7 +111,8 @@ def test_fit_never_returns_negative_costs():
     x = np.array([[1.0, b] for b in range(1, 17)])
     y = 1e-3 + 0.0 * x[:, 1] + rng.normal(0, 1e-5, len(x))  # no per-token cost at all
     coef, _ = fit_linear(x, y)
-    assert (coef >= 0).all() and coef[0] == pytest.approx(1e-3, rel=0.05)
+    # 1% noise over 16 points: measured 0.12% off (0.12-0.28% over three seeds).
+    assert (coef >= 0).all() and coef[0] == pytest.approx(1e-3, rel=0.01)
 
 
 def test_nonnegative_fit_is_the_best_over_every_set_of_free_coefficients():
@@ -137,7 +143,9 @@ def test_nonnegative_fit_is_the_best_over_every_set_of_free_coefficients():
                         best_residual = residual
         got = _nonnegative_lstsq(a, t)
         assert (got >= 0).all()
-        assert np.sum((a @ got - t) ** 2) == pytest.approx(best_residual, rel=1e-6, abs=1e-12), trial
+        # The same least-squares solves: measured at most 7e-16 apart; the next-best feasible subset
+        # is at least 5e-4 worse (relative) in these trials.
+        assert np.sum((a @ got - t) ** 2) == pytest.approx(best_residual, rel=1e-9, abs=0), trial
         assert (x[[k == 0 for _, k, _ in points]] @ got > 0).all()    # a plain step is never free
 
 

@@ -61,11 +61,13 @@ def test_losses_match_numpy_reference():
                 "tvd": 0.5 * np.sum(np.abs(p - q), -1)}
     for name, value in expected.items():
         got = np.asarray(distribution_loss(jnp.asarray(target_logits), jnp.asarray(draft_logits), name))
-        np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-6, err_msg=name)
-    # Every divergence is zero between a distribution and itself (up to a logit shift).
+        # float32 against float64: measured at most 3.2e-7 relative on values 0.44-5.7.
+        np.testing.assert_allclose(got, value, rtol=2e-6, atol=0, err_msg=name)
+    # Every divergence is zero between a distribution and itself (up to a logit shift): measured
+    # at most 1.4e-7, the float32 rounding of the shifted log-softmax.
     for name in expected:
         same = distribution_loss(jnp.asarray(target_logits), jnp.asarray(target_logits + 3.0), name)
-        np.testing.assert_allclose(np.asarray(same), 0.0, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(same), 0.0, atol=1e-6)
 
 
 # --- draft initialisation ---
@@ -90,9 +92,10 @@ def test_narrow_draft_keeps_the_embeddings_principal_directions(small_pair):
     assert draft.config.resolved_head_dim == SMALL.resolved_head_dim
     embed = np.asarray(target.params["embed_vd"], np.float64)
     small = np.asarray(draft.params["embed_vd"], np.float64)
-    # A projection onto the top right singular vectors keeps exactly the top singular values.
+    # A projection onto the top right singular vectors keeps exactly the top singular values, up to
+    # the float32 rounding of the stored table: measured 2.9e-8 relative; the bound is 4 float32 eps.
     np.testing.assert_allclose(np.linalg.svd(small, compute_uv=False), np.linalg.svd(embed, compute_uv=False)[:16],
-                               rtol=1e-4)
+                               rtol=4 * np.finfo(np.float32).eps)
     assert np.isfinite(np.asarray(draft.logits(np.array([[1, 2, 3]])))).all()
 
 
@@ -194,9 +197,10 @@ def test_killed_run_resumes_to_the_same_params(small_pair, uninterrupted, tmp_pa
     resumed, history = jaxspec.distill(target, draft, prompts, **ckpt, callback=lambda step, m: steps_seen.append(step),
                                        **RUN, **EVAL)
     assert steps_seen == [9, 10, 11, 12]  # restarted from the step-8 checkpoint
+    # The same steps on the same batches from an exactly restored state: measured bit-identical.
     for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(full.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
-    assert history["loss"] == pytest.approx(full_history["loss"], abs=1e-6)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert history["loss"] == full_history["loss"]
     assert history["eval_step"] == full_history["eval_step"] == [0, 5, 10, 12]
     assert history["acceptance_rate"] == pytest.approx(full_history["acceptance_rate"])
     # A finished run resumed again does no more steps and returns the same draft.

@@ -126,6 +126,16 @@ def family_pair(tmp_path_factory):
     return get
 
 
+# Relative L2 error of float32 logits against transformers': measured 4.6e-7 to 7.0e-7 over the six
+# families and the five GGUF files (a few float32 unit roundoffs); the bound is about 7x that. An
+# rms_norm_eps a tenth of the config's gives 5.6e-5 to 8.4e-4, rope_theta 1% off 3.9e-5 to 1.8e-3.
+PARITY = 5e-6
+
+
+def relative_error(got, want):
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
 ALL = sorted(FAMILIES)
 # Rope scaling changes only the rotary frequencies, which the logits test checks; decoding them
 # through the cache is the slow step's.
@@ -140,7 +150,21 @@ def test_logits_match_transformers(family_pair, family):
     with torch.no_grad():
         want = ref(torch.tensor(tokens)).logits.numpy()
     got = np.asarray(ours.logits(tokens))
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4, family
+    assert relative_error(got, want) < PARITY, family
+
+
+@pytest.mark.parametrize("change", [dict(rms_norm_eps=1e-6), dict(rope_theta=10100.0)])
+def test_the_parity_bound_catches_a_slightly_wrong_config(family_pair, change):
+    """Gemma 2's weights under an rms_norm_eps a tenth of its own (a loader reading a default) or a
+    rope_theta 1% off: measured 7.9e-5 and 4.9e-4 from transformers (the first passed the former
+    bound, 1e-4)."""
+    import torch
+    ref, ours = family_pair("gemma2")
+    wrong = jaxspec.Model(ours.config.replace(**change), ours.params)
+    tokens = np.random.default_rng(0).integers(0, 97, (2, 40))
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens)).logits.numpy()
+    assert relative_error(np.asarray(wrong.logits(tokens)), want) > 10 * PARITY
 
 
 @pytest.mark.parametrize("family", DECODED)
@@ -185,7 +209,7 @@ def test_gguf_written_like_llama_cpp_matches_transformers(family, tmp_path):
     with torch.no_grad():
         want = ref(torch.tensor(tokens)).logits.numpy()
     got = np.asarray(ours.logits(tokens))
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+    assert relative_error(got, want) < PARITY
 
 
 @pytest.mark.parametrize("family", ALL)

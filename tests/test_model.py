@@ -8,6 +8,11 @@ from conftest import random_prompts
 
 import jaxspec
 
+# Cached and uncached float32 forwards of the tiny model sum in different orders: measured at
+# most 2.9e-6 apart on logits of magnitude <= 3.6 (a few float32 ulps of the largest); the bound is
+# about 3.5x that. A KV cache kept in bfloat16 moves them by ~1e-2, an off-by-one mask by ~1.
+F32_LOGITS = dict(rtol=0, atol=1e-5)
+
 
 def naive_greedy(model, prompt, n, width=64):
     """Greedy decoding by re-running the uncached forward on the whole growing sequence.
@@ -46,7 +51,7 @@ def test_multi_token_decode_at_per_row_positions_matches_uncached_logits(tiny_mo
     logits, _ = m.forward(m.params, jnp.asarray(window), cache)
     for b in range(4):
         full = np.asarray(m.logits(seqs[b:b + 1, :lengths[b] + 4]))[0, lengths[b]:]
-        np.testing.assert_allclose(np.asarray(logits[b]), full, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(logits[b]), full, **F32_LOGITS)
 
 
 def brute_attention(q_btnh, k_bskh, v_bskh, q_pos_bt, window=None):
@@ -81,7 +86,8 @@ def test_attention_over_the_cache_matches_brute_force(impl, block, window, monke
     q_pos = lengths[:, None] + np.arange(4)
     got = attention.attend_cache(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_pos),
                                  jnp.asarray(lengths + 4), attention.Options(window=window))
-    np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos, window), rtol=1e-5, atol=1e-5)
+    # Measured at most 3.4e-7 from the float64 reference on outputs <= 1.8 (about 3 float32 ulps).
+    np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos, window), rtol=0, atol=1.5e-6)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -100,13 +106,14 @@ def test_prefill_into_an_empty_cache_attends_to_the_prompt_only(tiny_model, dtyp
     last = jnp.asarray(lengths - 1)[:, None]
     fast, fast_cache = m.forward(m.params, jnp.asarray(tokens), m.init_cache(4, 80), last, empty=True)
     slow, slow_cache = m.forward(m.params, jnp.asarray(tokens), m.init_cache(4, 80), last)
-    np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(fast_cache), jax.tree.leaves(slow_cache)):   # float rounding apart
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    # bfloat16: measured bit-identical; float32: 1.4e-6 apart (dots of other shapes), within F32_LOGITS.
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(slow), **F32_LOGITS)
+    for a, b in zip(jax.tree.leaves(fast_cache), jax.tree.leaves(slow_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **F32_LOGITS)
     if dtype == "float32":
         for b in range(4):
             full = np.asarray(m.logits(tokens[b:b + 1, :lengths[b]]))[0, -1]
-            np.testing.assert_allclose(np.asarray(fast[b, 0]), full, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(fast[b, 0]), full, **F32_LOGITS)
 
 
 def test_rolling_back_is_only_lowering_lengths(tiny_model):
@@ -123,8 +130,8 @@ def test_rolling_back_is_only_lowering_lengths(tiny_model):
     logits, _ = m.forward(m.params, jnp.asarray(tail), dirty)
     ref0 = np.asarray(m.logits(np.r_[seq[0, :8], junk[0, :1], seq[0, 9:12]][None]))[0, 9:12]
     ref1 = np.asarray(m.logits(seq[1:2]))[0, 8:12]
-    np.testing.assert_allclose(np.asarray(logits[0, :3]), ref0, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits[1]), ref1, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits[0, :3]), ref0, **F32_LOGITS)
+    np.testing.assert_allclose(np.asarray(logits[1]), ref1, **F32_LOGITS)
 
 
 def test_logits_at_selects_the_same_rows_as_full_logits(tiny_model):
@@ -132,7 +139,8 @@ def test_logits_at_selects_the_same_rows_as_full_logits(tiny_model):
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (3, 7)))
     full, _ = m.forward(m.params, tokens, m.init_cache(3, 16))
     picked, _ = m.forward(m.params, tokens, m.init_cache(3, 16), jnp.asarray([[6], [0], [3]]))
-    np.testing.assert_allclose(np.asarray(picked[:, 0]), np.asarray(full)[[0, 1, 2], [6, 0, 3]], rtol=1e-6)
+    # Measured bit-identical; 1e-6 (8 float32 ulps) leaves XLA free to fuse the gather differently.
+    np.testing.assert_allclose(np.asarray(picked[:, 0]), np.asarray(full)[[0, 1, 2], [6, 0, 3]], rtol=1e-6, atol=0)
 
 
 def test_qwen2_style_bias_and_untied_head(tiny_model):
@@ -146,16 +154,47 @@ def test_qwen2_style_bias_and_untied_head(tiny_model):
         assert tokens == naive_greedy(m, prompt, 6)
 
 
-def test_bfloat16_model_tracks_float32(tiny_model):
-    m16 = jaxspec.Model(tiny_model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params),
-                        dtype="bfloat16")
-    tokens = np.random.default_rng(5).integers(0, 256, (2, 16))
-    l32 = np.asarray(tiny_model.logits(tokens))
+def assert_bfloat16_tracks_float32(model):
+    """The model in bfloat16 against itself in float32, over 320 positions (bfloat16 holds integers
+    exactly only up to 256, so positions past it show whether rotary angles are computed in float32).
+
+    bfloat16 keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3). Measured on the tiny model over
+    four token draws: relative L2 error of all logits 0.012-0.013 (about 3 unit roundoffs; rounding
+    the weights alone gives 0.006), 0.023-0.033 at the worst position, 97.5-98% top-1 agreement.
+    The bounds are about 2.5x those errors.
+    """
+    m16 = jaxspec.Model(model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params), dtype="bfloat16")
+    tokens = np.random.default_rng(5).integers(0, model.config.vocab_size, (2, 320))
+    l32 = np.asarray(model.logits(tokens))
     l16 = np.asarray(m16.logits(tokens))
     assert l16.dtype == np.float32  # logits stay float32 whatever the compute dtype
     rel = np.linalg.norm(l16 - l32) / np.linalg.norm(l32)
-    assert rel < 0.05
-    assert (l16.argmax(-1) == l32.argmax(-1)).mean() > 0.9
+    worst = np.max(np.linalg.norm(l16 - l32, axis=-1) / np.linalg.norm(l32, axis=-1))
+    top1 = np.mean(l16.argmax(-1) == l32.argmax(-1))
+    assert rel < 0.03 and worst < 0.08 and top1 >= 0.95, (rel, worst, top1)
+
+
+def test_bfloat16_model_tracks_float32(tiny_model):
+    assert_bfloat16_tracks_float32(tiny_model)
+
+
+@pytest.fixture
+def fresh_programs():
+    """Drops compiled programs before and after a test that patches model code (set up before
+    `monkeypatch`, so the patch is undone first)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_the_bfloat16_bounds_catch_rotary_positions_left_in_bfloat16(tiny_model, fresh_programs, monkeypatch):
+    """A missing float32 upcast of the rotary positions (`decoder.rotary` fed positions in the
+    compute dtype) fails them: measured 0.11 relative L2, 0.92 at the worst position, 93% top-1."""
+    from jaxspec.models import decoder
+    rotary = decoder.rotary
+    monkeypatch.setattr(decoder, "rotary", lambda x, pos, *args: rotary(x, pos.astype(x.dtype), *args))
+    with pytest.raises(AssertionError):
+        assert_bfloat16_tracks_float32(tiny_model)
 
 
 def test_logits_rejects_bad_tokens(tiny_model):

@@ -1,5 +1,6 @@
 """Sampling transforms against a direct numpy reference, and sampled generation's distribution."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
@@ -38,7 +39,20 @@ def test_probabilities_match_reference(temperature, top_k, top_p):
     logits = rng.normal(size=(50, 12)) * 2
     got = np.asarray(probabilities(logits, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)))
     want = np.stack([reference_probs(row, temperature, top_k, top_p) for row in logits])
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    # float32 against float64: measured at most 5.8e-7 relative (a few float32 unit roundoffs);
+    # excluded tokens must be exactly 0.
+    np.testing.assert_allclose(got, want, rtol=3e-6, atol=0)
+
+
+def test_bfloat16_logits_are_transformed_in_float32():
+    """Logits in a narrower dtype are upcast before the transforms: measured 5.2e-7 relative from
+    the float64 reference of the same values; without the upcast, 3.8e-2."""
+    logits = np.random.default_rng(0).normal(size=(50, 12)) * 2
+    narrow = jnp.asarray(logits, jnp.bfloat16)
+    got = np.asarray(probabilities(narrow, SamplingConfig(temperature=0.7, top_k=5)))   # keeps ties, as the reference
+    want = np.stack([reference_probs(row, 0.7, 5, 1.0) for row in np.asarray(narrow, np.float64)])
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=3e-6, atol=0)
 
 
 def test_greedy_probabilities_are_one_hot_at_argmax():
