@@ -6,6 +6,7 @@ from jaxspec.crossvocab import CrossVocabDrafter, VocabMap
 from jaxspec.distill import distill, draft_from_target
 from jaxspec.drafters import Drafter, EagleDrafter, ModelDrafter, NgramDrafter
 from jaxspec.engine import SpeculativeDecoder
+from jaxspec.engine.decoder import clear_caches
 from jaxspec.generate import generate
 from jaxspec.models import KVCache, Model, ModelConfig
 from jaxspec.models.eagle import EagleHead
@@ -18,5 +19,5 @@ from jaxspec.train_eagle import train_eagle
 
 __all__ = ["CostModel", "CrossVocabDrafter", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult",
            "GenerationStats", "KVCache", "MeshConfig", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter",
-           "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "VocabMap", "distill", "draft_from_target",
-           "generate", "load", "multilevel", "parallel", "policy", "tetris", "train_eagle"]
+           "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "VocabMap", "clear_caches", "distill",
+           "draft_from_target", "generate", "load", "multilevel", "parallel", "policy", "tetris", "train_eagle"]

@@ -131,6 +131,11 @@ def _base_key(seed: int) -> jax.Array:
     return jax.random.key(seed)
 
 
+def clear_keys() -> None:
+    """Forgets the keys of seeds seen (`jaxspec.clear_caches`)."""
+    _base_key.cache_clear()
+
+
 @jax.jit
 def _fold_keys(base, request_ids_b):
     # Compiled: folding in eagerly, op by op, cost 5 ms of host time per call.

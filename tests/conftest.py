@@ -42,17 +42,20 @@ def _memory_map_count() -> int:
         return 0
 
 
-# XLA's CPU backend maps a few memory regions for the code of every compiled program. Linux caps
-# a process at vm.max_map_count (65530 by default) regions; past it, mmap fails and compilation
-# segfaults. A suite that compiles thousands of programs must therefore let them go.
+# XLA's CPU backend maps memory regions for the code of every compiled program (6 for a trivial
+# one, about 120 for a decode program); Linux caps a process at vm.max_map_count (65530 by
+# default) regions, and past it mmap fails and compilation segfaults. Freed only per module, the
+# heaviest modules peaked (run alone, one process) at 19,500 maps in the default suite
+# (test_engine; test_trees 14,100, test_eagle 10,000) but 39,400 in the slow step (test_engine;
+# test_eagle 14,400, test_trees 13,400): too near the cap to drop the mid-module trigger.
 _MAP_LIMIT = 20000
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop each module's compiled programs when it ends, so memory and mappings stay flat."""
+    """Drop each module's compiled programs when it ends (`jaxspec.clear_caches`)."""
     yield
-    jax.clear_caches()
+    jaxspec.clear_caches()
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +63,7 @@ def _bound_memory_maps():
     """Also drop them mid-module when the process nears the kernel's memory-map limit."""
     yield
     if _memory_map_count() > _MAP_LIMIT:
-        jax.clear_caches()
+        jaxspec.clear_caches()
 
 
 @pytest.fixture(scope="session")
@@ -99,9 +102,9 @@ class CompileCounter:
     def __enter__(self):
         # JAX's own key-seeding program (`jax.random.key`, which a call with a seed not seen before
         # runs: `generate._base_key` keeps the keys of seeds seen) is built first: a module's
-        # teardown drops compiled programs (`_free_compiled_programs`), and a new seed after it
-        # compiled `jit(stage)` and `jit(_threefry_seed)` inside a counted call, programs that are
-        # not the library's and that it compiles once per process, not per call.
+        # teardown drops compiled programs and those keys (`_free_compiled_programs`), and a new
+        # seed after it compiled `jit(stage)` and `jit(_threefry_seed)` inside a counted call,
+        # programs that are not the library's and that it compiles once per process, not per call.
         jax.random.key(0)
         jax.monitoring.register_event_duration_secs_listener(self._listener)
         return self

@@ -2,11 +2,9 @@
 torn-line repair, bad input, `--help`; `profile` and `bench` in-process."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -112,32 +110,41 @@ def test_generate_smollm2_strings_match_python_api(smollm2, smollm2_path, tmp_pa
     assert [got[f"p{i}"]["tokens"] for i in range(3)] == expected.tokens
 
 
+def killed_after(lines: int) -> list[str]:
+    """The CLI in a process that SIGKILLs itself right after its `lines`-th result line: a kill
+    mid-run at a point that does not depend on how fast the machine is."""
+    return [sys.executable, "-c", f"""
+import os, signal, sys
+from jaxspec import cli, jobs
+write = jobs.ResultWriter.write
+def write_then_die(self, record, written=[]):
+    write(self, record)
+    written.append(record)
+    if len(written) == {lines}:
+        os.kill(os.getpid(), signal.SIGKILL)
+jobs.ResultWriter.write = write_then_die
+sys.exit(cli.main(sys.argv[1:]))
+"""]
+
+
 def test_killed_run_resumes_with_every_id_exactly_once(tiny_path, tiny_model, tmp_path):
     records = token_jobs(100, seed=2)
     prompts = write_jobs(tmp_path / "in.jsonl", records)
     out = tmp_path / "out.jsonl"
-    args = CLI + generate_args(tiny_path, prompts, out, "--draft", "ngram", "--k", "2", "--max-new-tokens", "32",
-                               "--batch-size", "2")
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 3:
-                break
-            time.sleep(0.01)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    args = generate_args(tiny_path, prompts, out, "--draft", "ngram", "--k", "2", "--max-new-tokens", "32",
+                         "--batch-size", "2")
+    killed = subprocess.run(killed_after(3) + args, capture_output=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     finished = out.read_bytes().count(b"\n")
-    assert 3 <= finished < len(records), "the run was not killed mid-way"
+    assert finished == 3
     # What a kill during a write leaves behind: a cut-off line.
     with open(out, "a") as f:
         f.write('{"id": "r99", "text": null, "tokens": [1, 2')
-    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(CLI + args, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert "torn line" in rerun.stderr and "Traceback" not in rerun.stderr
     skipped = int(rerun.stdout.split("skipped ")[1].split()[0])
-    assert finished <= skipped < len(records)
+    assert skipped == finished
     # The API with the same settings (100 rows in one jaxspec.generate call can flip a near-tie of
     # the random model's logits: its float sums run in another order than at batch 2).
     decoder = jaxspec.SpeculativeDecoder(tiny_model, jaxspec.NgramDrafter(max_ngram=3), spec=jaxspec.SpecConfig(k=2))

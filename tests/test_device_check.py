@@ -18,8 +18,9 @@ def test_device_check_cpu_smoke(tmp_path):
     # its text) load the first one's result.
     env = {**os.environ, "PYTHON": sys.executable, "XLA_FLAGS": "", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jit"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    proc = subprocess.run(["scripts/device_check.sh", "--cpu-smoke", "--out", str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    # No section deadline: on a loaded machine sections would be skipped; the timeouts bound the run.
+    proc = subprocess.run(["scripts/device_check.sh", "--cpu-smoke", "--out", str(tmp_path), "--deadline", "1e9"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check_cpu.json").read_text())
     sections = report["sections"]

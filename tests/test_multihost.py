@@ -9,10 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from test_cli import generate_args, read_output, token_jobs, write_jobs
+from test_cli import generate_args, killed_after, read_output, token_jobs, write_jobs
 
 from jaxspec import multihost
 
@@ -27,10 +26,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(n: int, base: list[str], per_process=lambda i: ()) -> list[subprocess.Popen]:
-    """`jaxspec` with `base` arguments, once per process of an n-process job."""
+def launch(n: int, base: list[str], per_process=lambda i: (), command=lambda i: CLI) -> list[subprocess.Popen]:
+    """`jaxspec` (or `command(i)`) with `base` arguments, once per process of an n-process job."""
     port = free_port()
-    return [subprocess.Popen(CLI + base + ["--coordinator", f"localhost:{port}", "--num-processes", str(n),
+    return [subprocess.Popen(command(i) + base + ["--coordinator", f"localhost:{port}", "--num-processes", str(n),
                                            "--process-id", str(i), *per_process(i)],
                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(n)]
@@ -77,19 +76,17 @@ def test_a_killed_process_and_a_rerun_with_three_leave_every_request_once(tiny_p
                    timeout=240)
     want = {i: r["tokens"] for i, r in read_output(single).items()}
     base = generate_args(tiny_path, prompts, out, *OPTIONS)
-    procs = launch(2, base, lambda i: ("--batch-size", "1") if i == 1 else ())
-    part1 = multihost.part_path(out, 1)
-    deadline = time.time() + 180
-    while not (part1.exists() and part1.read_bytes().count(b"\n") >= 2) and time.time() < deadline:
-        time.sleep(0.05)
-    procs[1].send_signal(signal.SIGKILL)   # mid-run: it has more requests to go
+    # Process 1 dies after its second line, mid-run: it has 18 more requests to go.
+    procs = launch(2, base, lambda i: ("--batch-size", "1") if i == 1 else (),
+                   command=lambda i: killed_after(2) if i == 1 else CLI)
+    procs[1].wait(timeout=240)
     for p in procs:
         try:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:   # its peer is gone; it would wait for it at the end
             p.kill()
             p.wait()
-    assert 2 <= sum(len(read_output(p)) for p in multihost.parts(out)) < 40
+    assert procs[1].returncode == -signal.SIGKILL and len(read_output(multihost.part_path(out, 1))) == 2
     finish(launch(3, base))
     written = [line for p in multihost.parts(out) for line in read_output(p)]
     assert sorted(written) == sorted(want)   # across all parts, each request once

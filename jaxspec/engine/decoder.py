@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -24,7 +25,7 @@ from jaxspec.engine import loop, timing
 from jaxspec.engine.chain import ChainDrafter
 from jaxspec.engine.loop import Schedule, cache_length, prefill_schedule, put_rows
 from jaxspec.engine.step import Counters, StepPlan
-from jaxspec.generate import check_eos, request_keys
+from jaxspec.generate import check_eos, clear_keys, request_keys
 from jaxspec.models.model import Model
 from jaxspec.parallel import pipeline
 from jaxspec.parallel import sharding as sharding_lib
@@ -37,6 +38,27 @@ from jaxspec.trees import TreeShape
 TREE_DRAFTERS = (ModelDrafter, EagleDrafter, NgramDrafter, crossvocab.CrossVocabDrafter)   # with `propose_tree`
 
 _NO_CAP = 2 ** 30   # a segment's step cap when none is wanted
+_DECODERS: weakref.WeakSet = weakref.WeakSet()   # live decoders, whose `_compiled` clear_caches() empties
+
+
+def clear_caches() -> None:
+    """Releases every compiled program, JAX's and jaxspec's, and the library's own caches.
+
+    Programs are compiled and cached per shape, as JAX does: per batch bucket, cache length
+    bucket, k / step plan and sampling config. Re-running shapes already seen compiles nothing
+    and does not grow memory; every new shape adds programs (on XLA:CPU a few MB and memory maps
+    each: 6 for a trivial program, about 120 for a decode program) that stay until this call. A
+    long notebook or a parameter sweep calls it to release the programs of shapes it no longer
+    needs. Decoders and models built before it keep working: they compile again on next use.
+
+    Calls `jax.clear_caches()` (JAX's persistent compilation cache on disk, if set, stays), then
+    empties the PRNG keys kept per seed (`jaxspec.generate`) and each live decoder's record of
+    the goodput plans it compiled ahead.
+    """
+    jax.clear_caches()
+    clear_keys()
+    for decoder in list(_DECODERS):
+        decoder._compiled.clear()
 
 
 class SpeculativeDecoder:
@@ -99,6 +121,7 @@ class SpeculativeDecoder:
         # draft and verify call, each timed alone (blocking: no overlap; for measurements).
         self.phase_timings: dict[str, list[float]] | None = None
         self._compiled: set[tuple] = set()   # goodput: batch shapes whose plans are compiled
+        _DECODERS.add(self)
 
     def __repr__(self):
         return f"SpeculativeDecoder(target={self.target!r}, draft={self.draft!r}, spec={self.spec!r})"
