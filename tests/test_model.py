@@ -197,6 +197,43 @@ def test_the_bfloat16_bounds_catch_rotary_positions_left_in_bfloat16(tiny_model,
         assert_bfloat16_tracks_float32(tiny_model)
 
 
+def _transcendental_dtypes(model, cache_len=16) -> set:
+    """(primitive, operand dtype) of every rsqrt / exp / sin / cos in the traced cached forward:
+    the RMSNorm statistics, the softmax (plain or online) and the rotary angles."""
+    from jax.extend import core as jcore
+
+    def eqns(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                        yield from eqns(getattr(sub, "jaxpr", sub))
+
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    traced = jax.make_jaxpr(lambda p, t: model.forward(p, t, model.init_cache(2, cache_len))[0])(model.params, tokens)
+    return {(e.primitive.name, str(e.invars[0].aval.dtype)) for e in eqns(traced.jaxpr)
+            if e.primitive.name in ("rsqrt", "exp", "sin", "cos")}
+
+
+@pytest.mark.parametrize("impl", ["plain", "blocked"])
+def test_bfloat16_models_normalise_rotate_and_softmax_in_float32(tiny_model, impl, monkeypatch):
+    """On CPU, XLA computes bfloat16 elementwise arithmetic in float32 anyway, so a missing upcast
+    in RMSNorm or the softmax moves the logits by less than bfloat16's own error (measured 0.0104
+    -> 0.0124 relative L2) and no tolerance can see it; the traced program can. A GPU runs such
+    ops in bfloat16."""
+    from jaxspec.models import attention, decoder
+    monkeypatch.setattr(attention, "ATTENTION", impl)
+    monkeypatch.setattr(attention, "BLOCK", 8)
+    m16 = jaxspec.Model(tiny_model.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_model.params),
+                        dtype="bfloat16")
+    assert _transcendental_dtypes(m16) == {(name, "float32") for name in ("rsqrt", "exp", "sin", "cos")}
+    # The same check on an RMSNorm that normalises in the compute dtype: rsqrt in bfloat16.
+    monkeypatch.setattr(decoder.RMSNorm, "__call__", lambda self, x: x * jax.lax.rsqrt(
+        jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.scale[...].astype(x.dtype))
+    assert ("rsqrt", "bfloat16") in _transcendental_dtypes(m16)
+
+
 def test_logits_rejects_bad_tokens(tiny_model):
     with pytest.raises(ValueError, match="outside \\[0, 256\\)"):
         tiny_model.logits([[1, 256]])
