@@ -33,6 +33,16 @@ MIN_EXPECTED = 5  # cells expected fewer times than this are pooled
 VOCAB6_PROMPT = [1, 4, 2]   # the prompt of the 6-token-vocabulary tests
 
 
+@functools.cache
+def vocab6_models():
+    """The 6-token-vocabulary target, a 1-layer draft that agrees with it about half the time, and
+    a narrower draft for the draft (a chain's lowest level)."""
+    import jaxspec
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
+    return (jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4),
+            jaxspec.Model.random(cfg.replace(num_layers=1, hidden_size=32, intermediate_size=64), seed=5))
+
+
 def exact_joint(model, prompt, depth, sampling) -> dict[tuple, float]:
     """P(first `depth` tokens after `prompt`) for every sequence the transforms allow."""
     prefixes, probs = [()], np.ones(1)

@@ -9,7 +9,7 @@ single-program engine, the goodput policy, TETRIS, and the two-slice / pipelined
 import numpy as np
 import pytest
 from conftest import random_prompts
-from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
 import jaxspec
 from jaxspec import batching, prompts
@@ -119,8 +119,7 @@ def test_sampling_is_independent_of_slots(pair, requests):
 def test_sampling_with_refills_matches_the_target_distribution(spec):
     """Chi-square on the exact joint distribution of 4 tokens (6-token vocabulary; the fourth is
     the first window's bonus), 64 slots for 1500 requests: most requests start in a refilled row."""
-    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
-    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    target, draft, _ = vocab6_models()
     sampling, rows = SamplingConfig(temperature=0.7, top_k=3), 1500
     decoder = jaxspec.SpeculativeDecoder(target, draft, spec=spec, sampling=sampling)
     result = decoder.generate([VOCAB6_PROMPT] * rows, max_new_tokens=4, seed=23, batch_size=64)

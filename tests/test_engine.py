@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import random_prompts
-from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
 import jaxspec
 from jaxspec.drafters import ModelDrafter
@@ -208,9 +208,7 @@ def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
 
 @pytest.fixture(scope="module")
 def vocab6():
-    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
-    return (jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4),
-            jaxspec.Model.random(cfg.replace(num_layers=1, hidden_size=32, intermediate_size=64), seed=5))
+    return vocab6_models()
 
 
 SAMPLINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=3),

@@ -3,15 +3,13 @@ and the stated power of the chi-square against simulated errors of that size."""
 
 import numpy as np
 import pytest
-from exactness import ALPHA, chi_square_counts, detectable_tv, exact_joint
+from exactness import ALPHA, chi_square_counts, detectable_tv, exact_joint, vocab6_models
 
-import jaxspec
 from jaxspec.sampling import SamplingConfig, probabilities
 
 
 def test_the_enumerated_joint_equals_a_walk_over_single_prefixes():
-    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
-    model, prompt = jaxspec.Model.random(cfg, seed=3), [1, 4, 2]
+    model, prompt = vocab6_models()[0], [1, 4, 2]
     sampling = SamplingConfig(temperature=1.0, top_p=0.8)
     want = {}
 

@@ -64,10 +64,9 @@ def test_goodput_policy_is_lossless_under_sampling(selection):
     6-token vocabulary, with the plan changing within the run: the optimistic prior opens with
     drafting, the measured acceptance (about 0.5) does not pay for this draft cost, and the
     counts' ageing probes drafting again now and then."""
-    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
-    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
-    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    target, draft, _ = vocab6_models()
     sampling = jaxspec.SamplingConfig(temperature=0.7, top_k=3)
     rows = 4000
     cost = CostModel.from_coefficients(draft_fixed=2.8e-3, draft_per_token=1e-9, target_fixed=5e-3,

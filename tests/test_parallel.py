@@ -214,10 +214,9 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
     aged evidence probes drafting again), so tokens from drafting and from plain steps are both
     counted. Pipelined, drafting is hidden behind the other lane's verification up to its time,
     so the draft is made dearer there."""
-    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
-    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
-    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    target, draft, _ = vocab6_models()
     sampling = jaxspec.SamplingConfig(temperature=0.7, top_k=3)
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=8e-3 if pipeline else 3e-3,
                                                draft_per_token=0.0, target_fixed=5e-3, target_per_token=0.0)

@@ -464,12 +464,12 @@ def test_eagle_tree_sampling_follows_the_targets_distribution(vocab6):
 def test_tree_sampling_follows_the_targets_distribution(kind):
     """A draft model's, an n-gram lookup's (a prompt with repeats, so it finds continuations) and
     the cross-vocabulary bridge's trees; four tokens, the 4th a full path's bonus."""
-    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint
+    from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
     import jaxspec
     from jaxspec.crossvocab import CrossVocabDrafter, VocabMap
-    cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, name="tiny-v6")
-    target, draft = jaxspec.Model.random(cfg, seed=3), jaxspec.Model.random(cfg.replace(num_layers=1), seed=4)
+    target, draft, _ = vocab6_models()
+    cfg = target.config
     pieces = [bytes([97 + i]) for i in range(6)]   # the bridge's draft: tokens 1 and 4 missing
     drafter = {"model": draft, "ngram": jaxspec.NgramDrafter(max_ngram=2),
                "bridge": CrossVocabDrafter(jaxspec.Model.random(cfg.replace(vocab_size=4, num_layers=1), seed=4),
