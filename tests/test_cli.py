@@ -438,6 +438,7 @@ def test_train_eagle_data_sources(tmp_path):
             source_texts(bad)
 
 
+@pytest.mark.slow   # 11-15 s (suite time); int8 speculative decoding stays in the default suite (test_quant)
 def test_generate_with_int8_weights_is_the_int8_models_greedy_output(tiny_path, tmp_path):
     records = token_jobs(4, seed=3)
     prompts = write_jobs(tmp_path / "in.jsonl", records)
