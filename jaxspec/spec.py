@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxspec.cost import CostModel
+from jaxspec.policy.cost import CostModel
 
 MAX_K = 16  # the largest draft length a program is compiled for
 MAX_TREE_COLUMNS = 64  # the most nodes (root included) a draft tree may have
@@ -30,7 +30,7 @@ class SpecConfig:
       threshold: confidence-threshold drafting: a row's window ends at the first draft whose
         cumulative confidence (product of the drafter's per-token estimates) falls below this;
         k is then the most a row drafts. None: fixed-length windows.
-      tree: (depth D, width W): draft a tree (`jaxspec.trees`) instead of a chain; standard
+      tree: (depth D, width W): draft a tree (`jaxspec.drafting.trees`) instead of a chain; standard
         selection verifies each row's k most probable nodes, "tetris" the batch's C best
         (capacity, default N * k); under the goodput policy each step runs the tree or plain
         decoding, whichever it predicts faster. None: a chain of k (+ extra) drafts.
@@ -77,7 +77,7 @@ class SpecConfig:
                              f"decoding is always a candidate), got k={self.k}")
 
     def _check_tree(self):
-        from jaxspec.trees import TreeShape
+        from jaxspec.drafting.trees import TreeShape
         if not isinstance(self.tree, (tuple, list)) or len(self.tree) != 2:
             raise ValueError(f"tree must be None or (depth, width), got {self.tree!r}")
         shape = TreeShape(*self.tree)
@@ -96,6 +96,6 @@ class SpecConfig:
     def draft_len(self) -> int:
         """Draft tokens proposed per row per step (a tree's nodes, its root excluded)."""
         if self.tree is not None:
-            from jaxspec.trees import TreeShape
+            from jaxspec.drafting.trees import TreeShape
             return TreeShape(*self.tree).columns - 1
         return self.k + (self.extra if self.selection == "tetris" else 0)

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import machine, table, write_results
-from jaxspec.drafters import NgramDrafter
+from jaxspec.drafting import NgramDrafter
 from jaxspec.engine import timing
 from jaxspec.models import attention as attention_lib
+from jaxspec.tools.benchmarking import machine, table, write_results
 
 STEPS = 8
 

@@ -29,10 +29,10 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import round_robin, table, write_results
-from jaxspec.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
+from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
 from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.models.model import forward, init_cache
+from jaxspec.tools.benchmarking import round_robin, table, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"

@@ -13,8 +13,8 @@ import argparse
 import os
 
 import jaxspec
-from jaxspec.benchmarking import machine, table, timed, write_results
 from jaxspec.models.loading import smollm2_gguf_path
+from jaxspec.tools.benchmarking import machine, table, timed, write_results
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",

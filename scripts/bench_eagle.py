@@ -32,10 +32,10 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import machine, table, write_results
-from jaxspec.cli_eagle import source_texts
-from jaxspec.distill import answered
+from jaxspec.cli.eagle import source_texts
 from jaxspec.models.loading import smollm2_gguf_path
+from jaxspec.tools.benchmarking import machine, table, write_results
+from jaxspec.training.distill import answered
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))

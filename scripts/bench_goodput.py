@@ -25,7 +25,10 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import (
+from jaxspec.engine.loop import cache_length
+from jaxspec.engine.timing import side_by_side, time_points
+from jaxspec.policy.cost import CostModel
+from jaxspec.tools.benchmarking import (
     PAIRS,
     RESULTS_DIR,
     build_pair,
@@ -37,9 +40,6 @@ from jaxspec.benchmarking import (
     table,
     write_results,
 )
-from jaxspec.cost import CostModel
-from jaxspec.engine.loop import cache_length
-from jaxspec.engine.timing import side_by_side, time_points
 
 
 def profile_batches(batches):

@@ -31,7 +31,7 @@ if __name__ == "__main__" and "jax" not in sys.modules:   # XLA reads its flags 
 import numpy as np  # noqa: E402
 
 import jaxspec  # noqa: E402
-from jaxspec.benchmarking import (  # noqa: E402
+from jaxspec.tools.benchmarking import (  # noqa: E402
     PAIRS,
     RESULTS_DIR,
     build_pair,

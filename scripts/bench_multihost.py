@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.benchmarking import table, write_results
+from jaxspec.tools.benchmarking import table, write_results
 
 ROW = re.compile(r"^\|\s*(\d+)\s*\|")
 

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import machine, round_robin, table, write_results
 from jaxspec.models.loading import smollm2_gguf_path
+from jaxspec.tools.benchmarking import machine, round_robin, table, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Write a short story about a robot who learns to paint.",

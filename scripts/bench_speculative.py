@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import RESULTS_DIR, machine, round_robin, table, write_results
 from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.prompts import bucket_batch, bucket_length
+from jaxspec.tools.benchmarking import RESULTS_DIR, machine, round_robin, table, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"

@@ -28,8 +28,8 @@ import numpy as np
 
 import jaxspec
 from jaxspec import tetris
-from jaxspec.benchmarking import layer_skip_pair, machine, table, timed, write_results
 from jaxspec.models.model import forward, forward_packed
+from jaxspec.tools.benchmarking import layer_skip_pair, machine, table, timed, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"

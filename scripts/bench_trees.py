@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import RESULTS_DIR, layer_skip_pair, round_robin, table, write_results
+from jaxspec.tools.benchmarking import RESULTS_DIR, layer_skip_pair, round_robin, table, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ["batch", "method", "tokens_per_pass", "vsr", "verified_per_row", "tok_s", "vs_ar", "same_output"]

@@ -3,7 +3,7 @@ end before the deadline, results written after every section (`scripts/device_ch
 
 Sections, in this order, at the qwen2.5-1.5b shape in bfloat16 with random weights (`--cpu-smoke`:
 a tiny shape):
-  step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.profiling`) at batch
+  step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.tools.profiling`) at batch
                 1 / 8 / 32, bfloat16 and int8 weights; a 4-token verification against one token.
   attention     the attention paths (`attention.ATTENTION`: plain, blocked, XLA's SDPA, cuDNN) in a
                 4-layer model of that shape at batch 8, with 256 and 3,800 of 4,096 cache slots live
@@ -40,10 +40,10 @@ from bench_eagle import head_step_fraction
 from bench_tetris import packed_rows, select_seconds
 
 import jaxspec
-from jaxspec import profiling
-from jaxspec.benchmarking import machine, prompt_sets, round_robin, skeleton_pair, table, write_results
-from jaxspec.drafters import NgramDrafter
+from jaxspec.drafting import NgramDrafter
 from jaxspec.engine import timing
+from jaxspec.tools import profiling
+from jaxspec.tools.benchmarking import machine, prompt_sets, round_robin, skeleton_pair, table, write_results
 
 # In order of importance: a short lease runs the first ones.
 SECTIONS = ("step_profile", "attention", "speculative", "trees", "xla_options", "eagle_head", "tetris")

@@ -29,8 +29,8 @@ import jax
 import numpy as np
 
 import jaxspec
-from jaxspec.benchmarking import machine, table, write_results
 from jaxspec.models.loading import smollm2_gguf_path
+from jaxspec.tools.benchmarking import machine, table, write_results
 
 REPO = Path(__file__).resolve().parents[1]
 TOPICS = ["the sea", "a lighthouse keeper", "winter mornings", "learning to cook", "a lost cat", "trains",

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import jaxspec
-from jaxspec.benchmarking import prompt_sets, skeleton_pair
+from jaxspec.tools.benchmarking import prompt_sets, skeleton_pair
 
 
 def differing(a, b) -> list:

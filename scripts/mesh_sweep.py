@@ -52,8 +52,8 @@ def run_part(args) -> list[dict]:
     import numpy as np
 
     import jaxspec
-    from jaxspec.benchmarking import layer_skip_pair, timed
-    from jaxspec.parallel.simulate import simulate
+    from jaxspec.tools.benchmarking import layer_skip_pair, timed
+    from jaxspec.tools.mesh_sim import simulate
 
     config = jaxspec.ModelConfig(vocab_size=4096, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
                                  intermediate_size=768, max_position_embeddings=2048, tie_word_embeddings=False,
@@ -98,7 +98,7 @@ def what_if(rows: list[dict], k: int, batch: int, new_tokens: int) -> list[dict]
     verify time by target_tp (ideal scaling, as on GPUs with fast links; on this CPU it does not
     scale) while the draft slice keeps its time: an assumption, not a measurement.
     """
-    from jaxspec.parallel.simulate import simulate
+    from jaxspec.tools.mesh_sim import simulate
 
     seq = next(r for r in rows if r["config"] == "tp1 + draft slice")
     pipe = next(r for r in rows if r["config"] == "tp1 + draft slice, pipelined")
@@ -162,7 +162,7 @@ def main() -> None:
 def report(rows, args) -> None:
     import math
 
-    from jaxspec.benchmarking import RESULTS_DIR, machine, table, write_results
+    from jaxspec.tools.benchmarking import RESULTS_DIR, machine, table, write_results
 
     rows = [{key: v for key, v in r.items() if not (isinstance(v, float) and math.isnan(v))} for r in rows]
     for r in rows:

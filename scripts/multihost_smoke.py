@@ -29,7 +29,7 @@ def worker(process_id: int, port: int, local_devices: int) -> None:
     import numpy as np
 
     import jaxspec
-    from jaxspec.benchmarking import layer_skip_pair
+    from jaxspec.tools.benchmarking import layer_skip_pair
 
     cfg = jaxspec.ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4,
                               intermediate_size=128, max_position_embeddings=512, name="multihost-test")

@@ -1,4 +1,4 @@
-"""The analytic models of `jaxspec.multilevel`, evaluated: optimal k and speedup against acceptance
+"""The analytic models of `jaxspec.tools.multilevel`, evaluated: optimal k and speedup against acceptance
 and cost ratio (two models), chain examples, and threshold against fixed-length drafting.
 
 No model runs; numbers follow from the formulas. Writes docs/results/multilevel.{json,md,png}.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxspec import multilevel as ml
-from jaxspec.benchmarking import RESULTS_DIR, table, write_results
+from jaxspec.tools import multilevel as ml
+from jaxspec.tools.benchmarking import RESULTS_DIR, table, write_results
 
 ALPHAS = np.round(np.arange(0.30, 0.991, 0.01), 2)
 RATIOS = (0.01, 0.05, 0.1, 0.2, 0.4)   # draft cost / target cost
@@ -88,7 +88,7 @@ def main() -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     plot(curves, RESULTS_DIR / "multilevel.png")
     md = "\n".join([
-        "Analytic models of `jaxspec.multilevel` (no model runs). Throughput is relative to the target "
+        "Analytic models of `jaxspec.tools.multilevel` (no model runs). Throughput is relative to the target "
         "alone (one token per target call).", "",
         "### Two models: optimal k and speedup", "", table(two), "",
         "![optimal k and speedup](multilevel.png)", "",

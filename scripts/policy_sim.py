@@ -1,4 +1,4 @@
-"""The goodput policy in the deterministic simulator (`jaxspec.policy_sim`), against the best
+"""The goodput policy in the deterministic simulator (`jaxspec.tools.policy_sim`), against the best
 fixed draft length in hindsight and against plain decoding, and each of its rules switched off.
 
 Scenarios: two machines (`policy_sim.machine_cost`: "gpu", memory-bound steps; "cpu", a 4-token
@@ -21,9 +21,9 @@ import time
 import numpy as np
 
 from jaxspec import policy
-from jaxspec import policy_sim as ps
-from jaxspec.benchmarking import table, write_results
-from jaxspec.cost import CostModel
+from jaxspec.policy.cost import CostModel
+from jaxspec.tools import policy_sim as ps
+from jaxspec.tools.benchmarking import table, write_results
 
 ACCEPTANCE = {"0.3": dict(alphas=(0.3,)), "0.6": dict(alphas=(0.6,)), "0.8": dict(alphas=(0.8,)),
               "0.95": dict(alphas=(0.95,)), "0.9->0.3": dict(alphas=(0.9,), drift=(0.5, (0.3,))),
@@ -90,7 +90,7 @@ def main() -> None:
     md = "\n".join([
         f"# Goodput policy in the simulator ({len(policy_rows)} scenarios, {args.seeds} texts each)", "",
         "Written by `make policy-sim` (`scripts/policy_sim.py`): deterministic, the clock is a cost model "
-        "(`jaxspec.policy_sim`), no timing. `vs_best`: the policy's tokens per simulated second over the best fixed "
+        "(`jaxspec.tools.policy_sim`), no timing. `vs_best`: the policy's tokens per simulated second over the best fixed "
         "draft length's in hindsight (k = 0..6, the same texts); `vs_plain`: over plain decoding's. Goals: "
         "`vs_best` >= 0.97 everywhere, `vs_plain` >= 0.99 where plain decoding is best.", "",
         "## Each rule switched off", "",

@@ -1,4 +1,4 @@
-"""Step anatomy of jaxspec's decode step (`jaxspec.profiling`): kernels per step and their time by
+"""Step anatomy of jaxspec's decode step (`jaxspec.tools.profiling`): kernels per step and their time by
 category, the costliest kernels, and the step against reading its bytes at the device's measured
 bandwidth; per weight type, batch and draft length (k = 0: plain decoding; k > 0: a verification
 of k + 1 tokens per row, drafts from n-gram lookup, whose own cost is negligible).
@@ -19,8 +19,8 @@ from pathlib import Path
 import jax
 
 import jaxspec
-from jaxspec import profiling
-from jaxspec.benchmarking import machine, table, write_results
+from jaxspec.tools import profiling
+from jaxspec.tools.benchmarking import machine, table, write_results
 
 
 def build(args, dtype: str, quantize: str | None):

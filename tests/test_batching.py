@@ -12,9 +12,10 @@ from conftest import random_prompts
 from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
 import jaxspec
-from jaxspec import batching, prompts
-from jaxspec.benchmarking import layer_skip_pair
+from jaxspec import prompts
+from jaxspec.engine import batching
 from jaxspec.sampling import SamplingConfig
+from jaxspec.tools.benchmarking import layer_skip_pair
 
 CFG = jaxspec.ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                           intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False,

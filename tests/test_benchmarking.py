@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import benchmarking
-from jaxspec.benchmarking import heldout_best_ratios, median_interval, skeleton_pair
+from jaxspec.tools import benchmarking
+from jaxspec.tools.benchmarking import heldout_best_ratios, median_interval, skeleton_pair
 
 
 def test_median_interval_covers_the_true_median_about_as_often_as_its_level():

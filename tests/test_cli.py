@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec import cli, jobs
-from jaxspec.cost import CostModel
+from jaxspec.cli import jobs
+from jaxspec.cli import main as cli
+from jaxspec.policy.cost import CostModel
 
 CLI = [sys.executable, "-m", "jaxspec.cli"]
 
@@ -115,7 +116,8 @@ def killed_after(lines: int) -> list[str]:
     mid-run at a point that does not depend on how fast the machine is."""
     return [sys.executable, "-c", f"""
 import os, signal, sys
-from jaxspec import cli, jobs
+from jaxspec.cli import main as cli
+from jaxspec.cli import jobs
 write = jobs.ResultWriter.write
 def write_then_die(self, record, written=[]):
     write(self, record)
@@ -419,7 +421,7 @@ def test_train_eagle_then_generate_with_the_head_is_lossless(tiny_path, tiny_mod
 def test_train_eagle_data_sources(tmp_path):
     """Folders give their .py / .txt / .md files in path order, JSONL its "text" / "prompt"
     fields, `stdlib` this Python's own library source; a bad source is a one-line ValueError."""
-    from jaxspec.cli_eagle import source_texts
+    from jaxspec.cli.eagle import source_texts
 
     (tmp_path / "b").mkdir()
     (tmp_path / "a.py").write_text("x = 1\n")

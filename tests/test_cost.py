@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.cost import CostModel, fit_linear
+from jaxspec.policy.cost import CostModel, fit_linear
 
 
 def test_fit_recovers_known_coefficients_from_noisy_timings():
@@ -78,7 +78,7 @@ def test_a_step_timing_is_never_far_below_the_loops_average_step(tiny_model, mon
     falls back to a tenth of the long loop's average step instead of a floor of zero."""
     import types
 
-    from jaxspec.drafters import NgramDrafter
+    from jaxspec.drafting import NgramDrafter
     from jaxspec.engine import timing
 
     step, stall, now = 1e-3, 1e-2, [0.0]
@@ -121,7 +121,7 @@ def test_nonnegative_fit_is_the_best_over_every_set_of_free_coefficients():
     are >= 0, the smallest residual of those (coefficients outside the subset are 0)."""
     import itertools
 
-    from jaxspec.cost import _nonnegative_lstsq
+    from jaxspec.policy.cost import _nonnegative_lstsq
 
     rng = np.random.default_rng(7)
     for trial in range(20):
@@ -241,7 +241,7 @@ def test_a_tree_step_prices_its_draft_passes_and_its_verified_nodes():
     """A (3, 2) tree verifying 3 nodes per row at batch 4: one draft position over the 4 rows, two
     over 8 node tokens, one speculation overhead, 16 verified tokens attending over the tree's
     11 columns (hand-summed from the coefficients)."""
-    from jaxspec.trees import TreeShape
+    from jaxspec.drafting.trees import TreeShape
     cost = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.1, target_fixed=10.0, target_per_token=0.01,
                                        target_per_context_token=0.001, target_per_attention=1e-4,
                                        speculation_fixed=0.5, speculation_per_row=0.05)

@@ -1,4 +1,4 @@
-"""Drafts whose vocabulary differs from the target's (`jaxspec.crossvocab`): the tables against a
+"""Drafts whose vocabulary differs from the target's (`jaxspec.drafting.crossvocab`): the tables against a
 brute-force reading of the two vocabularies; greedy output equal to the target's own and sampled
 output following the target's exact distribution, for drafts that share most, or few, tokens."""
 
@@ -7,7 +7,7 @@ import pytest
 from exactness import assert_matches_distribution, exact_joint
 
 import jaxspec
-from jaxspec.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
+from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
 from jaxspec.models.model import Model
 from jaxspec.sampling import SamplingConfig
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.distill import distribution_loss, heldout_acceptance
+from jaxspec.training.distill import distribution_loss, heldout_acceptance
 
 # The package's `distill` attribute is the function; the module is reached through importlib.
-distill_lib = importlib.import_module("jaxspec.distill")
+distill_lib = importlib.import_module("jaxspec.training.distill")
 
 SMALL = jaxspec.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                             intermediate_size=64, max_position_embeddings=128)

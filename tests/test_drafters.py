@@ -47,7 +47,7 @@ def test_ngram_config_is_checked():
 def test_deferred_draft_state_catches_up_to_the_same_proposals_as_a_prefilled_one():
     """A ModelDrafter started without its prefill (`init_deferred`, for rows that begin with plain
     decoding) proposes what a prefilled one proposes, after any number of tokens it never saw."""
-    from jaxspec.drafters import ModelDrafter
+    from jaxspec.drafting import ModelDrafter
 
     cfg = jaxspec.ModelConfig.preset("tiny")
     drafter = ModelDrafter(jaxspec.Model.random(cfg.replace(num_layers=1, name="tiny-1L"), seed=2))

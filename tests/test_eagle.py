@@ -227,7 +227,7 @@ def test_the_head_state_after_decoding_equals_a_recomputation_from_scratch(vocab
     logits equal the head run once over each row's kept sequence with the target's features
     recomputed from scratch."""
     from jaxspec.engine import step as engine
-    from jaxspec.generate import request_keys
+    from jaxspec.engine.generate import request_keys
 
     target, head, _ = vocab6_heads
     drafter = jaxspec.EagleDrafter(head)
@@ -340,7 +340,7 @@ def test_eagle_on_a_tensor_parallel_target_is_lossless(vocab6_heads):
 
 # --- training ---
 
-from jaxspec.train_eagle import heldout_loss, train_eagle, ttt_logits  # noqa: E402
+from jaxspec.training.eagle import heldout_loss, train_eagle, ttt_logits  # noqa: E402
 
 
 def test_the_unrolled_training_forward_is_sequential_teacher_forced_drafting(head_and_target):
@@ -446,7 +446,7 @@ def test_the_feature_cache_holds_the_targets_features_and_labels_and_resumes(tmp
     """Stored features are the layer inputs of an uncached pass, stored choices are the target's
     argmax and the stored hidden states give the target's logits at any ids (labels); a build
     killed after two chunks resumes and ends with the same files as one uninterrupted build."""
-    from jaxspec import feature_cache as fc
+    from jaxspec.training import feature_cache as fc
 
     target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4), seed=5)
     rng = np.random.default_rng(6)

@@ -10,7 +10,7 @@ from conftest import random_prompts
 from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
 import jaxspec
-from jaxspec.drafters import ModelDrafter
+from jaxspec.drafting import ModelDrafter
 from jaxspec.sampling import SamplingConfig
 
 SMALL_VOCAB = 16
@@ -177,7 +177,7 @@ def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
     import jax
 
     from jaxspec.engine import step as engine
-    from jaxspec.generate import request_keys
+    from jaxspec.engine.generate import request_keys
 
     target, _, _ = small
     prompts = ragged_prompts(SMALL_VOCAB, 5)

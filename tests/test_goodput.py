@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.cost import CostModel
+from jaxspec.policy.cost import CostModel
 
 
 @pytest.fixture(scope="module")

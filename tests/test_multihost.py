@@ -13,7 +13,7 @@ import sys
 import pytest
 from test_cli import generate_args, killed_after, read_output, token_jobs, write_jobs
 
-from jaxspec import multihost
+from jaxspec.cli import multihost
 
 CLI = [sys.executable, "-m", "jaxspec.cli"]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxspec import multilevel as ml
+from jaxspec.tools import multilevel as ml
 
 
 def simulate_accepted(rng, alpha, k, trials):

@@ -10,9 +10,9 @@ import pytest
 from conftest import random_prompts
 
 import jaxspec
-from jaxspec.benchmarking import layer_skip_pair
+from jaxspec.engine.sliced import balanced_split
 from jaxspec.parallel import sharding
-from jaxspec.parallel.pipeline import balanced_split
+from jaxspec.tools.benchmarking import layer_skip_pair
 
 CFG = jaxspec.ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4,
                           intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False,
@@ -234,8 +234,8 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
 def test_lane_step_seconds_add_up_sequentially_and_overlap_when_pipelined():
     """Sequential: a lane step is the cost model's whole step (`CostModel.step_seconds`).
     Pipelined: the drafting and the verification it is split into run at once, so the longer one."""
+    from jaxspec.engine.sliced import lane_step_seconds
     from jaxspec.engine.step import StepPlan
-    from jaxspec.parallel.pipeline import lane_step_seconds
 
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=2e-3, draft_per_token=1e-5, target_fixed=5e-3,
                                                target_per_token=2e-5, target_per_context_token=1e-8,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxspec import policy
-from jaxspec.cost import CostModel
+from jaxspec.policy.cost import CostModel
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.95, 1.0])

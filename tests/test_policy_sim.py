@@ -1,10 +1,11 @@
-"""The policy simulator (`jaxspec.policy_sim`): its acceptance against the closed form, and the
+"""The policy simulator (`jaxspec.tools.policy_sim`): its acceptance against the closed form, and the
 policy's figures there on scenarios whose answer is known."""
 
 import numpy as np
 import pytest
 
-from jaxspec import policy, policy_sim
+from jaxspec import policy
+from jaxspec.tools import policy_sim
 
 PLANS = tuple((k, None) for k in range(7))
 

@@ -1,9 +1,9 @@
-"""jaxspec.profiling: the compiled program's instructions by category and source, and the bytes a
+"""jaxspec.tools.profiling: the compiled program's instructions by category and source, and the bytes a
 decode step must read, against references written out here."""
 # ruff: noqa: E501  (HLO lines are written as XLA prints them)
 
 import jaxspec
-from jaxspec import profiling
+from jaxspec.tools import profiling
 
 HLO = """HloModule jit_step
 

@@ -10,8 +10,8 @@ from conftest import random_prompts
 from test_loading import write_hf_folder
 
 import jaxspec
-from jaxspec.benchmarking import layer_skip_pair
 from jaxspec.models import quant
+from jaxspec.tools.benchmarking import layer_skip_pair
 
 CFG = jaxspec.ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4,
                           intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False,

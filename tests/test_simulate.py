@@ -3,7 +3,7 @@
 import pytest
 
 from jaxspec import policy
-from jaxspec.parallel.simulate import simulate
+from jaxspec.tools.mesh_sim import simulate
 
 
 @pytest.mark.parametrize("d, v", [(1.0, 3.0), (3.0, 1.0), (2.0, 2.0)])

@@ -228,8 +228,8 @@ def test_a_drafted_tree_is_each_expanded_paths_top_children_under_an_uncached_fo
     from scipy.special import log_softmax
 
     import jaxspec
+    from jaxspec.drafting.trees import TreeShape, draft_tree
     from jaxspec.models.model import forward, init_cache
-    from jaxspec.trees import TreeShape, draft_tree
     model = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(vocab_size=32), seed=6)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 32, n).tolist() for n in (7, 3)]
@@ -285,8 +285,8 @@ def test_an_eagle_tree_is_each_expanded_paths_top_children_fed_one_token_at_a_ti
     from scipy.special import log_softmax
 
     import jaxspec
+    from jaxspec.drafting.trees import TreeShape, eagle_tree
     from jaxspec.models import eagle
-    from jaxspec.trees import TreeShape, eagle_tree
     target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(vocab_size=32), seed=6)
     head = eagle.EagleHead.init(target, draft_vocab_size=24, token_counts=np.arange(32) % 5, seed=2)
     rng, shape, lengths = np.random.default_rng(3), TreeShape(depth=3, width=2), jnp.asarray([5, 3])
@@ -330,7 +330,7 @@ def ngram_branches(ctx, max_n, min_n, width, depth):
 def test_an_ngram_tree_holds_the_best_continuations_with_distinct_first_tokens():
     import jax.numpy as jnp
 
-    from jaxspec.trees import TreeShape, ngram_tree
+    from jaxspec.drafting.trees import TreeShape, ngram_tree
     rng, shape = np.random.default_rng(4), TreeShape(depth=3, width=3)
     contexts = [rng.integers(0, 4, n).tolist() for n in (20, 9, 14, 2)] + [[1, 2, 3, 1, 2, 3, 1, 2]]
     seq = np.zeros((len(contexts), 24), np.int32)
@@ -349,7 +349,7 @@ def test_an_ngram_tree_holds_the_best_continuations_with_distinct_first_tokens()
 @pytest.fixture(scope="module")
 def tree_pair():
     import jaxspec
-    from jaxspec.benchmarking import layer_skip_pair
+    from jaxspec.tools.benchmarking import layer_skip_pair
     return layer_skip_pair(jaxspec.ModelConfig.preset("tiny").replace(num_layers=4), draft_layers=2, damping=0.05)
 
 
@@ -467,7 +467,7 @@ def test_tree_sampling_follows_the_targets_distribution(kind):
     from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
 
     import jaxspec
-    from jaxspec.crossvocab import CrossVocabDrafter, VocabMap
+    from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap
     target, draft, _ = vocab6_models()
     cfg = target.config
     pieces = [bytes([97 + i]) for i in range(6)]   # the bridge's draft: tokens 1 and 4 missing

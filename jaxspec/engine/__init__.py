@@ -1,15 +1,19 @@
-"""The speculative decoding engine: the step, the loop on device, and `SpeculativeDecoder`.
+"""The speculative decoding engine: the step, the programs around it, and `SpeculativeDecoder`.
 
   step.py      one draft -> select -> verify -> accept -> commit step, a pure function of the
                loop state (`speculative_step` = `draft_phase` + `verify_phase`; `plain_step`)
   loop.py      the compiled programs around the step (`start_on_device`, `run_on_device`,
                `refill_on_device`)
   chain.py     a SpeculativeDecoder as the drafter of a larger target (multi-level)
+  sliced.py    the two-slice engine: draft and target on separate devices, sequential or pipelined
+  batching.py  host bookkeeping of continuous batching: request queue, slot table
   decoder.py   `SpeculativeDecoder`: prompts, slots and refills, and which programs a call runs
+  generate.py  the autoregressive baseline `jaxspec.generate`
   timing.py    timing of real steps, for `CostModel.profile`
 """
 
-from jaxspec.engine import timing  # noqa: F401  (registers the step timer with jaxspec.cost)
-from jaxspec.engine.decoder import SpeculativeDecoder
+from jaxspec.engine import timing  # noqa: F401  (registers the step timer with jaxspec.policy.cost)
+from jaxspec.engine.decoder import SpeculativeDecoder, clear_caches
+from jaxspec.engine.generate import generate
 
-__all__ = ["SpeculativeDecoder"]
+__all__ = ["SpeculativeDecoder", "clear_caches", "generate"]

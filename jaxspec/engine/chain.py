@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxspec import tetris
-from jaxspec.drafters import Drafter, Proposal, abstract, feed_missing, init_cache, prefill_cache
+from jaxspec.drafting.base import Drafter, Proposal, abstract, feed_missing, prefill_cache
 from jaxspec.engine.step import Counters, DecodeState, StepPlan, speculative_step
 from jaxspec.models.cache import KVCache
-from jaxspec.models.model import forward
+from jaxspec.models.model import forward, init_cache
 from jaxspec.sampling import SamplingConfig
 
 _NO_EOS = -1

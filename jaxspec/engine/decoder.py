@@ -5,7 +5,7 @@ refills a finished row from the queue) and runs the programs of `jaxspec.engine.
 at a time: under a fixed policy a segment ends only to refill or hand over a finished request;
 under the goodput policy also where the policy, on device, chooses another plan.
 When draft and target live on separate device slices the two-slice engine of
-`jaxspec.parallel.pipeline` runs instead.
+`jaxspec.engine.sliced` runs instead.
 """
 
 from __future__ import annotations
@@ -17,23 +17,22 @@ import weakref
 import jax
 import numpy as np
 
-from jaxspec import batching, crossvocab, tetris
 from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
-from jaxspec.drafters import Drafter, EagleDrafter, ModelDrafter, NgramDrafter
-from jaxspec.engine import loop, timing
+from jaxspec import tetris
+from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, crossvocab
+from jaxspec.drafting.trees import TreeShape
+from jaxspec.engine import batching, loop, sliced, timing
 from jaxspec.engine.chain import ChainDrafter
+from jaxspec.engine.generate import check_eos, clear_keys, request_keys
 from jaxspec.engine.loop import Schedule, cache_length, prefill_schedule, put_rows
 from jaxspec.engine.step import Counters, StepPlan
-from jaxspec.generate import check_eos, clear_keys, request_keys
 from jaxspec.models.model import Model
-from jaxspec.parallel import pipeline
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.parallel.mesh import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
 from jaxspec.sampling import SamplingConfig
 from jaxspec.spec import SpecConfig
-from jaxspec.trees import TreeShape
 
 TREE_DRAFTERS = (ModelDrafter, EagleDrafter, NgramDrafter, crossvocab.CrossVocabDrafter)   # with `propose_tree`
 
@@ -261,7 +260,7 @@ class SpeculativeDecoder:
         queue = batching.RequestQueue(batch, on_finish=on_finish)
         first = queue.pop(slots_total)
         if self.spec.pipeline and n >= 2:
-            halves = pipeline.balanced_split(batch.max_new_b[first], len(first))
+            halves = sliced.balanced_split(batch.max_new_b[first], len(first))
             groups = [[first[i] for i in h] for h in halves]
         else:
             groups = [first]
@@ -273,10 +272,10 @@ class SpeculativeDecoder:
         schedule, _ = self._schedule(rows, max(len(g) for g in groups))
         seconds = None
         if schedule.goodput:
-            seconds = {mode: pipeline.lane_step_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
+            seconds = {mode: sliced.lane_step_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
                                                         pipelined=mode == "pipelined")
                        for mode in ("pipelined", "sequential")}
-        runner = pipeline.SlicedRunner(self.target, self.drafter, schedule, self.sampling, self._target_mesh,
+        runner = sliced.SlicedRunner(self.target, self.drafter, schedule, self.sampling, self._target_mesh,
                                        self._draft_mesh, seconds=seconds)
         runner.timings = self.phase_timings
         start = time.perf_counter()

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import policy as policy_lib
-from jaxspec.drafters import Drafter
+from jaxspec.drafting.base import Drafter
 from jaxspec.engine.step import DecodeState, StepPlan, initial_state, speculative_step
 from jaxspec.sampling import SamplingConfig
 

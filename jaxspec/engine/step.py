@@ -13,7 +13,7 @@ One step, for every row at its own length:
      row's budget); the target cache commits exactly the tokens it has processed and kept.
      Rolling back the rest is not writing them: `lengths` simply does not cover them.
 `draft_phase` is 1, `verify_phase` 2-4; `speculative_step` composes them, and the two-slice engine
-(`jaxspec.parallel.pipeline`) runs them on two device slices. `plain_step` is a step without drafts.
+(`jaxspec.engine.sliced`) runs them on two device slices. `plain_step` is a step without drafts.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from flax import struct
 
 from jaxspec import policy as policy_lib
 from jaxspec import tetris
-from jaxspec.drafters import Drafter, Proposal, draft_logprob
-from jaxspec.generate import prefill
+from jaxspec.drafting.base import Drafter, Proposal, draft_logprob
+from jaxspec.drafting.trees import Tree, TreeShape
+from jaxspec.engine.generate import prefill
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward, forward_packed
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.sampling import SamplingConfig, probabilities, row_keys, sample
-from jaxspec.trees import Tree, TreeShape
 from jaxspec.verify import accept, accept_tree
 
 _DRAFT_TAG, _ACCEPT_TAG = 1, 2

@@ -4,7 +4,7 @@ A step is timed as the decode loop runs it (`loop.run_on_device` with a step cap
 rows with a cache of `cache_len` slots, after warm-up, with `block_until_ready`, as the
 difference between a loop of 1 + `iterations` steps and one of 1 step, so that a call's own cost
 besides its steps (dispatch, the round trip) is not counted as a step's. `time_points` times a
-grid of shapes in shuffled passes and registers itself with `jaxspec.cost`, which only fits.
+grid of shapes in shuffled passes and registers itself with `jaxspec.policy.cost`, which only fits.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import cost as cost_lib
 from jaxspec import prompts as prompts_lib
-from jaxspec.drafters import Drafter, ModelDrafter, NgramDrafter
+from jaxspec.drafting import Drafter, ModelDrafter, NgramDrafter
+from jaxspec.engine.generate import request_keys
 from jaxspec.engine.loop import Schedule, prefill_schedule, run_on_device, start_on_device
 from jaxspec.engine.step import StepPlan
-from jaxspec.generate import request_keys
 from jaxspec.models.model import Model
+from jaxspec.policy import cost as cost_lib
 from jaxspec.sampling import SamplingConfig
 
 

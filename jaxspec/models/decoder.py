@@ -145,7 +145,7 @@ class Block(nnx.Module):
     def _mm(self, x_mi, name: str):
         """x [m, i] through the matrix `name` (int8 or float) -> [m, o]."""
         scale = getattr(self, quant.scale_name(name))
-        with jax.named_scope(name):   # names the kernels in profiles (`jaxspec.profiling`)
+        with jax.named_scope(name):   # names the kernels in profiles (`jaxspec.tools.profiling`)
             return quant.matmul(x_mi, getattr(self, name)[...], None if scale is None else scale[...],
                                 quant.BLOCK_MATRICES[name])
 

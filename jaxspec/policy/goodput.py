@@ -27,7 +27,7 @@ Shape key: b rows, j plans, k draft positions.
 - Predicted seconds come from a `CostModel` profiled on the machine that decodes
   (`CostModel.profile`).
 
-Every engine calls these functions; `jaxspec.policy_sim` runs them against simulated acceptance
+Every engine calls these functions; `jaxspec.tools.policy_sim` runs them against simulated acceptance
 with a cost model as the clock, which is where each rule here earned its place
 (`docs/results/policy_sim.md`).
 """
@@ -217,7 +217,7 @@ def choose(state: PolicyState, live_b, plans, seconds_j, current=None, remaining
       remaining_b: tokens each row has left, or None; draining (traced bool): no request waits
         for a slot, so the batch is judged by its slowest rows (`goodput`).
       catch_up_seconds: one forward of the drafter over the batch (`goodput`).
-      margin: the hysteresis (`jaxspec.policy_sim` varies it to measure its worth).
+      margin: the hysteresis (`jaxspec.tools.policy_sim` varies it to measure its worth).
     """
     goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds)
     best = jnp.argmax(goodput_j).astype(jnp.int32)

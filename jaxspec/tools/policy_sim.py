@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import policy
-from jaxspec.cost import CostModel
+from jaxspec.policy.cost import CostModel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

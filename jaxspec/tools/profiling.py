@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.drafters import NgramDrafter
+from jaxspec.drafting import NgramDrafter
 from jaxspec.engine import timing
 from jaxspec.models.model import Model
 

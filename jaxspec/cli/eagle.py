@@ -16,10 +16,10 @@ import sysconfig
 from pathlib import Path
 
 import jaxspec
-from jaxspec import jobs as jobs_lib
-from jaxspec.benchmarking import table
-from jaxspec.cli_tools import _ints, _warn, load_model
-from jaxspec.distill import answered
+from jaxspec.cli import jobs as jobs_lib
+from jaxspec.cli.tools import _ints, _warn, load_model
+from jaxspec.tools.benchmarking import table
+from jaxspec.training.distill import answered
 
 SUFFIXES = (".py", ".txt", ".md")
 

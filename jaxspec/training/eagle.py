@@ -17,7 +17,7 @@ true token at j + 1 + s, at rotary position j + s; it attends to the step-0 keys
 to its own keys of steps 1..s (the rows drafting reads from the cache), and is scored against the
 target's distribution of the token at j + 2 + s. The loss is the sum over steps of 0.8^s times the
 cross-entropy, at positions where the target's own choice lies in the draft vocabulary.
-Optimizer, data order, orbax checkpoints and the loop are `jaxspec.training`'s.
+Optimizer, data order, orbax checkpoints and the loop are `jaxspec.training.loop`'s.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxspec import training
-from jaxspec.feature_cache import feature_cache, stored
 from jaxspec.models.eagle import EagleHead
 from jaxspec.models.model import Model
+from jaxspec.training import loop as training
+from jaxspec.training.feature_cache import feature_cache, stored
 
 STEP_WEIGHT = 0.8   # EAGLE-3's per-step loss decay
 _F32 = jnp.float32
@@ -256,7 +256,7 @@ def _with_params(head: EagleHead, params) -> EagleHead:
 
 
 def _evaluate(target, head, heldout, seq_len, ttt_steps, batch_size, k, max_new_tokens, seed) -> dict:
-    from jaxspec.drafters import EagleDrafter
+    from jaxspec.drafting import EagleDrafter
     from jaxspec.engine import SpeculativeDecoder
     from jaxspec.spec import SpecConfig
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec import jobs as jobs_lib
+from jaxspec.cli import jobs as jobs_lib
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 

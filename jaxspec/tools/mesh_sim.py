@@ -1,6 +1,6 @@
 """Discrete-event simulation of sequential and pipelined speculative decoding on two device slices.
 
-Predicts, from step costs, what the two engines of `jaxspec.parallel.pipeline` do: each slice is a
+Predicts, from step costs, what the two engines of `jaxspec.engine.sliced` do: each slice is a
 FIFO device queue (work runs in the order it was dispatched, one item at a time), and each lane
 alternates draft (draft slice) -> verify (target slice), each depending on the one before. The
 host dispatches in the engine's order:

@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 import jaxspec
-from jaxspec import jobs as jobs_lib
-from jaxspec import multihost
 from jaxspec import prompts as prompts_lib
-from jaxspec.benchmarking import table
-from jaxspec.cli_eagle import _add_train_eagle
-from jaxspec.cli_tools import _add_bench, _add_distill, _add_profile, _warn, load_model
-from jaxspec.cost import CostModel
+from jaxspec.cli import jobs as jobs_lib
+from jaxspec.cli import multihost
+from jaxspec.cli.eagle import _add_train_eagle
+from jaxspec.cli.tools import _add_bench, _add_distill, _add_profile, _warn, load_model
 from jaxspec.models.eagle import is_eagle_folder
+from jaxspec.policy.cost import CostModel
+from jaxspec.tools.benchmarking import table
 
 
 def _build_spec(args) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxspec.MeshConfig | None]:
@@ -101,8 +101,8 @@ def _encode_jobs(todo: list[jobs_lib.Job], model: jaxspec.Model, args, max_posit
 
 
 def generate(args) -> int:
-    """`jaxspec generate`: a JSONL batch job, resumable (see jaxspec.jobs), over one process or
-    several (see jaxspec.multihost)."""
+    """`jaxspec generate`: a JSONL batch job, resumable (see jaxspec.cli.jobs), over one process or
+    several (see jaxspec.cli.multihost)."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:

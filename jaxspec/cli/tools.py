@@ -13,9 +13,9 @@ from pathlib import Path
 import jax
 
 import jaxspec
-from jaxspec import jobs as jobs_lib
-from jaxspec.benchmarking import table
-from jaxspec.cost import COEFFICIENTS, CostModel
+from jaxspec.cli import jobs as jobs_lib
+from jaxspec.policy.cost import COEFFICIENTS, CostModel
+from jaxspec.tools.benchmarking import table
 
 
 def _warn(message: str) -> None:

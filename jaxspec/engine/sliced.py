@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import policy as policy_lib
-from jaxspec.cost import CostModel
 from jaxspec.engine import loop, step
 from jaxspec.parallel import sharding as sharding_lib
+from jaxspec.policy.cost import CostModel
 from jaxspec.sampling import SamplingConfig
 
 
@@ -173,7 +173,7 @@ class SlicedRunner:
     def start(self, table, batch, seed: int, eos: int, cache_len: int, budgets: tuple[int, ...]) -> Lane:
         """Prefills one batch on both slices; `budgets`: each plan's TETRIS budget C (0 for
         standard); `table` (a batching.SlotTable) refills its finished rows from the shared queue."""
-        from jaxspec.generate import request_keys
+        from jaxspec.engine.generate import request_keys
 
         keys_b = request_keys(seed, batch.request_ids_b)
         t_in = sharding_lib.put((batch.tokens_bp, batch.lengths_b, batch.max_new_b, keys_b, np.int32(eos),
@@ -259,7 +259,7 @@ class SlicedRunner:
 
     def _refill(self, lane: Lane, eos) -> None:
         """Moves queued requests into the lane's finished rows on both slices, then re-drafts."""
-        from jaxspec.generate import request_keys
+        from jaxspec.engine.generate import request_keys
 
         self.harvest(lane)
         refill = lane.table.refill()

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.training import params_digest
+from jaxspec.training.loop import params_digest
 
 FORMAT = 1
 CHUNK_ROWS = 8

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.drafters import CATCH_UP_CHUNK, Drafter, Proposal, abstract, catch_up, draft_chain, draft_logprob
+from jaxspec.drafting.base import CATCH_UP_CHUNK, Drafter, Proposal, abstract, catch_up, draft_chain, draft_logprob
 from jaxspec.models.cache import KVCache
 from jaxspec.models.gguf_tokenizer import byte_alphabet
 from jaxspec.models.model import Model, forward, init_cache
@@ -248,7 +248,7 @@ class CrossVocabDrafter(Drafter):
         """A tree drafted over the shared tokens (each node one target token) after the same sync
         as `propose`. Its nodes do not join the draft sequence: the next sync feeds the tokens
         the target kept."""
-        from jaxspec.trees import draft_tree
+        from jaxspec.drafting.trees import draft_tree
         tables = params["tables"]
         state, live_b, last_b, trusted_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b,
                                                                        shape.depth + 1, shape.columns)

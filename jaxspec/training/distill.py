@@ -8,7 +8,7 @@ draft to predict the target's text. Each training step is one compiled pure func
 (draft params, optimizer state, target params, batch): the target's logits are computed inside it,
 once per batch, under `stop_gradient`, so no [n, t, v] tensor is ever stored. The loss is a
 divergence between the two next-token distributions at the continuation positions only.
-Optimizer, data order, checkpoints and the loop are `jaxspec.training`'s.
+Optimizer, data order, checkpoints and the loop are `jaxspec.training.loop`'s.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import optax
 from flax import nnx
 
 from jaxspec import prompts as prompts_lib
-from jaxspec.generate import generate
+from jaxspec.engine.generate import generate
 from jaxspec.models.init_draft import draft_from_target
 from jaxspec.models.model import Model
 from jaxspec.sampling import SamplingConfig
-from jaxspec.training import (
+from jaxspec.training.loop import (
     batch_indices,
     check_optimizer_args,
     make_optimizer,

@@ -1,0 +1,18 @@
+"""Drafters: what proposes draft tokens each step (never how many are verified).
+
+  base.py        the `Drafter` protocol, `Proposal`, the draft-model helpers (prefill, catch-up,
+                 autoregressive chains of draws)
+  model.py       `ModelDrafter`: a smaller model on its own KV cache
+  ngram.py       `NgramDrafter`: prompt lookup in the row's own context
+  eagle.py       `EagleDrafter`: an EAGLE-3 head fed the target's features
+  crossvocab.py  `CrossVocabDrafter`, `VocabMap`: a draft model with another tokenizer
+  trees.py       `TreeShape`, `Tree`: draft trees grown by each drafter
+"""
+
+from jaxspec.drafting.base import Drafter, Proposal
+from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap
+from jaxspec.drafting.eagle import EagleDrafter
+from jaxspec.drafting.model import ModelDrafter
+from jaxspec.drafting.ngram import NgramDrafter
+
+__all__ = ["CrossVocabDrafter", "Drafter", "EagleDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "VocabMap"]
