@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 MIN_LENGTH_BUCKET = 16
+NO_EOS = -1   # the stop token of a call without one (never emitted)
 
 
 def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
@@ -161,3 +162,12 @@ def subset(batch: PromptBatch, rows, multiple: int = 1, min_rows: int = 0) -> Pr
     ids[len(rows):] = batch.request_ids_b.max() + 1 + np.arange(n - len(rows))
     return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets, request_ids_b=ids,
                        num_prompts=len(rows), out_len=batch.out_len)
+
+
+def check_eos(eos_token_id, vocab_size: int) -> int:
+    if eos_token_id is None:
+        return NO_EOS
+    if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, (int, np.integer)) \
+            or not 0 <= eos_token_id < vocab_size:
+        raise ValueError(f"eos_token_id must be None or an int in [0, {vocab_size}), got {eos_token_id!r}")
+    return int(eos_token_id)

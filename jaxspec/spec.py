@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxspec.drafting.trees import TreeShape
 from jaxspec.policy.cost import CostModel
 
 MAX_K = 16  # the largest draft length a program is compiled for
@@ -77,7 +78,6 @@ class SpecConfig:
                              f"decoding is always a candidate), got k={self.k}")
 
     def _check_tree(self):
-        from jaxspec.drafting.trees import TreeShape
         if not isinstance(self.tree, (tuple, list)) or len(self.tree) != 2:
             raise ValueError(f"tree must be None or (depth, width), got {self.tree!r}")
         shape = TreeShape(*self.tree)
@@ -96,6 +96,12 @@ class SpecConfig:
     def draft_len(self) -> int:
         """Draft tokens proposed per row per step (a tree's nodes, its root excluded)."""
         if self.tree is not None:
-            from jaxspec.drafting.trees import TreeShape
             return TreeShape(*self.tree).columns - 1
         return self.k + (self.extra if self.selection == "tetris" else 0)
+
+    def tetris_budget(self, rows: int, num_prompts: int) -> int:
+        """The TETRIS verification budget C per step over `rows` compiled rows holding `num_prompts`
+        requests: `capacity`, or k per request (what standard selection with k spends: the paper's
+        fair comparison), at most every drafted slot."""
+        wanted = self.capacity if self.capacity is not None else num_prompts * self.k
+        return min(wanted, rows * self.draft_len)

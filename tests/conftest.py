@@ -101,7 +101,7 @@ class CompileCounter:
 
     def __enter__(self):
         # JAX's own key-seeding program (`jax.random.key`, which a call with a seed not seen before
-        # runs: `generate._base_key` keeps the keys of seeds seen) is built first: a module's
+        # runs: `sampling._base_key` keeps the keys of seeds seen) is built first: a module's
         # teardown drops compiled programs and those keys (`_free_compiled_programs`), and a new
         # seed after it compiled `jit(stage)` and `jit(_threefry_seed)` inside a counted call,
         # programs that are not the library's and that it compiles once per process, not per call.

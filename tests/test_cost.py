@@ -83,10 +83,10 @@ def test_a_step_timing_is_never_far_below_the_loops_average_step(tiny_model, mon
 
     step, stall, now = 1e-3, 1e-2, [0.0]
 
-    def timed_loop(*args):   # the compiled loop's arguments: params, ..., state, ..., max_steps
-        steps = int(args[-1])
+    def timed_loop(params, state, control):   # the compiled loop's traced arguments
+        steps = int(control.max_steps)
         now[0] += steps * step + (stall if steps == 1 else 0.0)
-        return args[2]
+        return state
 
     lowered = types.SimpleNamespace(compile=lambda options=None: timed_loop)
     monkeypatch.setattr(timing, "run_on_device", types.SimpleNamespace(lower=lambda *a, **k: lowered))
@@ -225,7 +225,7 @@ def test_profile_passes_spread_a_drifting_machine_over_the_grid(tiny_model, monk
 
     from jaxspec.engine import timing
     monkeypatch.setattr(timing, "time_steps", machine)
-    monkeypatch.setattr(timing, "step_timer", lambda *args: (lambda steps: 0.0))
+    monkeypatch.setattr(timing, "step_timer", lambda *args, **kwargs: (lambda steps: 0.0))
     cost = CostModel.profile(tiny_model, None, batches=batches, ks=ks, cache_lens=cache_lens, passes=passes)
     assert sorted(calls) == sorted(shapes * passes)   # every shape once per pass
     assert cost.fit["step"]["passes"] == passes

@@ -227,7 +227,8 @@ def test_the_head_state_after_decoding_equals_a_recomputation_from_scratch(vocab
     logits equal the head run once over each row's kept sequence with the target's features
     recomputed from scratch."""
     from jaxspec.engine import step as engine
-    from jaxspec.engine.generate import request_keys
+    from jaxspec.engine.plans import Program, Schedule, StepPlan
+    from jaxspec.sampling import request_keys
 
     target, head, _ = vocab6_heads
     drafter = jaxspec.EagleDrafter(head)
@@ -238,16 +239,16 @@ def test_the_head_state_after_decoding_equals_a_recomputation_from_scratch(vocab
     tokens = jnp.asarray([row + [0] * (p - len(row)) for row in prompts], jnp.int32)
     lengths = jnp.asarray([len(row) for row in prompts], jnp.int32)
     max_new, keys, eos = jnp.full((b,), 30, jnp.int32), request_keys(0, np.arange(b)), jnp.int32(-1)
-    state, feats = engine.initial_state(target.graphdef, sampling, target.params, tokens, lengths, max_new, keys, eos,
-                                        cache_len=cache_len, seq_len=cache_len, out_len=out_len,
-                                        features=drafter.feature_layers)
+    program = Program(target=target.graphdef, drafter=drafter, schedule=Schedule(plans=(StepPlan(k=1),)),
+                      sampling=sampling, cache_len=cache_len, out_len=out_len)
+    requests = engine.Requests(tokens_bp=tokens, prompt_len_b=lengths, max_new_b=max_new, keys_b=keys, eos_id=eos)
+    state, feats = engine.initial_state(program, target.params, requests)
     draft_state = drafter.absorb(params, drafter.init(params, tokens, lengths, cache_len), feats,
                                  state.seq_bl[:, 1:p + 1], lengths)
     state = state.replace(draft_state=draft_state)
-    step = jax.jit(engine.speculative_step, static_argnums=(0, 1, 2, 3, 10))
+    step = jax.jit(engine.speculative_step, static_argnums=(0, 1))
     for k in (3, 0, 3, 1, 0, 0, 3, 1):
-        state = step(target.graphdef, drafter, engine.StepPlan(k=k), sampling, target.params, params, state, keys,
-                     max_new, eos, out_len)
+        state = step(program, StepPlan(k=k), (target.params, params), state)
     assert int(state.counters.accepted.sum()) > 0
     pending = np.asarray(state.target_cache.lengths)
     assert_head_state_is_recomputed(target, head, state.draft_state, np.asarray(state.seq_bl), pending, pending + 1)

@@ -141,7 +141,7 @@ def test_greedy_lossless_where_the_draft_window_spills_past_the_output_bucket(sm
     """Budgets at a bucket's edge (16: the window needs slots past the output bucket) and just
     under it (13: it fits) with the cache `engine.cache_length` sizes; a chain whose inner window
     (k = 4) reaches past the outer one (k = 1). Output equals the target's greedy output."""
-    from jaxspec.engine.loop import cache_length
+    from jaxspec.engine.plans import cache_length
 
     target, draft, smallest = small
     prompts = ragged_prompts(SMALL_VOCAB, 4)[:4]
@@ -177,7 +177,8 @@ def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
     import jax
 
     from jaxspec.engine import step as engine
-    from jaxspec.engine.generate import request_keys
+    from jaxspec.engine.plans import TARGET_ONLY, Program, StepPlan
+    from jaxspec.sampling import request_keys
 
     target, _, _ = small
     prompts = ragged_prompts(SMALL_VOCAB, 5)
@@ -188,14 +189,17 @@ def test_the_plain_step_is_the_general_steps_k_zero_case(small, sampling):
     keys = request_keys(7, np.arange(b))
     eos = jnp.int32(eos_hit_by_some_rows(target, prompts, 9) if sampling.greedy else 3)
     cache_len = width + out_len + 8
-    state, _ = engine.initial_state(target.graphdef, sampling, target.params, tokens, lengths, max_new, keys, eos,
-                                    cache_len=cache_len, seq_len=cache_len, out_len=out_len)
+    program = Program(target=target.graphdef, drafter=None, schedule=TARGET_ONLY, sampling=sampling,
+                      cache_len=cache_len, out_len=out_len)
+    requests = engine.Requests(tokens_bp=tokens, prompt_len_b=lengths, max_new_b=max_new, keys_b=keys, eos_id=eos)
+    state, _ = engine.initial_state(program, target.params, requests)
     general = state.replace(probs_bov=jnp.zeros((b, out_len, SMALL_VOCAB)), logprob_bo=jnp.zeros((b, out_len)))
+    recording = Program(target=target.graphdef, drafter=None, schedule=TARGET_ONLY, sampling=sampling, record=True)
     lean = state
     for _ in range(9):
-        general = engine.verify_phase(target.graphdef, engine.StepPlan(k=0), sampling, target.params, general,
-                                      engine.empty_proposal(b), keys, max_new, eos, out_len)
-        lean = engine.plain_step(target.graphdef, sampling, target.params, lean, keys, max_new, eos, out_len)
+        general = engine.verify_phase(recording, StepPlan(k=0), (target.params, ()), general,
+                                      engine.empty_proposal(b))
+        lean = engine.plain_step(program, (target.params, ()), lean)
         for name in ("seq_bl", "out_bo", "n_out_b", "done_b", "steps"):
             np.testing.assert_array_equal(getattr(lean, name), getattr(general, name), err_msg=name)
         np.testing.assert_array_equal(lean.target_cache.lengths, general.target_cache.lengths)

@@ -9,7 +9,7 @@ import pytest
 from conftest import random_prompts
 
 import jaxspec
-from jaxspec.engine.generate import _base_key
+from jaxspec.sampling import _base_key
 
 
 @pytest.fixture(scope="module")

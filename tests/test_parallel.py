@@ -231,11 +231,10 @@ def test_goodput_on_two_slices_is_lossless_under_sampling(pipeline, selection):
     assert 0 in trace and max(trace) > 0, trace
 
 
-def test_lane_step_seconds_add_up_sequentially_and_overlap_when_pipelined():
-    """Sequential: a lane step is the cost model's whole step (`CostModel.step_seconds`).
-    Pipelined: the drafting and the verification it is split into run at once, so the longer one."""
-    from jaxspec.engine.sliced import lane_step_seconds
-    from jaxspec.engine.step import StepPlan
+def test_plan_seconds_add_up_sequentially_and_overlap_when_pipelined():
+    """Sequential: a step is the cost model's whole step (`CostModel.step_seconds`). Pipelined (a
+    lane step): the drafting and the verification it is split into run at once, so the longer one."""
+    from jaxspec.engine.plans import StepPlan, plan_seconds
 
     cost = jaxspec.CostModel.from_coefficients(draft_fixed=2e-3, draft_per_token=1e-5, target_fixed=5e-3,
                                                target_per_token=2e-5, target_per_context_token=1e-8,
@@ -244,8 +243,8 @@ def test_lane_step_seconds_add_up_sequentially_and_overlap_when_pipelined():
     ks = (0, 1, 2, 3, 4)
     plans = [StepPlan(k=k) for k in ks] + [StepPlan(k=4, capacity=12)]
     whole = [cost.step_seconds(8, k, 256) for k in ks] + [cost.step_seconds(8, 4, 256, packed_tokens=8 + 12)]
-    sequential = lane_step_seconds(cost, 8, plans, 256, pipelined=False)
-    pipelined = lane_step_seconds(cost, 8, plans, 256, pipelined=True)
+    sequential = plan_seconds(cost, 8, plans, 256)
+    pipelined = plan_seconds(cost, 8, plans, 256, pipelined=True)
     np.testing.assert_allclose(sequential, whole, rtol=1e-6)
     for plan, both, longer in zip(plans, whole, pipelined):
         drafting = plan.k * (2e-3 + 8 * 1e-5)

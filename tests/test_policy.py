@@ -139,10 +139,10 @@ def test_choice_is_the_brute_force_argmax_and_keeps_the_running_plan_within_the_
         args = (state, jnp.asarray(live), plans, jnp.asarray(seconds, jnp.float32))
         rem = jnp.asarray(remaining) if draining else None
         np.testing.assert_allclose(policy.goodput(*args, rem, True, catch_up), want, rtol=2e-4)
-        assert int(policy.choose(*args, None, rem, True, catch_up)) == int(np.argmax(want))
+        assert int(policy.choose(*args, None, remaining_b=rem, draining=True, catch_up_seconds=catch_up)) == int(np.argmax(want))
         for current in range(len(plans)):
             stay = want.max() <= want[current] * (1 + policy.MARGIN)
-            got = int(policy.choose(*args, current, rem, True, catch_up))
+            got = int(policy.choose(*args, current, remaining_b=rem, draining=True, catch_up_seconds=catch_up))
             if abs(want.max() / want[current] - 1 - policy.MARGIN) > 1e-4:   # not on the edge
                 assert got == (current if stay else int(np.argmax(want)))
 

@@ -25,14 +25,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec import tetris
 from jaxspec.drafting.base import Drafter, Proposal, abstract, feed_missing, prefill_cache
-from jaxspec.engine.step import Counters, DecodeState, StepPlan, speculative_step
+from jaxspec.engine.plans import Program, schedule_for
+from jaxspec.engine.step import Counters, DecodeState, speculative_step
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward, init_cache
+from jaxspec.prompts import NO_EOS
 from jaxspec.sampling import SamplingConfig
-
-_NO_EOS = -1
 
 
 @struct.dataclass
@@ -56,12 +55,11 @@ class ChainDrafter(Drafter):
         if decoder.spec.policy != "fixed":
             raise ValueError("a chain level runs a fixed draft length: use policy='fixed' for the inner decoder "
                              f"(got policy={decoder.spec.policy!r}); the outermost decoder may use 'goodput'")
+        if decoder.spec.tree is not None:
+            raise ValueError("a chain level drafts chains, not trees: use tree=None for the inner decoder")
         self.model = decoder.target
         self.inner = decoder.drafter
-        self.inner_k, self.inner_spec_k = decoder.spec.draft_len, decoder.spec.k
-        self.inner_tetris = decoder.spec.selection == "tetris"
-        self.inner_capacity = decoder.spec.capacity
-        self.inner_threshold = decoder.spec.threshold
+        self.inner_spec = decoder.spec
 
     def __eq__(self, other):
         return (type(other) is ChainDrafter and other.model.graphdef == self.model.graphdef
@@ -71,8 +69,7 @@ class ChainDrafter(Drafter):
         return hash(self._key())
 
     def _key(self):
-        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_k, self.inner_spec_k, self.inner_tetris,
-                self.inner_capacity, self.inner_threshold)
+        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_spec)
 
     @property
     def params(self):
@@ -126,21 +123,14 @@ class ChainDrafter(Drafter):
             target_cache=cache, draft_state=inner_state, seq_bl=seq_bl,
             out_bo=jnp.zeros((b, k), jnp.int32), n_out_b=jnp.zeros((b,), jnp.int32),
             done_b=jnp.zeros((b,), bool), counters=Counters.zeros(b), steps=jnp.int32(0),
+            max_new_b=jnp.full((b,), k, jnp.int32), keys_b=key_b, eos_id=jnp.int32(NO_EOS),
             probs_bov=jnp.zeros((b, k, self.vocab_size), jnp.float32), logprob_bo=jnp.zeros((b, k), jnp.float32))
-        budget_b = jnp.full((b,), k, jnp.int32)
-        capacity = budget = None
-        if self.inner_tetris:
-            # The inner level's own TETRIS budget, over this batch's rows.
-            budget = min(self.inner_capacity if self.inner_capacity is not None else b * self.inner_spec_k,
-                         b * self.inner_k)
-            capacity = tetris.capacity_bucket(budget, b, self.inner_k)
-        plan = StepPlan(k=self.inner_k, capacity=capacity, threshold=self.inner_threshold)
-
-        def body(inner):
-            return speculative_step(graphdef, self.inner, plan, sampling, model_params, inner_params,
-                                    inner, key_b, budget_b, jnp.int32(_NO_EOS), k, budget)
-
-        inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), body, inner)
+        # The inner level's own plan (and TETRIS budget) over this batch's rows, recording what
+        # it emits for this level's verification.
+        schedule, (budget,) = schedule_for(self.inner_spec, b, b)
+        program = Program(target=graphdef, drafter=self.inner, schedule=schedule, sampling=sampling, record=True)
+        inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), lambda s: speculative_step(
+            program, schedule.plans[0], params, s, budget), inner)
         proposal = Proposal(tokens_bk=inner.out_bo, q_bkv=inner.probs_bov, logprob_bk=inner.logprob_bo,
                             num_drafts_b=jnp.full((b,), k, jnp.int32))
         return proposal, _ChainState(cache=inner.target_cache, inner_state=inner.draft_state,

@@ -10,6 +10,7 @@ When draft and target live on separate device slices the two-slice engine of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import weakref
@@ -17,26 +18,23 @@ import weakref
 import jax
 import numpy as np
 
-from jaxspec import policy as policy_lib
 from jaxspec import prompts as prompts_lib
-from jaxspec import tetris
 from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, crossvocab
-from jaxspec.drafting.trees import TreeShape
 from jaxspec.engine import batching, loop, sliced, timing
+from jaxspec.engine import plans as plans_lib
 from jaxspec.engine.chain import ChainDrafter
-from jaxspec.engine.generate import check_eos, clear_keys, request_keys
-from jaxspec.engine.loop import Schedule, cache_length, prefill_schedule, put_rows
-from jaxspec.engine.step import Counters, StepPlan
+from jaxspec.engine.loop import Control
+from jaxspec.engine.plans import Program, Schedule, cache_length
+from jaxspec.engine.step import Counters, Requests
 from jaxspec.models.model import Model
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.parallel.mesh import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
-from jaxspec.sampling import SamplingConfig
+from jaxspec.sampling import SamplingConfig, clear_keys, request_keys
 from jaxspec.spec import SpecConfig
 
 TREE_DRAFTERS = (ModelDrafter, EagleDrafter, NgramDrafter, crossvocab.CrossVocabDrafter)   # with `propose_tree`
 
-_NO_CAP = 2 ** 30   # a segment's step cap when none is wanted
 _DECODERS: weakref.WeakSet = weakref.WeakSet()   # live decoders, whose `_compiled` clear_caches() empties
 
 
@@ -145,7 +143,7 @@ class SpeculativeDecoder:
             `jaxspec.generate`.
         """
         cfg, k = self.target.config, self.spec.draft_len
-        eos = check_eos(eos_token_id, cfg.vocab_size)
+        eos = prompts_lib.check_eos(eos_token_id, cfg.vocab_size)
         batch = prompts_lib.prepare(prompts, self.target.tokenizer, vocab_size=cfg.vocab_size,
                                     max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens,
                                     request_ids=request_ids)
@@ -154,12 +152,19 @@ class SpeculativeDecoder:
             return self._generate_sliced(batch, seed, eos, cache_len, batch_size, on_finish)
         return self._generate_single(batch, seed, eos, cache_len, batch_size, on_finish)
 
-    def _policy_seconds(self, schedule, slots: int, cache_len: int):
-        """The goodput policy's clock: each plan's predicted step seconds, and one drafter forward
-        (the catch-up's unit; none for a drafter fed the target's features, which keeps up
-        through plain steps too)."""
-        catch_up = 0.0 if self.drafter.feature_layers else self.spec.cost_model.draft_seconds(slots)
-        return self._plan_seconds(schedule, slots, cache_len), np.float32(catch_up)
+    def _program(self, schedule: Schedule, cache_len: int, out_len: int) -> Program:
+        return Program(target=self.target.graphdef, drafter=self.drafter.static(), schedule=schedule,
+                       sampling=self.sampling, cache_len=cache_len, out_len=out_len, mesh=self._target_mesh)
+
+    def _clock(self, schedule: Schedule, slots: int, cache_len: int) -> dict:
+        """The goodput policy's clock (`Control` fields): each plan's predicted step seconds, and one
+        drafter forward (the catch-up's unit; none for a drafter fed the target's features, which
+        keeps up through plain steps too)."""
+        if not schedule.goodput:
+            return {}
+        cost = self.spec.cost_model
+        return dict(seconds_j=plans_lib.plan_seconds(cost, slots, schedule.plans, cache_len),
+                    catch_up=0.0 if self.drafter.feature_layers else cost.draft_seconds(slots))
 
     def _generate_single(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:
@@ -170,49 +175,35 @@ class SpeculativeDecoder:
         queue = batching.RequestQueue(batch, on_finish=on_finish)
         table = batching.SlotTable(queue, slots, multiple)
         first = table.first_batch(queue.pop(slots))
-        schedule, budgets = self._schedule(slots, first.num_prompts)
-        goodput = schedule.goodput
-        static = dict(cache_len=cache_len, seq_len=cache_len, out_len=batch.out_len, mesh=self._target_mesh)
-        graphdef, params, dparams = self.target.graphdef, self.target.params, self.drafter.params
-        drafter = self.drafter.static()   # compiled programs keep their static arguments
+        schedule, budgets = plans_lib.schedule_for(self.spec, slots, first.num_prompts)
+        program, clock = self._program(schedule, cache_len, batch.out_len), self._clock(schedule, slots, cache_len)
+        params = (self.target.params, self.drafter.params)
         # On a mesh host values are placed replicated; on one device they go to the compiled calls
         # as numpy arrays (jit's own transfer of a few small arrays is cheaper than device_put's).
         put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
                if self._target_mesh is not None else (lambda tree: tree))
-        keys_b = request_keys(seed, first.request_ids_b)
-        *rows_in, eos_t = put((first.tokens_bp, first.lengths_b, first.max_new_b, keys_b, np.int32(eos)))
-        seconds = put(self._policy_seconds(schedule, slots, cache_len)) if goodput else None
+
+        def control(**fields):
+            return put(Control.of(draining=not len(queue), **clock, **fields))
+
         start = time.perf_counter()
-        state = loop.start_on_device(graphdef, drafter, prefill_schedule(schedule), self.sampling, params, dparams,
-                                     *rows_in, eos_t, seconds, policy_lib.PRIOR_ALPHA if goodput else None,
-                                     put(np.bool_(not len(queue))) if goodput else None, **static)
-        max_new_b, keys_b = rows_in[2], rows_in[3]
-        if goodput and (slots, cache_len, batch.out_len) not in self._compiled:
-            # Every plan's program, compiled side by side now: the policy may switch to any of
-            # them mid-call, and a compilation there would stall the batch for seconds.
-            self._compiled.add((slots, cache_len, batch.out_len))
-            args = (graphdef, drafter, schedule, self.sampling, params, dparams, state, keys_b, max_new_b, eos_t,
-                    *put((np.int32(0), np.int32(0), np.int32(0))), seconds, put(np.bool_(True)))
-            timing.side_by_side([functools.partial(
-                lambda j: loop.run_on_device.lower(*args, **static, plan_index=j).compile(), j)
-                for j in range(len(schedule.plans))])
-        plan_index = int(jax.device_get(state.policy.choice)) if goodput else 0
-        step_ks: list[int] = []
-        segments: list[tuple[int, int, float]] = []
+        state = loop.start_on_device(dataclasses.replace(program, schedule=schedule.for_prefill()), params,
+                                     put(_requests(first, seed, eos)), control())
+        if schedule.goodput:
+            self._compile_plans(program, params, state, control())
+        plan_index = int(jax.device_get(state.policy.choice)) if schedule.goodput else 0
+        step_ks, segments = [], []
         while True:
             # With requests waiting (or a caller waiting for each result), stop as soon as one
             # more row is done, to refill it or hand it over.
             stop = 1 if len(queue) or (on_finish is not None and table.active > 1) else 0
             segment_start = time.perf_counter()
-            state = loop.run_on_device(graphdef, drafter, schedule, self.sampling, params, dparams, state, keys_b,
-                                       max_new_b, eos_t, *put((np.int32(budgets[plan_index]), np.int32(stop),
-                                                               np.int32(_NO_CAP))),
-                                       seconds, put(np.bool_(not len(queue))) if goodput else None, **static,
-                                       plan_index=plan_index)
+            state = loop.run_on_device(program, params, state, control(budget=budgets[plan_index],
+                                                                       stop_on_finish=stop), plan_index)
             done_b, out_bo, n_out_b, counters, steps, choice = loop.segment_outputs(state)
             ran = int(steps) - len(step_ks)
             step_ks += [schedule.plans[plan_index].k] * ran
-            if goodput:
+            if schedule.goodput:
                 segments.append((plan_index, ran, time.perf_counter() - segment_start))
                 plan_index = int(choice)
             table.harvest(done_b, out_bo, n_out_b, counters)
@@ -221,30 +212,28 @@ class SpeculativeDecoder:
                 if table.active == 0 and not len(queue):
                     break
                 continue
-            new_in = put((refill[0], refill[1].tokens_bp, refill[1].lengths_b, refill[1].max_new_b,
-                          request_keys(seed, refill[1].request_ids_b)))
-            state = loop.refill_on_device(graphdef, drafter, schedule, self.sampling, params, dparams, state,
-                                          *new_in, eos_t, seconds, put(np.bool_(not len(queue))) if goodput else None,
-                                          **static)
-            max_new_b, keys_b = put_rows(max_new_b, new_in[0], new_in[3]), put_rows(keys_b, new_in[0], new_in[4])
-            if goodput and bool(np.all(done_b)):   # no row was running: the new rows' opening choice
+            state = loop.refill_on_device(program, params, state, put(refill[0]), put(_requests(refill[1], seed, eos)),
+                                          control())
+            if schedule.goodput and bool(np.all(done_b)):   # no row was running: the new rows' opening choice
                 plan_index = int(jax.device_get(state.policy.choice))
-        seconds_taken = time.perf_counter() - start
-        tokens = queue.results()
-        stats = _stats(Counters(**queue.counters), batch.num_prompts, int(steps), seconds_taken, step_ks, self.drafter)
+        stats = _stats(Counters(**queue.counters), batch.num_prompts, int(steps), time.perf_counter() - start, step_ks,
+                       self.drafter)
         stats.extra["slots"] = slots
-        if goodput:
-            # (plan, steps, wall seconds) of each segment, and each plan's predicted step seconds.
-            stats.extra.update(segments=segments,
-                               plan_seconds=self._plan_seconds(schedule, slots, cache_len).tolist())
+        if schedule.goodput:   # (plan, steps, wall seconds) of each segment, and each plan's predicted step seconds
+            stats.extra.update(segments=segments, plan_seconds=clock["seconds_j"].tolist())
+        tokens = queue.results()
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _plan_seconds(self, schedule: Schedule, slots: int, cache_len: int) -> np.ndarray:
-        """The cost model's seconds for one step of each plan at this batch shape."""
-        cost = self.spec.cost_model
-        return np.asarray([cost.step_seconds(slots, plan.k, cache_len, tree=plan.tree,
-                                             packed_tokens=None if plan.capacity is None else slots + plan.capacity)
-                           for plan in schedule.plans], np.float32)
+    def _compile_plans(self, program: Program, params, state, control) -> None:
+        """Every plan's program at this batch shape, compiled side by side once: the policy may
+        switch to any of them mid-call, and a compilation there would stall the batch for seconds."""
+        key = (program, state.seq_bl.shape[0])
+        if key in self._compiled:
+            return
+        self._compiled.add(key)
+        timing.side_by_side([functools.partial(
+            lambda j: loop.run_on_device.lower(program, params, state, control, j).compile(), j)
+            for j in range(len(program.schedule.plans))])
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:
@@ -256,32 +245,29 @@ class SpeculativeDecoder:
         """
         n = batch.num_prompts
         multiple = self.mesh.target_dp if self.mesh is not None else 1
-        slots_total = batching.check_batch_size(batch_size, n)
         queue = batching.RequestQueue(batch, on_finish=on_finish)
-        first = queue.pop(slots_total)
+        first = queue.pop(batching.check_batch_size(batch_size, n))
         if self.spec.pipeline and n >= 2:
-            halves = sliced.balanced_split(batch.max_new_b[first], len(first))
-            groups = [[first[i] for i in h] for h in halves]
+            groups = [[first[i] for i in half] for half in sliced.balanced_split(batch.max_new_b[first], len(first))]
         else:
             groups = [first]
         rows = max(prompts_lib.bucket_batch(len(g)) for g in groups)   # one program for both lanes
         rows = -(-rows // multiple) * multiple
         tables = [batching.SlotTable(queue, rows, multiple) for _ in groups]
-        lane_batches = [t.first_batch(g) for t, g in zip(tables, groups)]
         # Both lanes run one program per plan, compiled for the larger lane's TETRIS capacity.
-        schedule, _ = self._schedule(rows, max(len(g) for g in groups))
+        schedule, _ = plans_lib.schedule_for(self.spec, rows, max(len(g) for g in groups))
         seconds = None
         if schedule.goodput:
-            seconds = {mode: sliced.lane_step_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
-                                                        pipelined=mode == "pipelined")
+            seconds = {mode: plans_lib.plan_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
+                                                    pipelined=mode == "pipelined")
                        for mode in ("pipelined", "sequential")}
-        runner = sliced.SlicedRunner(self.target, self.drafter, schedule, self.sampling, self._target_mesh,
-                                       self._draft_mesh, seconds=seconds)
+        runner = sliced.SlicedRunner(self.target, self.drafter, self._program(schedule, cache_len, batch.out_len),
+                                     self._target_mesh, self._draft_mesh, seconds=seconds)
         runner.timings = self.phase_timings
         start = time.perf_counter()
-        lanes = [runner.start(t, lb, seed, eos, cache_len, self._schedule(rows, len(g))[1])
-                 for t, lb, g in zip(tables, lane_batches, groups)]
-        runner.run(lanes, eos)
+        lanes = [runner.start(t, t.first_batch(g), seed, eos, plans_lib.schedule_for(self.spec, rows, len(g))[1])
+                 for t, g in zip(tables, groups)]
+        runner.run(lanes)
         steps = sum(int(s) for s in jax.device_get([ln.state.steps for ln in lanes]))
         seconds_taken = time.perf_counter() - start
         tokens = queue.results()
@@ -291,40 +277,11 @@ class SpeculativeDecoder:
         stats.extra["slots"] = rows * len(lanes)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _schedule(self, rows: int, num_prompts: int) -> tuple[Schedule, tuple[int, ...]]:
-        """The compiled step shapes and each one's TETRIS budget C per step (0 for standard).
 
-        TETRIS with capacity=None spends C = N * k over the N real requests: the budget standard
-        speculative decoding with k spends, the paper's fair comparison. A fixed program is
-        compiled for C rounded up to a bucket and selects exactly C inside it. The goodput policy's
-        candidates are every draft length 0..k (standard), or with TETRIS 0..k+extra-1 and the
-        TETRIS window at a few budgets around C, each budget a bucket of its own; with a tree,
-        plain decoding and the tree.
-        """
-        spec, big_k = self.spec, self.spec.draft_len
-        if spec.tree is not None:   # each row's k best nodes, or the batch's C best
-            shape, budget, capacity = TreeShape(*spec.tree), 0, None
-            if spec.selection == "tetris":
-                budget = min(spec.capacity if spec.capacity is not None else num_prompts * spec.k, rows * big_k)
-                capacity = tetris.capacity_bucket(budget, rows, big_k)
-            tree = StepPlan(k=spec.k, capacity=capacity, tree=shape)
-            if spec.policy == "fixed":
-                return Schedule(plans=(tree,)), (budget,)
-            return Schedule(plans=(StepPlan(k=0), tree), goodput=True), (0, budget)   # plain or the tree
-        tetris_on = spec.selection == "tetris" and big_k > 0
-        budget = 0
-        if tetris_on:
-            budget = min(spec.capacity if spec.capacity is not None else num_prompts * spec.k, rows * big_k)
-        threshold = spec.threshold
-        if spec.policy == "fixed":
-            capacity = tetris.capacity_bucket(budget, rows, big_k) if tetris_on else None
-            return Schedule(plans=(StepPlan(k=big_k, capacity=capacity, threshold=threshold),)), (budget,)
-        top = big_k if tetris_on else spec.k + 1
-        plans = tuple(StepPlan(k=j, threshold=threshold if j else None) for j in range(top))
-        if tetris_on:
-            capacities = sorted({tetris.capacity_bucket(max(1, round(f * budget)), rows, big_k) for f in (0.5, 1, 2)})
-            plans += tuple(StepPlan(k=big_k, capacity=c, threshold=threshold) for c in capacities)
-        return Schedule(plans=plans, goodput=True), tuple(plan.capacity or 0 for plan in plans)
+def _requests(batch, seed: int, eos: int) -> Requests:
+    """A prompt batch's rows as a program's inputs (host values)."""
+    return Requests(tokens_bp=batch.tokens_bp, prompt_len_b=batch.lengths_b, max_new_b=batch.max_new_b,
+                    keys_b=request_keys(seed, batch.request_ids_b), eos_id=np.int32(eos))
 
 
 def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:

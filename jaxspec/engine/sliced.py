@@ -23,7 +23,7 @@ tail). Per-request RNG keys make each request's output independent of its batch,
 sequential and single-device runs produce the same tokens.
 
 Under the goodput policy each verification also chooses its lane's next plan on the target slice
-(`policy.choose`, with each plan's lane-step seconds from the cost model: `lane_step_seconds`);
+(`policy.choose`, with each plan's lane-step seconds from the cost model: `plans.plan_seconds`);
 the choice reaches the host with the done flags and sets the lane's next-but-one drafting.
 """
 
@@ -39,78 +39,55 @@ import numpy as np
 
 from jaxspec import policy as policy_lib
 from jaxspec.engine import loop, step
+from jaxspec.engine.loop import Control, choose_plan
+from jaxspec.engine.plans import TARGET_ONLY, Program
+from jaxspec.engine.step import Requests
 from jaxspec.parallel import sharding as sharding_lib
-from jaxspec.policy.cost import CostModel
-from jaxspec.sampling import SamplingConfig
+from jaxspec.sampling import request_keys
 
 
-def lane_step_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelined: bool) -> np.ndarray:
-    """Predicted seconds of one lane step of each plan (`step.StepPlan`s): its drafting on the
-    draft slice plus its verification on the target slice, or pipelined the longer of the two
-    (the other lane's half runs meanwhile)."""
-    out = []
-    for plan in plans:
-        tokens = rows * (plan.k + 1) if plan.capacity is None else rows + plan.capacity
-        draft = cost.draft_seconds(rows, plan.k, plan.tree)
-        verify = (cost.step_seconds(rows, plan.k, cache_len, packed_tokens=tokens, tree=plan.tree) - draft)
-        out.append(max(draft, verify) if pipelined else draft + verify)
-    return np.asarray(out, np.float32)
+@functools.partial(jax.jit, static_argnames=("program",))
+def _target_start(program: Program, params, requests: Requests, control: Control):
+    """The target slice's prefill; under the goodput policy, the opening choice of the lane's plan."""
+    state = step.initial_state(program, params[0], requests)[0]
+    if not program.schedule.goodput:
+        return state
+    schedule = program.schedule
+    state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], schedule.max_k))
+    return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, None)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "cache_len", "seq_len", "out_len", "mesh"))
-def _target_start(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id, *,
-                  cache_len, seq_len, out_len, mesh):
-    return step.initial_state(graphdef, sampling, params, tokens_bp, prompt_len_b, max_new_b, keys_b, eos_id,
-                                cache_len=cache_len, seq_len=seq_len, out_len=out_len, mesh=mesh)[0]
+@functools.partial(jax.jit, static_argnames=("program",))
+def _draft_start(program: Program, draft_params, requests: Requests):
+    return program.drafter.init(draft_params, requests.tokens_bp, requests.prompt_len_b, program.cache_len)
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "cache_len"))
-def _draft_start(drafter, params, tokens_bp, prompt_len_b, *, cache_len):
-    return drafter.init(params, tokens_bp, prompt_len_b, cache_len)
-
-
-@functools.partial(jax.jit, static_argnames=("drafter", "k", "sampling", "tree"), donate_argnums=(4,))
-def _draft(drafter, k, sampling: SamplingConfig, params, draft_state, seq_bl, pending_b, n_out_b, keys_b, tree=None):
-    proposal, draft_state = step.draft_phase(drafter, k, sampling, params, draft_state, seq_bl, pending_b,
-                                               n_out_b, keys_b, tree)
-    if sampling.greedy and tree is None:
+@functools.partial(jax.jit, static_argnames=("program", "plan_index"), donate_argnums=(2,))
+def _draft(program: Program, draft_params, draft_state, view: step.DraftView, plan_index: int):
+    proposal, draft_state = step.draft_phase(program, program.schedule.plans[plan_index], draft_params, draft_state,
+                                             view)
+    if program.sampling.greedy and program.schedule.plans[plan_index].tree is None:
         # Greedy acceptance never reads q: do not ship [b, k, v] floats across slices.
         proposal = proposal.replace(q_bkv=jnp.zeros(proposal.q_bkv.shape[:2] + (0,), jnp.float32))
     return proposal, draft_state
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "cache_len"), donate_argnums=(2,))
-def _draft_refill(drafter, params, draft_state, slots_r, tokens_rp, prompt_len_r, *, cache_len):
-    fresh = drafter.init(params, tokens_rp, prompt_len_r, cache_len)
+@functools.partial(jax.jit, static_argnames=("program",), donate_argnums=(2,))
+def _draft_refill(program: Program, draft_params, draft_state, slots_r, requests: Requests):
+    fresh = program.drafter.init(draft_params, requests.tokens_bp, requests.prompt_len_b, program.cache_len)
     return jax.tree.map(lambda old, new: old.at[slots_r].set(new, mode="drop"), draft_state, fresh)
 
 
-# The target slice's refill prefills only the target's rows (the drafter's live on the other slice).
-_TARGET_ONLY = loop.Schedule(plans=(step.StepPlan(k=0),))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "sampling", "out_len", "plans", "current"),
-                   donate_argnums=(4,))
-def _verify(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, budget, seconds_j=None,
-            draining=None, catch_up=None, *, out_len, plans=None, current=0):
-    """Verification on the target slice; under the goodput policy (`plans` given) followed by the
-    lane's next choice."""
-    state = step.verify_phase(graphdef, plan, sampling, params, state, proposal, keys_b, max_new_b, eos_id, out_len,
-                              budget)
-    if plans is None:
+@functools.partial(jax.jit, static_argnames=("program", "plan_index"), donate_argnums=(2,))
+def _verify(program: Program, params, state, proposal, control: Control, plan_index: int):
+    """Verification on the target slice; under the goodput policy followed by the lane's next choice."""
+    plan = program.schedule.plans[plan_index]
+    state = step.verify_phase(program, plan, params, state, proposal, control.budget)
+    if not program.schedule.goodput:
         return state
-    policy = state.policy if plan.k else policy_lib.age(state.policy, 1)
-    choice = policy_lib.choose(policy, ~state.done_b, plans, seconds_j, current, max_new_b - state.n_out_b, draining,
-                               catch_up)
-    return state.replace(policy=policy.replace(choice=choice))
-
-
-@functools.partial(jax.jit, static_argnames=("plans",))
-def _open(state, prior, seconds_j, max_new_b, draining, *, plans):
-    """The goodput policy's state and opening choice for a lane's fresh rows."""
-    policy = policy_lib.PolicyState.init(state.done_b.shape[0], max(k for k, _ in plans), prior)
-    choice = policy_lib.choose(policy, ~state.done_b, plans, seconds_j, None, max_new_b - state.n_out_b, draining)
-    return state.replace(policy=policy.replace(choice=choice))
+    if not plan.k:
+        state = state.replace(policy=policy_lib.age(state.policy, 1))
+    return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, plan_index)))
 
 
 @dataclasses.dataclass
@@ -121,12 +98,10 @@ class Lane:
     table: object                  # its batching.SlotTable: which request each row holds
     state: step.DecodeState
     draft_state: object
-    keys_t: jax.Array              # request keys and budgets, on the target slice
-    max_new_t: jax.Array
-    keys_d: jax.Array              # request keys, on the draft slice
-    budgets_t: tuple               # each plan's TETRIS budget C per step, on the target slice
+    keys_d: jax.Array              # request keys, on the draft slice (the state holds the target slice's)
+    budgets: tuple                 # each plan's TETRIS budget C per step
     seed: int = 0
-    cache_len: int = 0
+    eos: int = 0
     proposal: object = None
     finished: bool = False
     plan: int = 0                  # the plan (index into the runner's plans) of the lane's next drafting
@@ -137,22 +112,19 @@ class Lane:
 class SlicedRunner:
     """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`.
 
-    `schedule`: the step shapes (`loop.Schedule`): one plan (a fixed policy), or the goodput
-    policy's candidates, with `seconds` = {"pipelined": [j], "sequential": [j]} their predicted
-    lane-step seconds (`lane_step_seconds`).
+    `program`: the lanes' static program (`plans.Program`): one plan (a fixed policy), or the
+    goodput policy's candidates, with `seconds` = {"pipelined": [j], "sequential": [j]} their
+    predicted lane-step seconds (`plans.plan_seconds`).
     """
 
-    def __init__(self, target, drafter, schedule: loop.Schedule, sampling: SamplingConfig, target_mesh, draft_mesh,
-                 seconds=None):
-        self.target, self.drafter, self.sampling = target, drafter, sampling
-        self._static_drafter = drafter.static()   # what the compiled programs keep
-        self.plans = schedule.plans
-        self.goodput = schedule.policy_plans if schedule.goodput else None
-        self.drafts = schedule.drafts
+    def __init__(self, target, drafter, program: Program, target_mesh, draft_mesh, seconds=None):
+        self.target, self.drafter, self.program = target, drafter, program
+        self.plans, self.goodput = program.schedule.plans, program.schedule.goodput
         self.target_mesh, self.draft_mesh = target_mesh, draft_mesh
         self._t_rep = sharding_lib.replicated(target_mesh)
         self._d_rep = sharding_lib.replicated(draft_mesh)
         self._seconds = seconds
+        self._controls: dict[tuple, Control] = {}
         self._mode = "sequential"
         self.trace: list[int] = []   # goodput: the draft length of each verification
         # Set to {"draft": [], "verify": []} to time each call alone (blocking after it: no
@@ -164,57 +136,53 @@ class SlicedRunner:
             jax.block_until_ready(result)
             self.timings[phase].append(time.perf_counter() - start)
 
-    def _to_target(self, tree):
-        return jax.device_put(tree, self._t_rep)
+    def _control(self, queue, budget: int = 0):
+        """A program's control on the target slice, placed once per value (the drafter's catch-up
+        after plain steps runs on its own slice: not charged)."""
+        key = (budget, not len(queue), self._mode)
+        if key not in self._controls:
+            seconds = dict(seconds_j=self._seconds[self._mode]) if self.goodput else {}
+            self._controls[key] = sharding_lib.put(Control.of(budget=budget, draining=key[1], **seconds), self._t_rep)
+        return self._controls[key]
 
-    def _to_draft(self, tree):
-        return jax.device_put(tree, self._d_rep)
+    def _requests(self, batch, seed: int, eos: int, sharding):
+        return sharding_lib.put(Requests(tokens_bp=batch.tokens_bp, prompt_len_b=batch.lengths_b,
+                                         max_new_b=batch.max_new_b, keys_b=request_keys(seed, batch.request_ids_b),
+                                         eos_id=np.int32(eos)), sharding)
 
-    def start(self, table, batch, seed: int, eos: int, cache_len: int, budgets: tuple[int, ...]) -> Lane:
+    def start(self, table, batch, seed: int, eos: int, budgets: tuple[int, ...]) -> Lane:
         """Prefills one batch on both slices; `budgets`: each plan's TETRIS budget C (0 for
         standard); `table` (a batching.SlotTable) refills its finished rows from the shared queue."""
-        from jaxspec.engine.generate import request_keys
-
-        keys_b = request_keys(seed, batch.request_ids_b)
-        t_in = sharding_lib.put((batch.tokens_bp, batch.lengths_b, batch.max_new_b, keys_b, np.int32(eos),
-                                 tuple(np.int32(c) for c in budgets)), self._t_rep)
-        state = _target_start(self.target.graphdef, self.sampling, self.target.params, *t_in[:5], cache_len=cache_len,
-                              seq_len=cache_len, out_len=batch.out_len, mesh=self.target_mesh)
-        plan = 0
-        if self.goodput is not None:
-            state = _open(state, *self._to_target((np.float32(policy_lib.PRIOR_ALPHA), self._seconds_j(),
-                                                   batch.max_new_b, np.bool_(not len(table.queue)))),
-                          plans=self.goodput)
-            plan = int(state.policy.choice)
+        state = _target_start(self.program, (self.target.params, ()), self._requests(batch, seed, eos, self._t_rep),
+                              self._control(table.queue))
+        plan = int(state.policy.choice) if self.goodput else 0
         state.done_b.copy_to_host_async()
-        d_tokens, d_lengths, keys_d = sharding_lib.put((batch.tokens_bp, batch.lengths_b, keys_b), self._d_rep)
-        draft_state = (_draft_start(self._static_drafter, self.drafter.params, d_tokens, d_lengths, cache_len=cache_len)
-                       if self.drafts else ())
-        return Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_t=t_in[3],
-                    max_new_t=t_in[2], keys_d=keys_d, budgets_t=t_in[5], seed=seed, cache_len=cache_len, plan=plan)
-
-    def _seconds_j(self) -> np.ndarray:
-        return self._seconds[self._mode]
+        d_requests = self._requests(batch, seed, eos, self._d_rep)
+        draft_state = (_draft_start(self.program, self.drafter.params, d_requests) if self.program.schedule.drafts
+                       else ())
+        return Lane(batch=batch, table=table, state=state, draft_state=draft_state, keys_d=d_requests.keys_b,
+                    budgets=tuple(budgets), seed=seed, eos=eos, plan=plan)
 
     def _draft(self, lane: Lane) -> None:
         """Queues the lane's drafting (for plan `lane.plan`) on the draft slice, from its latest
         verified state."""
         lane.proposal_plan = lane.plan
-        k = self.plans[lane.plan].k
-        if k == 0:
+        if self.plans[lane.plan].k == 0:
             lane.proposal = step.empty_proposal(lane.batch.tokens_bp.shape[0])
             return
         s = lane.state
         if self.timings is not None:
             jax.block_until_ready(s)
         start = time.perf_counter()
-        view = self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b))
-        proposal, lane.draft_state = _draft(self._static_drafter, k, self.sampling, self.drafter.params,
-                                            lane.draft_state, *view, lane.keys_d, tree=self.plans[lane.plan].tree)
-        lane.proposal = self._to_target(proposal)
+        view = step.DraftView(*self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b)), keys_b=lane.keys_d)
+        proposal, lane.draft_state = _draft(self.program, self.drafter.params, lane.draft_state, view, lane.plan)
+        lane.proposal = jax.device_put(proposal, self._t_rep)
         self._timed("draft", start, lane.proposal)
 
-    def _verify(self, lane: Lane, eos) -> None:
+    def _to_draft(self, tree):
+        return jax.device_put(tree, self._d_rep)
+
+    def _verify(self, lane: Lane) -> None:
         """Queues the lane's verification on the target slice, unless every row has finished.
 
         The done flags read here belong to the lane's previous verification, whose host copy was
@@ -223,30 +191,25 @@ class SlicedRunner:
         the lane drafts again (its drafts were made for the rows' previous occupants).
         """
         done_b = np.asarray(lane.state.done_b)
-        if self.goodput is not None and lane.verifying_plan is not None:
+        if self.goodput and lane.verifying_plan is not None:
             # The choice made with that verification: the lane's next drafting after the one queued.
             lane.plan = int(np.asarray(lane.state.policy.choice))
         if len(lane.table.queue) and np.any(done_b[:lane.table.slots] & (lane.table.request_at >= 0)):
-            self._refill(lane, eos)
+            self._refill(lane)
             done_b = np.asarray(lane.state.done_b)
         if bool(np.all(done_b)):
             self.harvest(lane)
             if not len(lane.table.queue):
                 lane.finished = True
                 return
-            self._refill(lane, eos)
+            self._refill(lane)
         start = time.perf_counter()
         j = lane.proposal_plan
-        args = (self.target.graphdef, self.plans[j], self.sampling, self.target.params, lane.state, lane.proposal,
-                lane.keys_t, lane.max_new_t, eos, lane.budgets_t[j])
-        if self.goodput is None:
-            lane.state = _verify(*args, out_len=lane.batch.out_len)
-        else:
+        if self.goodput:
             self.trace.append(self.plans[j].k)
-            # (The drafter's catch-up after plain steps runs on its own slice: not charged here.)
-            lane.state = _verify(*args, *self._to_target((self._seconds_j(), np.bool_(not len(lane.table.queue)),
-                                                          np.float32(0.0))),
-                                 out_len=lane.batch.out_len, plans=self.goodput, current=j)
+        lane.state = _verify(self.program, (self.target.params, ()), lane.state, lane.proposal,
+                             self._control(lane.table.queue, lane.budgets[j]), j)
+        if self.goodput:
             lane.state.policy.choice.copy_to_host_async()
         lane.verifying_plan = j
         self._timed("verify", start, lane.state)
@@ -257,55 +220,48 @@ class SlicedRunner:
         s = lane.state
         return lane.table.harvest(*jax.device_get((s.done_b, s.out_bo, s.n_out_b, s.counters)))
 
-    def _refill(self, lane: Lane, eos) -> None:
+    def _refill(self, lane: Lane) -> None:
         """Moves queued requests into the lane's finished rows on both slices, then re-drafts."""
-        from jaxspec.engine.generate import request_keys
-
         self.harvest(lane)
         refill = lane.table.refill()
         if refill is None:
             return
         slots_r, sub = refill
-        keys_r = request_keys(lane.seed, sub.request_ids_b)
-        rows = (slots_r, sub.tokens_bp, sub.lengths_b, sub.max_new_b, keys_r)
-        t_slots, t_tokens, t_lengths, t_max_new, t_keys = sharding_lib.put(rows, self._t_rep)
-        lane.state = loop.refill_on_device(
-            self.target.graphdef, self._static_drafter, _TARGET_ONLY, self.sampling, self.target.params, (), lane.state,
-            t_slots, t_tokens, t_lengths, t_max_new, t_keys, eos, cache_len=lane.cache_len, seq_len=lane.cache_len,
-            out_len=lane.batch.out_len, mesh=self.target_mesh)
+        # The target slice refills its rows only (the drafter's live on the other slice).
+        lane.state = loop.refill_on_device(dataclasses.replace(self.program, schedule=TARGET_ONLY),
+                                           (self.target.params, ()), lane.state,
+                                           sharding_lib.put(slots_r, self._t_rep),
+                                           self._requests(sub, lane.seed, lane.eos, self._t_rep),
+                                           self._control(lane.table.queue))
         lane.state.done_b.copy_to_host_async()
-        lane.keys_t = loop.put_rows(lane.keys_t, t_slots, t_keys)
-        lane.max_new_t = loop.put_rows(lane.max_new_t, t_slots, t_max_new)
-        if self.drafts:
-            d_slots, d_tokens, d_lengths, d_keys = sharding_lib.put((slots_r, sub.tokens_bp, sub.lengths_b, keys_r),
-                                                                    self._d_rep)
-            lane.draft_state = _draft_refill(self._static_drafter, self.drafter.params, lane.draft_state, d_slots,
-                                             d_tokens, d_lengths, cache_len=lane.cache_len)
-            lane.keys_d = loop.put_rows(lane.keys_d, d_slots, d_keys)
+        if self.program.schedule.drafts:
+            d_slots, d_requests = sharding_lib.put(slots_r, self._d_rep), self._requests(sub, lane.seed, lane.eos,
+                                                                                         self._d_rep)
+            lane.draft_state = _draft_refill(self.program, self.drafter.params, lane.draft_state, d_slots, d_requests)
+            lane.keys_d = loop.put_rows(lane.keys_d, d_slots, d_requests.keys_b)
         self._draft(lane)
 
-    def run(self, lanes: list[Lane], eos: int) -> list[Lane]:
+    def run(self, lanes: list[Lane]) -> list[Lane]:
         """Decodes one lane sequentially, or two pipelined, until every row is done."""
-        eos_t = self._to_target(jnp.int32(eos))
         self._mode = "pipelined" if len(lanes) == 2 else "sequential"
         if len(lanes) == 1:
-            self._sequential(lanes[0], eos_t)
+            self._sequential(lanes[0])
         else:
-            self._pipelined(*lanes, eos_t)
+            self._pipelined(*lanes)
         return lanes
 
-    def _sequential(self, lane: Lane, eos) -> None:
+    def _sequential(self, lane: Lane) -> None:
         while not lane.finished:
             self._draft(lane)
-            self._verify(lane, eos)
+            self._verify(lane)
 
-    def _pipelined(self, a: Lane, b: Lane, eos) -> None:
+    def _pipelined(self, a: Lane, b: Lane) -> None:
         # Prologue: A's first drafts. Then every half-step queues verify(one) and draft(other),
         # which touch disjoint slices and run concurrently; then the roles swap.
         self._draft(a)
         verifying, drafting = a, b
         while not (a.finished or b.finished):
-            self._verify(verifying, eos)
+            self._verify(verifying)
             self._draft(drafting)
             verifying, drafting = drafting, verifying
         # The tail: the batch left runs sequentially; `verifying` already holds fresh drafts.
@@ -314,7 +270,7 @@ class SlicedRunner:
         if rest is not verifying:
             self._draft(rest)
         while not rest.finished:
-            self._verify(rest, eos)
+            self._verify(rest)
             if not rest.finished:
                 self._draft(rest)
 

@@ -10,6 +10,7 @@ grid of shapes in shuffled passes and registers itself with `jaxspec.policy.cost
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import os
 import time
@@ -20,12 +21,12 @@ import numpy as np
 
 from jaxspec import prompts as prompts_lib
 from jaxspec.drafting import Drafter, ModelDrafter, NgramDrafter
-from jaxspec.engine.generate import request_keys
-from jaxspec.engine.loop import Schedule, prefill_schedule, run_on_device, start_on_device
-from jaxspec.engine.step import StepPlan
+from jaxspec.engine.loop import Control, run_on_device, start_on_device
+from jaxspec.engine.plans import Program, Schedule, StepPlan
+from jaxspec.engine.step import Requests
 from jaxspec.models.model import Model
 from jaxspec.policy import cost as cost_lib
-from jaxspec.sampling import SamplingConfig
+from jaxspec.sampling import SamplingConfig, request_keys
 
 
 def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, repeats: int = 3,
@@ -33,7 +34,7 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     """Median seconds of one step with k drafts per row (k = 0: a plain decoding step). Where a
     stall makes the difference of the two loops implausibly small, a tenth of the long loop's
     average step stands in."""
-    run = step_timer(target, drafter, k, batch, cache_len, iterations, seed)
+    run = step_timer(target, drafter, k, batch, cache_len, iterations=iterations, seed=seed)
 
     def step() -> tuple[float, float]:
         long = run(1 + iterations)
@@ -49,13 +50,12 @@ def cache_len_for(context: int, k: int, iterations: int) -> int:
     return context + prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2) + prompts_lib.bucket_length(k + 2, 8)
 
 
-def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, iterations: int, seed: int,
+def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, iterations: int, seed: int,
                context: int | None = None, compiler_options: dict | None = None):
     """Prefills `batch` rows (`context` tokens each; default: as many as leave room for the timed
     steps) and returns a function timing `steps` steps from them. Its program is compiled on first
     use (with XLA's `compiler_options`, if any) and kept, so it keeps the settings of that moment
     (`attention.ATTENTION`); its `hlo_text()` gives the program's text."""
-    sampling = SamplingConfig()
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     room = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
     prompt_len = room if context is None else context
@@ -64,35 +64,33 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
                          f"{prompt_len} tokens of context; it leaves room for {room}")
     rng = np.random.default_rng(seed)
     tokens_bp = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, prompt_len)), jnp.int32)
-    lengths_b = jnp.full((batch,), prompt_len, jnp.int32)
-    max_new_b = jnp.full((batch,), out_len, jnp.int32)   # no row finishes within the timed steps
-    keys_b = request_keys(seed, np.arange(batch))
+    requests = Requests(tokens_bp=tokens_bp,
+                        prompt_len_b=jnp.full((batch,), prompt_len, jnp.int32),
+                        max_new_b=jnp.full((batch,), out_len, jnp.int32),   # no row finishes within the timed steps
+                        keys_b=request_keys(seed, np.arange(batch)), eos_id=jnp.int32(-1))   # eos never emitted
     schedule = Schedule(plans=(StepPlan(k=k),))
-    eos = jnp.int32(-1)   # never emitted
-    static = dict(cache_len=cache_len, seq_len=cache_len, out_len=out_len)
+    program = Program(target=target.graphdef, drafter=drafter.static(), schedule=schedule, sampling=SamplingConfig(),
+                      cache_len=cache_len, out_len=out_len)
+    params = (target.params, drafter.params)
     # One prefill serves every timed run: each run gets a copy, as the loop donates its state.
-    drafter_params, drafter = drafter.params, drafter.static()
-    prefilled = start_on_device(target.graphdef, drafter, prefill_schedule(schedule), sampling, target.params,
-                                drafter_params, tokens_bp, lengths_b, max_new_b, keys_b, eos, **static)
+    prefilled = start_on_device(dataclasses.replace(program, schedule=schedule.for_prefill()), params, requests,
+                                Control.of())
     compiled = []
 
-    def program():
+    def step_loop():
         if not compiled:   # `max_steps` is traced: one program serves every step count
-            compiled.append(run_on_device.lower(target.graphdef, drafter, schedule, sampling, target.params,
-                                                drafter_params, prefilled, keys_b, max_new_b, eos, np.int32(0),
-                                                np.int32(0), np.int32(1), **static)
+            compiled.append(run_on_device.lower(program, params, prefilled, Control.of(max_steps=1), 0)
                             .compile(compiler_options or None))
         return compiled[0]
 
     def run(steps: int) -> float:
-        step_loop = program()
+        loop = step_loop()
         state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
         start = time.perf_counter()
-        jax.block_until_ready(step_loop(target.params, drafter_params, state, keys_b, max_new_b, eos, np.int32(0),
-                                        np.int32(0), np.int32(steps)))
+        jax.block_until_ready(loop(params, state, Control.of(max_steps=steps)))
         return time.perf_counter() - start
 
-    run.hlo_text = lambda: program().as_text()
+    run.hlo_text = lambda: step_loop().as_text()
     return run
 
 
@@ -111,7 +109,8 @@ def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0)
     shapes = [tuple(int(v) for v in shape) for shape in shapes]
     # Every shape's programs are compiled (and run once) side by side first, a thread per core:
     # at the qwen2.5 shapes a program takes about 18 s to compile on an H200's host.
-    side_by_side([functools.partial(lambda b, k, s: step_timer(target, drafter, k, b, s, 6, seed)(1), *shape)
+    side_by_side([functools.partial(lambda b, k, s: step_timer(target, drafter, k, b, s, iterations=6, seed=seed)(1),
+                                    *shape)
                   for shape in shapes])
     rng = np.random.default_rng(seed)
     seconds = [[] for _ in shapes]

@@ -203,7 +203,7 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
     return jnp.where(draining, left / (steps_j * seconds_j + entry_j), refilled_j)
 
 
-def choose(state: PolicyState, live_b, plans, seconds_j, current=None, remaining_b=None, draining=True,
+def choose(state: PolicyState, live_b, plans, seconds_j, current=None, *, remaining_b=None, draining=True,
            catch_up_seconds=0.0, margin: float = MARGIN) -> jax.Array:
     """The plan the next steps run (int32 index into `plans`).
 

@@ -1,0 +1,162 @@
+"""Plans: the static shapes a decode call may run, the programs they compile to, and their price.
+
+- A `StepPlan` is one step's shape: k drafts per row, verified per row (standard) or packed under a
+  TETRIS capacity, optionally cut by a confidence threshold, or a draft tree.
+- A `Schedule` is the plans a call may run: one (a fixed policy), or the goodput policy's candidates.
+- A `Program` is everything static about a compiled decode program: the target's structure, the
+  drafter, the schedule, sampling and buffer sizes. It is the one static argument of every jitted
+  entry point (`jaxspec.engine.loop`, `jaxspec.engine.sliced`); params, caches and per-row inputs
+  are traced.
+- `schedule_for` turns a `SpecConfig` into the schedule and each plan's TETRIS budget;
+  `plan_seconds` prices each plan's step with the cost model, for the policy's clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxspec import tetris
+from jaxspec.drafting.base import Drafter
+from jaxspec.drafting.trees import TreeShape
+from jaxspec.policy.cost import CostModel
+from jaxspec.sampling import SamplingConfig
+from jaxspec.spec import SpecConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The static shape of one speculative step (a compiled program).
+
+    Attributes:
+      k: draft tokens proposed per row (k + extra under TETRIS; 0 = a plain decoding step).
+      capacity: None for standard selection (every row verifies all its drafts in a padded
+        [b, k + 1] pass); else TETRIS, compiled for a packed pass of b + capacity tokens (the
+        step selects the traced `budget` <= capacity drafts).
+      threshold: confidence-threshold drafting (SpecConfig.threshold).
+      tree: a TreeShape: a draft tree per row, of which k nodes per row (standard) or `capacity`
+        across the batch (TETRIS) are verified in one packed pass.
+    """
+
+    k: int
+    capacity: int | None = None
+    threshold: float | None = None
+    tree: TreeShape | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The step shapes a decode loop may run: one plan (a fixed policy runs it every step), or
+    the goodput policy's candidates (`goodput=True`), each its own compiled program."""
+
+    plans: tuple[StepPlan, ...]
+    goodput: bool = False
+
+    @property
+    def drafts(self) -> bool:
+        return any(plan.k > 0 for plan in self.plans)
+
+    @property
+    def policy_plans(self) -> tuple[tuple[int, int | None], ...]:
+        """The plans as the policy sees them: (draft length, TETRIS budget or None); a tree plan
+        as a window of its depth (its acceptance is counted per depth of the accepted path)."""
+        return tuple((plan.tree.depth, None) if plan.tree is not None else (plan.k, plan.capacity)
+                     for plan in self.plans)
+
+    @property
+    def max_k(self) -> int:
+        return max(k for k, _ in self.policy_plans)
+
+    def for_prefill(self) -> Schedule:
+        """The schedule a prefill compiles for: a fixed schedule's prefill depends only on whether
+        it drafts, so decoders of every fixed draft length share one prefill program."""
+        return self if self.goodput else Schedule(plans=(StepPlan(k=1 if self.drafts else 0),))
+
+
+# The target slice's own programs in the two-slice engine: no drafter on this side.
+TARGET_ONLY = Schedule(plans=(StepPlan(k=0),))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything static about a compiled decode program (hashable: jit's static argument).
+
+    Attributes:
+      target: the target model's graphdef.
+      drafter: the drafter, weightless (`Drafter.static()`): a program's cache keeps its static
+        arguments alive.
+      schedule: the plans it may run.
+      sampling: the sampling transforms, shared by target and drafter.
+      cache_len: slots of the caches and of the sequence buffer (`cache_length`).
+      out_len: slots of the output buffer.
+      mesh: a jax Mesh to lay the target's cache out on, or None.
+      record: this decoder drafts for a level above (a chain): each emitted token's distribution
+        and acceptance surrogate are recorded.
+    """
+
+    target: Any
+    drafter: Drafter
+    schedule: Schedule
+    sampling: SamplingConfig
+    cache_len: int = 0
+    out_len: int = 0
+    mesh: Any = None
+    record: bool = False
+
+    @property
+    def features(self) -> tuple[int, ...]:
+        """The target layers whose features the drafter absorbs after each target pass (EAGLE);
+        none when the schedule never drafts (no drafter state to feed)."""
+        return self.drafter.feature_layers if self.schedule.drafts else ()
+
+
+def schedule_for(spec: SpecConfig, rows: int, num_prompts: int) -> tuple[Schedule, tuple[int, ...]]:
+    """The compiled step shapes of a call over `rows` rows holding `num_prompts` requests, and
+    each plan's TETRIS budget C per step (0 for standard).
+
+    A fixed TETRIS program is compiled for `spec.tetris_budget` rounded up to a capacity bucket
+    and selects exactly that budget inside it. The goodput policy's candidates are every draft
+    length 0..k (standard), or with TETRIS 0..k+extra-1 and the TETRIS window at a few budgets
+    around C, each a bucket of its own; with a tree, plain decoding and the tree.
+    """
+    big_k, tetris_on = spec.draft_len, spec.selection == "tetris" and spec.draft_len > 0
+    budget = spec.tetris_budget(rows, num_prompts) if tetris_on else 0
+    capacity = tetris.capacity_bucket(budget, rows, big_k) if tetris_on else None
+    if spec.tree is not None:   # each row's k best nodes, or the batch's C best
+        tree = StepPlan(k=spec.k, capacity=capacity, tree=TreeShape(*spec.tree))
+        if spec.policy == "fixed":
+            return Schedule(plans=(tree,)), (budget,)
+        return Schedule(plans=(StepPlan(k=0), tree), goodput=True), (0, budget)
+    if spec.policy == "fixed":
+        return Schedule(plans=(StepPlan(k=big_k, capacity=capacity, threshold=spec.threshold),)), (budget,)
+    top = big_k if tetris_on else spec.k + 1
+    plans = tuple(StepPlan(k=j, threshold=spec.threshold if j else None) for j in range(top))
+    if tetris_on:
+        capacities = sorted({tetris.capacity_bucket(max(1, round(f * budget)), rows, big_k) for f in (0.5, 1, 2)})
+        plans += tuple(StepPlan(k=big_k, capacity=c, threshold=spec.threshold) for c in capacities)
+    return Schedule(plans=plans, goodput=True), tuple(plan.capacity or 0 for plan in plans)
+
+
+def plan_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelined: bool = False) -> np.ndarray:
+    """The cost model's seconds for one step of each plan over `rows` rows: drafting plus
+    verification; pipelined (two lanes on two slices), the longer of the two, as the other lane's
+    half runs meanwhile."""
+    out = []
+    for plan in plans:
+        packed = None if plan.capacity is None else rows + plan.capacity
+        seconds = cost.step_seconds(rows, plan.k, cache_len, packed_tokens=packed, tree=plan.tree)
+        if pipelined:
+            draft = cost.draft_seconds(rows, plan.k, plan.tree)
+            seconds = max(draft, seconds - draft)
+        out.append(seconds)
+    return np.asarray(out, np.float32)
+
+
+def cache_length(prompt_width: int, out_len: int, max_new: int, k: int) -> int:
+    """Slots of a decode call's caches: the padded prompts, then at least max_new + k + 1 (a row
+    with one token left verifies a window of k drafts past it), rounded up to 8. The output
+    bucket, a power of two, mostly has that room already (a chain's inner level may write
+    further; those writes are dropped and would hold only tokens past a row's budget)."""
+    return prompt_width + max(out_len, -(-(max_new + k + 1) // 8) * 8)
