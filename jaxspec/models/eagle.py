@@ -34,6 +34,7 @@ from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.decoder import RMSNorm, _normal, rotary
 from jaxspec.models.hf_config import rope_scaling_from_hf
+from jaxspec.models.model import _logical_axes
 
 _F32 = jnp.float32
 
@@ -246,8 +247,6 @@ class EagleHead:
     @property
     def logical_axes(self) -> dict:
         """Nested dict parallel to `params` of logical axis-name tuples (as `Model.logical_axes`)."""
-        from jaxspec.models.model import _logical_axes
-
         abstract = nnx.eval_shape(lambda: EagleModule(self.config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
         return _logical_axes(nnx.split(abstract)[1])
 

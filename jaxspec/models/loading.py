@@ -20,6 +20,7 @@ from jaxspec.models import quant
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.convert import convert_tensors
 from jaxspec.models.eagle import is_eagle_folder, load_head
+from jaxspec.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 from jaxspec.models.model import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST, Model, _abstract_decoder, resolve_dtype
 
 
@@ -115,7 +116,6 @@ def _load_gguf(path: Path, dtype, want_tokenizer: bool, quantize: str | None) ->
                              tensors.keys(), source="gguf", convert_leaf=_to_device(dtype, quantize))
     tok = None
     if want_tokenizer and "tokenizer.ggml.tokens" in metadata:
-        from jaxspec.models.gguf_tokenizer import tokenizer_from_gguf_metadata
         tok = tokenizer_from_gguf_metadata(metadata, str(path))
     return Model(config, quant.split_pairs(params), dtype=dtype, tokenizer=tok, quantization=quantize)
 

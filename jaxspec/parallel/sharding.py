@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxspec.models.eagle import EagleHead
+from jaxspec.models.model import Model
 from jaxspec.parallel.mesh import DATA, TENSOR
 
 RULES: dict[str, str | None] = {
@@ -72,8 +74,6 @@ def _place(params, shardings):
 
 def place_params(model, mesh: Mesh):
     """`model` with its params on `mesh` by the rules (each device receives only its shard)."""
-    from jaxspec.models.model import Model
-
     params = _place(model.params, param_shardings(model, mesh))
     return Model(model.config, params, dtype=model.dtype, tokenizer=model.tokenizer, quantization=model.quantization)
 
@@ -81,8 +81,6 @@ def place_params(model, mesh: Mesh):
 def place_head(head, mesh: Mesh, target):
     """An EAGLE head's params on its (placed) target's mesh by the rules, bound to the target's
     embedding as placed there."""
-    from jaxspec.models.eagle import EagleHead
-
     params = _place(head.params, param_shardings(head, mesh))
     return EagleHead(head.config, head.graphdef, params, head.draft_ids, target.params["embed_vd"])
 
