@@ -1,10 +1,10 @@
-"""The goodput policy's formulas (`jaxspec.policy`) against simulation, naive loops and brute force."""
+"""The goodput policy's formulas (`jaxspec.policy.goodput`) against simulation, naive loops and brute force."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import policy
+from jaxspec.policy import goodput as policy
 from jaxspec.policy.cost import CostModel
 
 
@@ -139,7 +139,8 @@ def test_choice_is_the_brute_force_argmax_and_keeps_the_running_plan_within_the_
         args = (state, jnp.asarray(live), plans, jnp.asarray(seconds, jnp.float32))
         rem = jnp.asarray(remaining) if draining else None
         np.testing.assert_allclose(policy.goodput(*args, rem, True, catch_up), want, rtol=2e-4)
-        assert int(policy.choose(*args, None, remaining_b=rem, draining=True, catch_up_seconds=catch_up)) == int(np.argmax(want))
+        choice = policy.choose(*args, None, remaining_b=rem, draining=True, catch_up_seconds=catch_up)
+        assert int(choice) == int(np.argmax(want))
         for current in range(len(plans)):
             stay = want.max() <= want[current] * (1 + policy.MARGIN)
             got = int(policy.choose(*args, current, remaining_b=rem, draining=True, catch_up_seconds=catch_up))

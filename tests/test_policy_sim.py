@@ -4,7 +4,7 @@ policy's figures there on scenarios whose answer is known."""
 import numpy as np
 import pytest
 
-from jaxspec import policy
+from jaxspec.policy import goodput as policy
 from jaxspec.tools import policy_sim
 
 PLANS = tuple((k, None) for k in range(7))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxspec import policy
+from jaxspec.policy import goodput as policy
 from jaxspec.tools.mesh_sim import simulate
 
 

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec import policy as policy_lib
 from jaxspec.engine.plans import Program
 from jaxspec.engine.step import DecodeState, Requests, initial_state, speculative_step
+from jaxspec.policy import goodput as policy_lib
 
 NO_CAP = 2 ** 30   # a segment's step cap when none is wanted
 

@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import policy as policy_lib
 from jaxspec.engine import loop, step
 from jaxspec.engine.loop import Control, choose_plan
 from jaxspec.engine.plans import TARGET_ONLY, Program
 from jaxspec.engine.step import Requests
 from jaxspec.parallel import sharding as sharding_lib
+from jaxspec.policy import goodput as policy_lib
 from jaxspec.sampling import request_keys
 
 

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec import policy as policy_lib
 from jaxspec import tetris
 from jaxspec.drafting.base import Proposal, draft_logprob
 from jaxspec.drafting.trees import Tree
@@ -34,6 +33,7 @@ from jaxspec.engine.plans import Program, StepPlan
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward, forward_packed, init_cache
 from jaxspec.parallel import sharding as sharding_lib
+from jaxspec.policy import goodput as policy_lib
 from jaxspec.sampling import SamplingConfig, choose, probabilities, row_keys, sample
 from jaxspec.verify import accept, accept_tree
 

@@ -2,26 +2,6 @@
 with (`cost.py`). Pure functions of arrays and numbers: no engine, drafter or model."""
 
 from jaxspec.policy.cost import CostModel
-from jaxspec.policy.goodput import (
-    CATCH_UP_CHUNK,
-    CHOOSE_EVERY,
-    DECAY,
-    DRAIN_QUANTILE,
-    HORIZON,
-    MARGIN,
-    OFF_DECAY,
-    PRIOR_ALPHA,
-    PRIOR_WEIGHT,
-    PolicyState,
-    age,
-    choose,
-    expected_tokens_per_step,
-    goodput,
-    observe,
-    tokens_and_steps,
-    windows,
-)
+from jaxspec.policy.goodput import expected_tokens_per_step
 
-__all__ = ["CATCH_UP_CHUNK", "CHOOSE_EVERY", "DECAY", "DRAIN_QUANTILE", "HORIZON", "MARGIN", "OFF_DECAY",
-           "PRIOR_ALPHA", "PRIOR_WEIGHT", "CostModel", "PolicyState", "age", "choose", "expected_tokens_per_step",
-           "goodput", "observe", "tokens_and_steps", "windows"]
+__all__ = ["CostModel", "expected_tokens_per_step"]
