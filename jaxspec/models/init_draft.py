@@ -49,7 +49,6 @@ def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None
       ValueError: if num_layers or hidden_size is out of range.
     """
     cfg = target.config
-    dtype = target.dtype if dtype is None else dtype
     if target.quantization is not None:
         raise ValueError(f"target is {target.quantization}-quantized: build the draft from the float model "
                          f"and quantize both afterwards")
@@ -59,45 +58,44 @@ def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None
     if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= cfg.hidden_size:
         raise ValueError(f"hidden_size must be an int in [1, {cfg.hidden_size}] (the target's width), "
                          f"got {hidden_size!r}")
-    same_width = width == cfg.hidden_size
     name = f"{cfg.name}-draft{num_layers}x{width}"
-    copy_blocks = same_width and intermediate_size in (None, cfg.intermediate_size) \
-        and num_heads in (None, cfg.num_heads) and num_kv_heads in (None, cfg.num_kv_heads)
-    if copy_blocks:
+    if width == cfg.hidden_size and intermediate_size in (None, cfg.intermediate_size) \
+            and num_heads in (None, cfg.num_heads) and num_kv_heads in (None, cfg.num_kv_heads):
         if num_layers > cfg.num_layers:
             raise ValueError(f"num_layers must be at most the target's {cfg.num_layers} when its blocks are "
                              f"copied (same width and block shapes), got {num_layers}")
         config = cfg.replace(num_layers=num_layers, layer_types=_layer_types(cfg, num_layers), name=name)
         params = jax.tree.map(lambda x: x, target.params)  # a new tree; arrays are immutable
         params["layers"] = {i: target.params["layers"][i] for i in range(num_layers)}
-        return _cast(Model(config, params, dtype=target.dtype, tokenizer=target.tokenizer), dtype)
+        draft = Model(config, params, dtype=target.dtype, tokenizer=target.tokenizer)
+    else:
+        config = _narrow_config(cfg, num_layers, width, intermediate_size, num_heads, num_kv_heads, name)
+        draft = Model(config, _fresh_blocks(target, config, seed), dtype="float32", tokenizer=target.tokenizer)
+    return _cast(draft, target.dtype if dtype is None else dtype)
 
-    config = _narrow_config(cfg, num_layers, width, intermediate_size, num_heads, num_kv_heads, name)
-    fresh = Model.random(config, seed=seed, dtype="float32")
-    params = jax.tree.map(np.asarray, fresh.params)
+
+def _fresh_blocks(target: Model, config: ModelConfig, seed: int) -> dict:
+    """float32 params of `config`: random blocks with the target's embedding, final norm and head,
+    copied at the target's width, projected (module docstring) when narrower."""
+    params = jax.tree.map(np.asarray, Model.random(config, seed=seed, dtype="float32").params)
     embed_vd = np.asarray(target.params["embed_vd"], np.float32)
     gain_d = np.asarray(target.params["final_norm"]["scale"], np.float32)
-    if same_width:
-        basis_de = np.eye(cfg.hidden_size, dtype=np.float32)
-    else:
-        # Right singular vectors: the directions along which the token vectors vary most.
-        _, _, vt = np.linalg.svd(embed_vd, full_matrices=False)
-        basis_de = vt[:width].T
+    head_dv = None if config.tie_word_embeddings else np.asarray(target.params["lm_head_dv"], np.float32)
+    width = config.hidden_size
+    if width == target.config.hidden_size:
+        params["embed_vd"], params["final_norm"]["scale"] = embed_vd, gain_d
+        if head_dv is not None:
+            params["lm_head_dv"] = head_dv
+        return params
+    # Right singular vectors: the directions along which the token vectors vary most.
+    basis_de = np.linalg.svd(embed_vd, full_matrices=False)[2][:width].T
     params["embed_vd"] = embed_vd @ basis_de
-    if config.tie_word_embeddings:
+    if head_dv is None:
         params["final_norm"]["scale"] = np.full((width,), np.sqrt(np.mean(gain_d ** 2)), np.float32)
     else:
-        head_dv = np.asarray(target.params["lm_head_dv"], np.float32)
         params["lm_head_dv"] = basis_de.T @ (gain_d[:, None] * head_dv)
         params["final_norm"]["scale"] = np.ones((width,), np.float32)
-    if same_width:
-        # Width kept but block shapes changed: the head and norm are copied as they are.
-        params["embed_vd"] = embed_vd
-        params["final_norm"]["scale"] = gain_d
-        if not config.tie_word_embeddings:
-            params["lm_head_dv"] = np.asarray(target.params["lm_head_dv"], np.float32)
-    return _cast(Model(config, jax.tree.map(np.asarray, params), dtype="float32", tokenizer=target.tokenizer),
-                 dtype)
+    return params
 
 
 def _narrow_config(cfg: ModelConfig, num_layers, width, intermediate_size, num_heads, num_kv_heads,

@@ -8,11 +8,12 @@ draft to predict the target's text. Each training step is one compiled pure func
 (draft params, optimizer state, target params, batch): the target's logits are computed inside it,
 once per batch, under `stop_gradient`, so no [n, t, v] tensor is ever stored. The loss is a
 divergence between the two next-token distributions at the continuation positions only.
-Optimizer, data order, checkpoints and the loop are `jaxspec.training.loop`'s.
+Settings, data order, checkpoints and the loop are `jaxspec.training.loop`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,26 +24,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxspec import prompts as prompts_lib
 from jaxspec.engine.generate import generate
-from jaxspec.models.init_draft import draft_from_target
 from jaxspec.models.model import Model
 from jaxspec.sampling import SamplingConfig
-from jaxspec.training.loop import (
-    batch_indices,
-    check_optimizer_args,
-    make_optimizer,
-    params_digest,
-    run_steps,
-    start_run,
-)
+from jaxspec.training import loop as training
 
 LOSSES = ("forward_kl", "reverse_kl", "tvd")
 _DATA_FORMAT = 1
-_F32 = jnp.float32
 
 
 def distribution_loss(target_logits, draft_logits, loss: str = "tvd") -> jax.Array:
@@ -58,10 +50,9 @@ def distribution_loss(target_logits, draft_logits, loss: str = "tvd") -> jax.Arr
     Returns:
       float32 [...]: the divergence at each position.
     """
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-    logp = jax.nn.log_softmax(jnp.asarray(target_logits, _F32), axis=-1)
-    logq = jax.nn.log_softmax(jnp.asarray(draft_logits, _F32), axis=-1)
+    _check_loss(loss)
+    logp = jax.nn.log_softmax(jnp.asarray(target_logits, jnp.float32), axis=-1)
+    logq = jax.nn.log_softmax(jnp.asarray(draft_logits, jnp.float32), axis=-1)
     if loss == "forward_kl":
         return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
     if loss == "reverse_kl":
@@ -69,34 +60,31 @@ def distribution_loss(target_logits, draft_logits, loss: str = "tvd") -> jax.Arr
     return 0.5 * jnp.sum(jnp.abs(jnp.exp(logp) - jnp.exp(logq)), axis=-1)
 
 
+def _check_loss(loss: str) -> None:
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+
+
 def _logits(graphdef, params, tokens_bt):
     decoder = nnx.merge(graphdef, params)
     return decoder.head(decoder.hidden_uncached(tokens_bt)[0])
 
 
-def _objective(params, target_logits_btv, tokens_bt, mask_bt, draft_graphdef, loss):
-    per_position_bt = distribution_loss(target_logits_btv, _logits(draft_graphdef, params, tokens_bt), loss)
-    # Mean over real continuation positions; max(.., 1) keeps an all-padding batch finite.
-    return jnp.sum(per_position_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+@dataclasses.dataclass(frozen=True)
+class _Distill(training.Trainer):
+    """The jitted step's static argument: hyper-parameters, loss and both graphs."""
+    loss_name: str
+    graphdef: nnx.GraphDef          # the draft's
+    target_graphdef: nnx.GraphDef
 
-
-# Donating the old params and optimizer state lets XLA update them in place (halves their memory).
-@functools.partial(jax.jit, static_argnames=("draft_graphdef", "target_graphdef", "hparams", "loss"),
-                   donate_argnums=(0, 1))
-def _train_step(params, opt_state, target_params, tokens_bt, mask_bt, *, draft_graphdef, target_graphdef,
-                hparams: tuple, loss: str):
-    """One optimizer step; returns (params, opt_state, {"loss", "grad_norm"}).
-
-    The optimizer is rebuilt from its hashable hyperparameters inside the trace, so every run with
-    the same settings and shapes reuses one compiled program.
-    """
-    optimizer, _ = make_optimizer(*hparams)
-    target_logits_btv = jax.lax.stop_gradient(_logits(target_graphdef, target_params, tokens_bt))
-    value, grads = jax.value_and_grad(_objective)(params, target_logits_btv, tokens_bt, mask_bt, draft_graphdef,
-                                                  loss)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": value, "grad_norm": optax.tree.norm(grads)}
+    def loss(self, params, target_params, batch):
+        """The mean divergence over the batch's continuation positions (its "mask"); no metrics."""
+        tokens_bt, mask_bt = batch["tokens"], batch["mask"]
+        target_logits_btv = jax.lax.stop_gradient(_logits(self.target_graphdef, target_params, tokens_bt))
+        draft_logits_btv = _logits(self.graphdef, params, tokens_bt)
+        per_position_bt = distribution_loss(target_logits_btv, draft_logits_btv, self.loss_name)
+        # max(.., 1) keeps an all-padding batch finite.
+        return jnp.sum(per_position_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0), {}
 
 
 # --- data: the target's continuations ---
@@ -104,8 +92,6 @@ def _train_step(params, opt_state, target_params, tokens_bt, mask_bt, *, draft_g
 def _continuations(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
                    max_len, generate_batch_size, progress):
     """Generates (sequences, prompt lengths) with the target; one set per temperature."""
-    from tqdm.auto import tqdm
-
     sequences, prompt_lens = [], []
     chunks = [(temperature, start) for temperature in temperatures
               for start in range(0, len(prompt_ids), generate_batch_size)]
@@ -141,7 +127,8 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
     Returns:
       (tokens int32 [n, t], mask float32 [n, t], digest str of the data).
     """
-    meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(), "target_params": params_digest(target.params),
+    meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(),
+            "target_params": training.params_digest(target.params),
             "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
             "max_new_tokens": max_new_tokens, "temperatures": list(temperatures), "seed": seed,
             "eos_token_id": eos_token_id, "max_len": max_len}
@@ -151,7 +138,7 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
         if meta_path.exists() and data_path.exists() and json.loads(meta_path.read_text()).get("settings") == meta:
             with np.load(data_path) as data:
                 tokens_nt, mask_nt = data["tokens"], data["mask"]
-            return tokens_nt, mask_nt, _data_digest(tokens_nt, mask_nt)
+            return tokens_nt, mask_nt, training.digest(tokens_nt, mask_nt)
     sequences, prompt_lens = _continuations(
         target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=temperatures, seed=seed,
         eos_token_id=eos_token_id, max_len=max_len, generate_batch_size=generate_batch_size, progress=progress)
@@ -162,10 +149,8 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
         tmp = folder / "data.tmp.npz"
         np.savez(tmp, tokens=tokens_nt, mask=mask_nt)
         os.replace(tmp, data_path)
-        tmp_meta = folder / "meta.tmp.json"
-        tmp_meta.write_text(json.dumps({"settings": meta, "sequences": len(sequences)}, indent=2))
-        os.replace(tmp_meta, meta_path)
-    return tokens_nt, mask_nt, _data_digest(tokens_nt, mask_nt)
+        training.write_json(meta_path, {"settings": meta, "sequences": len(sequences)})
+    return tokens_nt, mask_nt, training.digest(tokens_nt, mask_nt)
 
 
 def answered(target: Model, prompt_ids, *, max_new_tokens: int, seed: int = 0, eos_token_id=None, max_len=None,
@@ -180,28 +165,29 @@ def answered(target: Model, prompt_ids, *, max_new_tokens: int, seed: int = 0, e
     return [row[:end].tolist() for row, end in zip(tokens_nt, ends)]
 
 
-def _data_digest(tokens_nt, mask_nt) -> str:
-    return hashlib.sha256(tokens_nt.tobytes() + mask_nt.tobytes()).hexdigest()[:16]
+def _training_data(target: Model, draft: Model, prompts, temperature, *, max_new_tokens, seed, eos_token_id,
+                   data_cache, progress):
+    """`load_or_generate_data` for `prompts` at `temperature` (a number or a list), each prompt
+    leaving room for a continuation in both models' contexts; ValueErrors name the bad argument."""
+    temperatures = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature]
+    if not temperatures:
+        raise ValueError("temperature must be a number >= 0 or a non-empty list of them")
+    for t in temperatures:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t!r}")
+    prompt_ids = prompts_lib.encode_prompts(prompts, target.tokenizer, target.config.vocab_size)
+    max_len = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
+    prompts_lib.check_max_new_tokens(max_new_tokens, len(prompt_ids))
+    for i, p in enumerate(prompt_ids):
+        if len(p) >= max_len:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens, leaving no room for a continuation within "
+                             f"max_position_embeddings={max_len}")
+    return load_or_generate_data(
+        target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=[float(t) for t in temperatures], seed=seed,
+        eos_token_id=eos_token_id, max_len=max_len, data_cache=data_cache, progress=progress)
 
 
-# --- held-out acceptance ---
-
-def heldout_acceptance(target: Model, draft: Model, prompts, *, k: int = 4, max_new_tokens: int = 32,
-                       seed: int = 0) -> dict:
-    """Greedy speculative decoding of `prompts` with this draft: acceptance rate and accepted length."""
-    from jaxspec.engine import SpeculativeDecoder
-    from jaxspec.spec import SpecConfig
-
-    stats = SpeculativeDecoder(target, draft, spec=SpecConfig(k=k)).generate(
-        prompts, max_new_tokens=max_new_tokens, seed=seed).stats
-    return {"acceptance_rate": float(stats.acceptance_rate),
-            "mean_accepted_length": float(stats.mean_accepted_length)}
-
-
-# --- the training loop ---
-
-def _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_steps, weight_decay, clip_norm,
-                checkpoint_every, eval_every, temperature):
+def _check_models(target, draft, loss: str) -> None:
     if not isinstance(target, Model):
         raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
     if not isinstance(draft, Model):
@@ -211,29 +197,7 @@ def _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_st
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft vocab_size ({draft.config.vocab_size}) must equal the target's "
                          f"({target.config.vocab_size}): distillation matches distributions over the same tokens")
-    check_optimizer_args(steps, learning_rate, batch_size, warmup_steps, weight_decay, clip_norm, checkpoint_every,
-                         eval_every)
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-    temperatures = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature]
-    if not temperatures:
-        raise ValueError("temperature must be a number >= 0 or a non-empty list of them")
-    for t in temperatures:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t!r}")
-    return [float(t) for t in temperatures]
-
-
-def _encode_prompts(target: Model, draft: Model, prompts, max_new_tokens: int) -> tuple[list, int]:
-    """The prompts as token ids, each leaving room for a continuation in both models' contexts."""
-    prompt_ids = prompts_lib.encode_prompts(prompts, target.tokenizer, target.config.vocab_size)
-    max_len = min(target.config.max_position_embeddings, draft.config.max_position_embeddings)
-    prompts_lib.check_max_new_tokens(max_new_tokens, len(prompt_ids))
-    for i, p in enumerate(prompt_ids):
-        if len(p) >= max_len:
-            raise ValueError(f"prompts[{i}] has {len(p)} tokens, leaving no room for a continuation within "
-                             f"max_position_embeddings={max_len}")
-    return prompt_ids, max_len
+    _check_loss(loss)
 
 
 def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: float, seed: int = 0, *,
@@ -249,27 +213,21 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
       target: the jaxspec.Model the draft will serve.
       draft: the starting draft (same vocabulary), e.g. from `draft_from_target`. Not modified.
       prompts: token-id lists (or strings, with a tokenizer) the target continues to make the data.
-      steps, learning_rate: optimizer steps of the run (a resumed run counts those done); peak rate.
-      seed: seeds the data order and the target's sampling (when temperature > 0).
+      steps, learning_rate, seed, batch_size, warmup_steps, weight_decay, clip_norm, checkpoint_every,
+        eval_every: the run's `training.loop.HParams`; seed also seeds the target's sampling.
       loss: "tvd" (default), "forward_kl" or "reverse_kl"; see `distribution_loss`.
-      batch_size, max_new_tokens: sequences per step; continuation length generated per prompt.
+      max_new_tokens: continuation length generated per prompt.
       temperature: sampling temperature of the target's continuations (0 = greedy), or a list of
         temperatures to generate one set of continuations per entry (e.g. [0.0, 1.0] for both).
       eos_token_id: continuations stop after this token; None: never.
-      warmup_steps, weight_decay, clip_norm: AdamW's (`training.make_optimizer`); clip_norm None:
-        no clipping.
-      checkpoint_dir, checkpoint_every: orbax checkpoints every that many steps and at the end; an
-        existing run there resumes (it must have the same settings and data).
       data_cache: a folder for the generated continuations (data.npz + meta.json); reused when
         made with the same target, prompts and generation settings, so a restart does not regenerate.
       heldout_prompts: prompts kept out of training on which greedy speculative acceptance
-        (SpeculativeDecoder, k=eval_k) is measured before training, every `eval_every` steps and
-        at the end. None: no evaluation.
-      eval_every, eval_k: steps between held-out evaluations (None: before and after training
-        only); draft length. eval_max_new_tokens: per held-out prompt (None: max_new_tokens).
-      progress: show a tqdm bar with the loss and the last held-out acceptance.
-      callback: called as `callback(step, metrics)` after each step (and its checkpoint); raising
-        from it stops the run, which a later call with the same checkpoint_dir resumes.
+        (`training.loop.heldout_acceptance`, k=eval_k, eval_max_new_tokens per prompt, None:
+        max_new_tokens) is measured before training, every `eval_every` steps and at the end.
+        None: no evaluation.
+      checkpoint_dir, progress, callback: `training.loop.train`'s; an existing run in
+        checkpoint_dir resumes (it must have the same settings and data).
 
     Returns:
       (draft, history): the trained draft (the draft's config, dtype and tokenizer) and a dict of
@@ -280,48 +238,34 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
       ValueError: naming the argument, for a vocabulary mismatch, steps < 1, empty prompts, an
         unknown loss, learning_rate <= 0, or a checkpoint made with different settings.
     """
-
-    temperatures = _check_args(target, draft, steps, learning_rate, loss, batch_size, warmup_steps, weight_decay,
-                               clip_norm, checkpoint_every, eval_every, temperature)
-    prompt_ids, max_len = _encode_prompts(target, draft, prompts, max_new_tokens)
-    heldout_ids = (None if heldout_prompts is None else
-                   prompts_lib.encode_prompts(heldout_prompts, target.tokenizer, target.config.vocab_size))
-    eval_new = max_new_tokens if eval_max_new_tokens is None else eval_max_new_tokens
-    tokens_nt, mask_nt, data_digest = load_or_generate_data(
-        target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=temperatures, seed=seed,
-        eos_token_id=eos_token_id, max_len=max_len, data_cache=data_cache, progress=progress)
-
-    settings = {"steps": steps, "learning_rate": learning_rate, "seed": seed, "loss": loss,
-                "batch_size": batch_size, "warmup_steps": warmup_steps, "weight_decay": weight_decay,
-                "clip_norm": clip_norm, "data": data_digest, "draft": draft.config.to_dict()}
-    hparams = (float(learning_rate), steps, warmup_steps, float(weight_decay), clip_norm and float(clip_norm))
-    history = {"step": [], "loss": [], "learning_rate": [], "grad_norm": [], "eval_step": [],
-               "acceptance_rate": [], "mean_accepted_length": []}
-    schedule, params, opt_state, start, history, checkpoints = start_run(draft.params, hparams, settings,
-                                                                         checkpoint_dir, checkpoint_every, history)
-
-    evaluate = None if heldout_ids is None else (lambda step, p: heldout_acceptance(
-        target, _as_draft(draft, p), heldout_ids, k=eval_k, max_new_tokens=eval_new, seed=seed))
-    static = dict(draft_graphdef=draft.graphdef, target_graphdef=target.graphdef, hparams=hparams, loss=loss)
-
-    def step_fn(params, opt_state, step):
-        rows = batch_indices(seed, step, batch_size, len(tokens_nt))
-        params, opt_state, metrics = _train_step(params, opt_state, target.params, jnp.asarray(tokens_nt[rows]),
-                                                 jnp.asarray(mask_nt[rows]), **static)
-        metrics = {name: float(value) for name, value in jax.device_get(metrics).items()}
-        return params, opt_state, {**metrics, "learning_rate": float(schedule(step))}
-
-    params = run_steps(step_fn, params, opt_state, start=start, steps=steps, history=history,
-                       checkpoints=checkpoints, evaluate=evaluate,
-                       eval_every=eval_every, progress=progress, desc="distill", callback=callback)
+    _check_models(target, draft, loss)
+    hparams = training.HParams(steps=steps, learning_rate=learning_rate, warmup_steps=warmup_steps,
+                               weight_decay=weight_decay, clip_norm=clip_norm, seed=seed, batch_size=batch_size,
+                               checkpoint_every=checkpoint_every, eval_every=eval_every)
+    evaluate = None
+    if heldout_prompts is not None:
+        heldout_ids = prompts_lib.encode_prompts(heldout_prompts, target.tokenizer, target.config.vocab_size)
+        evaluate = functools.partial(_evaluate, target, draft, heldout_ids, k=eval_k, seed=seed, max_new_tokens=(
+            max_new_tokens if eval_max_new_tokens is None else eval_max_new_tokens))
+    tokens_nt, mask_nt, data_digest = _training_data(
+        target, draft, prompts, temperature, max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id,
+        data_cache=data_cache, progress=progress)
+    params, history = training.train(
+        _Distill(hparams, loss, draft.graphdef, target.graphdef), target.params, {"tokens": tokens_nt, "mask": mask_nt},
+        draft.params, settings={"loss": loss, "data": data_digest, "draft": draft.config.to_dict()},
+        history={name: [] for name in ("step", "loss", "learning_rate", "grad_norm", "eval_step", "acceptance_rate",
+                                       "mean_accepted_length")},
+        checkpoint_dir=checkpoint_dir, evaluate=evaluate, progress=progress, desc="distill", callback=callback)
     return _as_draft(draft, params), history
+
+
+def _evaluate(target: Model, draft: Model, heldout_ids, step: int, params, **kwargs) -> dict:
+    return training.heldout_acceptance(target, _as_draft(draft, params), heldout_ids, **kwargs)
 
 
 def _as_draft(draft: Model, params) -> Model:
     """The draft with trained float32 `params`, cast to the draft's own dtypes."""
-    cast = jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, draft.params)
-    return Model(draft.config, cast, dtype=draft.dtype, tokenizer=draft.tokenizer)
+    return Model(draft.config, training.cast_like(params, draft.params), dtype=draft.dtype, tokenizer=draft.tokenizer)
 
 
-__all__ = ["LOSSES", "answered", "batch_indices", "distill", "distribution_loss", "draft_from_target",
-           "heldout_acceptance", "load_or_generate_data", "make_optimizer"]
+__all__ = ["LOSSES", "answered", "distill", "distribution_loss", "load_or_generate_data"]

@@ -17,20 +17,20 @@ true token at j + 1 + s, at rotary position j + s; it attends to the step-0 keys
 to its own keys of steps 1..s (the rows drafting reads from the cache), and is scored against the
 target's distribution of the token at j + 2 + s. The loss is the sum over steps of 0.8^s times the
 cross-entropy, at positions where the target's own choice lies in the draft vocabulary.
-Optimizer, data order, orbax checkpoints and the loop are `jaxspec.training.loop`'s.
+Settings, data order, orbax checkpoints and the loop are `jaxspec.training.loop`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import hashlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
+from jaxspec.drafting import EagleDrafter
 from jaxspec.models.eagle import EagleHead
 from jaxspec.models.model import Model
 from jaxspec.training import loop as training
@@ -100,30 +100,24 @@ def eagle_loss(params, labels_btw, choice_bt, features_btf, tokens_bt, lengths_b
     return total, jnp.stack(agree)
 
 
-def _loss_inputs(target_graphdef, target_params, batch, draft_ids):
-    """The loss's arguments from a batch of the feature cache (`feature_cache.stored` arrays)."""
-    decoder = nnx.merge(target_graphdef, target_params)
-    labels_btw = decoder.head(stored(batch["hidden"]), ids=draft_ids)
-    return (jax.lax.stop_gradient(labels_btw), batch["choice"], stored(batch["features"]), batch["tokens"],
-            batch["lengths"], target_params["embed_vd"], draft_ids)
+@dataclasses.dataclass(frozen=True)
+class _Eagle(training.Trainer):
+    """The jitted steps' static argument: hyper-parameters (None to evaluate only), graphs and unroll."""
+    graphdef: nnx.GraphDef          # the head's
+    target_graphdef: nnx.GraphDef
+    ttt_steps: int
 
+    def loss(self, params, frozen, batch):
+        """`eagle_loss` of a batch of the feature cache (`feature_cache.stored` arrays), with the
+        per-step agreement; frozen: (the target's params, the draft ids)."""
+        target_params, draft_ids = frozen
+        labels_btw = nnx.merge(self.target_graphdef, target_params).head(stored(batch["hidden"]), ids=draft_ids)
+        loss, agree = eagle_loss(params, jax.lax.stop_gradient(labels_btw), batch["choice"], stored(batch["features"]),
+                                 batch["tokens"], batch["lengths"], target_params["embed_vd"], draft_ids,
+                                 graphdef=self.graphdef, steps=self.ttt_steps)
+        return loss, {"agree": agree}
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "target_graphdef", "hparams", "steps"), donate_argnums=(0, 1))
-def _train_step(params, opt_state, target_params, batch, draft_ids, *, graphdef, target_graphdef, hparams: tuple,
-                steps: int):
-    optimizer, _ = training.make_optimizer(*hparams)
-    loss_fn = functools.partial(eagle_loss, graphdef=graphdef, steps=steps)
-    (value, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, *_loss_inputs(target_graphdef, target_params, batch, draft_ids))
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {"loss": value, "agree": agree,
-                                                             "grad_norm": optax.tree.norm(grads)}
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "target_graphdef", "steps"))
-def _eval_loss(params, target_params, batch, draft_ids, *, graphdef, target_graphdef, steps: int):
-    return eagle_loss(params, *_loss_inputs(target_graphdef, target_params, batch, draft_ids), graphdef=graphdef,
-                      steps=steps)
+    eval_loss = jax.jit(loss, static_argnums=0)
 
 
 def sequences(target: Model, data, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,24 +148,17 @@ def heldout_loss(target: Model, head: EagleHead, data, *, seq_len: int = 128, tt
     tokens, lengths = sequences(target, data, seq_len)
     cache = feature_cache(target, head.config.feature_layers, tokens, lengths, None, batch_size=batch_size,
                           progress=False)
-    draft_ids = jnp.asarray(head.draft_ids)
+    trainer = _Eagle(None, head.graphdef, target.graphdef, ttt_steps)
+    frozen = (target.params, jnp.asarray(head.draft_ids))
     total, weight = 0.0, 0
     for start in range(0, len(tokens), batch_size):
         rows = np.arange(start, min(start + batch_size, len(tokens)))
-        value, _ = _eval_loss(head.params, target.params, _batch(cache, np.resize(rows, batch_size)), draft_ids,
-                              graphdef=head.graphdef, target_graphdef=target.graphdef, steps=ttt_steps)
+        value, _ = trainer.eval_loss(head.params, frozen, training.take(cache, np.resize(rows, batch_size)))
         total, weight = total + float(value) * len(rows), weight + len(rows)
     return total / weight
 
 
-def _batch(cache: dict, rows) -> dict:
-    return {name: jnp.asarray(array[rows]) for name, array in cache.items()}
-
-
-def _check(target, head, steps, learning_rate, batch_size, seq_len, ttt_steps, warmup_steps, weight_decay, clip_norm,
-           checkpoint_every, eval_every):
-    training.check_optimizer_args(steps, learning_rate, batch_size, warmup_steps, weight_decay, clip_norm,
-                                  checkpoint_every, eval_every)
+def _check(target, head, seq_len, ttt_steps) -> None:
     training.check_int("ttt_steps", ttt_steps, 1)
     training.check_int("seq_len", seq_len, 3)
     if not isinstance(head, EagleHead):
@@ -195,22 +182,17 @@ def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate:
       head: an `EagleHead` for this target (`EagleHead.init(target)`); not modified.
       data: texts (the target's tokenizer encodes them) or token-id lists, cut into pieces of
         `seq_len` tokens (`sequences`).
-      steps, learning_rate: optimizer steps of the run (a resumed run counts those done); AdamW's
-        peak rate (linear warm-up over `warmup_steps`, default 5% of the steps, then cosine decay
-        to 10%).
-      seed: the batch order (a function of seed and step, `training.batch_indices`).
+      steps, learning_rate, seed, batch_size, warmup_steps (None: 5% of the steps), weight_decay,
+        clip_norm, checkpoint_every, eval_every: the run's `training.loop.HParams`.
       ttt_steps: training-time-test unroll (module docstring).
       feature_cache_dir: folder for the target's features (`feature_cache`); reused when made
         from the same target, layers and data, resumed when incomplete. None: in memory.
-      checkpoint_dir: where orbax keeps training-state checkpoints, every `checkpoint_every`
-        steps and at the end; an existing run there resumes (with the same settings and data).
       heldout: data kept out of training (texts or token-id lists, cut like `data`): before
         training, every `eval_every` steps and at the end, the training loss on them and greedy
         speculative decoding with the head (k = eval_k) of each piece's first half as a prompt,
         eval_max_new_tokens tokens each.
-      progress: tqdm bars for the feature pass and the steps.
-      callback: called as `callback(step, metrics)` after each step and its checkpoint; raising
-        from it stops the run, which a later call with the same checkpoint_dir resumes.
+      checkpoint_dir, progress, callback: `training.loop.train`'s; an existing run in
+        checkpoint_dir resumes (with the same settings and data); progress also shows the feature pass.
 
     Returns:
       (EagleHead with the trained weights in the head's dtype, history: lists "step", "loss",
@@ -218,56 +200,42 @@ def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate:
       "grad_norm", "learning_rate", and per evaluation "eval_step", "heldout_loss",
       "heldout_acceptance_rate", "heldout_accepted_length").
     """
-    _check(target, head, steps, learning_rate, batch_size, seq_len, ttt_steps, warmup_steps, weight_decay, clip_norm,
-           checkpoint_every, eval_every)
+    hparams = training.HParams(steps=steps, learning_rate=learning_rate, warmup_steps=warmup_steps,
+                               weight_decay=weight_decay, clip_norm=clip_norm, seed=seed, batch_size=batch_size,
+                               checkpoint_every=checkpoint_every, eval_every=eval_every)
+    _check(target, head, seq_len, ttt_steps)
     tokens, lengths = sequences(target, data, seq_len)
     cache = feature_cache(target, head.config.feature_layers, tokens, lengths, feature_cache_dir, progress=progress)
-    warmup = max(1, steps // 20) if warmup_steps is None else warmup_steps
-    hparams = (float(learning_rate), steps, warmup, float(weight_decay), clip_norm and float(clip_norm))
-    settings = {"hparams": hparams, "seed": seed, "batch_size": batch_size, "ttt_steps": ttt_steps,
-                "data": hashlib.sha256(tokens.tobytes() + lengths.tobytes()).hexdigest()[:16],
-                "head": repr(head.config), "draft_ids": hashlib.sha256(head.draft_ids.tobytes()).hexdigest()[:16]}
-    schedule, params, opt_state, start, history, checkpoints = training.start_run(
-        head.params, hparams, settings, checkpoint_dir, checkpoint_every, {})
-    draft_ids = jnp.asarray(head.draft_ids)
-    static = dict(graphdef=head.graphdef, target_graphdef=target.graphdef, hparams=hparams, steps=ttt_steps)
-
-    def step_fn(params, opt_state, step):
-        rows = training.batch_indices(seed, step, batch_size, len(tokens))
-        params, opt_state, m = _train_step(params, opt_state, target.params, _batch(cache, rows), draft_ids, **static)
-        m = jax.device_get(m)
-        return params, opt_state, {"loss": float(m["loss"]), "agree": [float(a) for a in m["agree"]],
-                                   "grad_norm": float(m["grad_norm"]), "learning_rate": float(schedule(step))}
-
-    evaluate = None
-    if heldout is not None:
-        def evaluate(step, p):
-            return _evaluate(target, _with_params(head, p), heldout, seq_len, ttt_steps, batch_size, eval_k,
-                             eval_max_new_tokens, seed)
-    params = training.run_steps(step_fn, params, opt_state, start=start, steps=steps, history=history,
-                                checkpoints=checkpoints, evaluate=evaluate, eval_every=eval_every,
-                                progress=progress, desc="train-eagle", callback=callback)
+    evaluate = None if heldout is None else functools.partial(
+        _evaluate, target, head, heldout, seq_len=seq_len, ttt_steps=ttt_steps, batch_size=batch_size, k=eval_k,
+        max_new_tokens=eval_max_new_tokens, seed=seed)
+    params, history = training.train(
+        _Eagle(hparams, head.graphdef, target.graphdef, ttt_steps), (target.params, jnp.asarray(head.draft_ids)),
+        cache, head.params,
+        settings={"ttt_steps": ttt_steps, "data": training.digest(tokens, lengths), "head": repr(head.config),
+                  "draft_ids": training.digest(head.draft_ids)},
+        history={}, checkpoint_dir=checkpoint_dir, evaluate=evaluate, progress=progress, desc="train-eagle",
+        callback=callback)
     return _with_params(head, params), history
 
 
 def _with_params(head: EagleHead, params) -> EagleHead:
-    cast = jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, head.params)
-    return EagleHead(head.config, head.graphdef, cast, head.draft_ids, head.embed_vd)
+    return EagleHead(head.config, head.graphdef, training.cast_like(params, head.params), head.draft_ids, head.embed_vd)
 
 
-def _evaluate(target, head, heldout, seq_len, ttt_steps, batch_size, k, max_new_tokens, seed) -> dict:
-    from jaxspec.drafting import EagleDrafter
-    from jaxspec.engine import SpeculativeDecoder
-    from jaxspec.spec import SpecConfig
-
+def _evaluate(target, head, heldout, step: int, params, *, seq_len, ttt_steps, batch_size, k, max_new_tokens,
+              seed) -> dict:
+    """Held-out loss and greedy speculative acceptance of `head` with `params`, each piece's first
+    half as a prompt."""
+    head = _with_params(head, params)
     tokens, lengths = sequences(target, heldout, seq_len)
     prompts = [row[:max(1, n // 2)].tolist() for row, n in zip(tokens, lengths)]
-    stats = SpeculativeDecoder(target, EagleDrafter(head), spec=SpecConfig(k=k)).generate(
-        prompts, max_new_tokens=max_new_tokens, seed=seed).stats
+    accepted = training.heldout_acceptance(target, EagleDrafter(head), prompts, k=k, max_new_tokens=max_new_tokens,
+                                           seed=seed)
     return {"heldout_loss": heldout_loss(target, head, heldout, seq_len=seq_len, ttt_steps=ttt_steps,
                                          batch_size=batch_size),
-            "heldout_acceptance_rate": float(stats.acceptance_rate),
-            "heldout_accepted_length": float(stats.mean_accepted_length)}
+            "heldout_acceptance_rate": accepted["acceptance_rate"],
+            "heldout_accepted_length": accepted["mean_accepted_length"]}
 
 
 __all__ = ["STEP_WEIGHT", "eagle_loss", "heldout_loss", "sequences", "train_eagle", "ttt_logits"]

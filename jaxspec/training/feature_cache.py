@@ -16,15 +16,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
-from jaxspec.training.loop import params_digest
+from jaxspec.training.loop import params_digest, write_json
 
 FORMAT = 1
 CHUNK_ROWS = 8
@@ -73,21 +73,12 @@ def _open(folder: Path, settings: dict, shapes: dict):
     meta_path.unlink(missing_ok=True)
     arrays = {name: np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
               for name, (shape, dtype) in shapes.items()}
-    _write_meta(folder, settings, 0)
+    write_json(meta_path, {"settings": settings, "rows_done": 0})
     return arrays, 0
-
-
-def _write_meta(folder: Path, settings: dict, rows_done: int) -> None:
-    # Write then rename, so a run killed mid-write never leaves a record that looks complete.
-    tmp = folder / "meta.tmp.json"
-    tmp.write_text(json.dumps({"settings": settings, "rows_done": rows_done}, indent=1))
-    os.replace(tmp, folder / "meta.json")
 
 
 def _fill(target, layers, tokens, arrays, done: int, batch_size: int, folder, progress: bool) -> None:
     """Computes rows `done`.. in chunks of `batch_size` (the last chunk padded to that size)."""
-    from tqdm.auto import tqdm
-
     n = len(tokens)
     settings = json.loads((folder / "meta.json").read_text())["settings"] if folder is not None else None
     for start in tqdm(range(done, n, batch_size), desc="target features", disable=not progress or done >= n):
@@ -99,7 +90,7 @@ def _fill(target, layers, tokens, arrays, done: int, batch_size: int, folder, pr
         if folder is not None:
             for array in arrays.values():
                 array.flush()
-            _write_meta(folder, settings, int(rows[-1]) + 1)
+            write_json(folder / "meta.json", {"settings": settings, "rows_done": int(rows[-1]) + 1})
 
 
 __all__ = ["feature_cache", "stored"]

@@ -1,5 +1,5 @@
-"""What the training loops (`distill`, `train_eagle`) share: the optimizer, the data order, orbax
-checkpoints and the loop itself.
+"""What the trainers (`distill`, `train_eagle`) share: their settings (`HParams`: the optimizer, the
+data order, the cadence), orbax checkpoints, the loop itself (`train`) and held-out acceptance.
 
 Everything a run depends on is a function of the seed and the step number: the data order is a
 per-epoch permutation drawn from (seed, epoch), so batch s is known without replaying batches
@@ -9,8 +9,11 @@ history, and a resumed run continues exactly as an uninterrupted one would.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,21 +21,90 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from jaxspec.engine import SpeculativeDecoder
+from jaxspec.spec import SpecConfig
 
 
-def make_optimizer(learning_rate: float, steps: int, warmup_steps: int = 0, weight_decay: float = 0.0,
-                   clip_norm: float | None = 1.0):
-    """AdamW with linear warm-up to `learning_rate`, cosine decay to 10% of it, and global-norm clipping.
+def check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
-    Returns:
-      (optax.GradientTransformation, schedule): the schedule maps a step to its learning rate.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HParams:
+    """A training run's settings, checked when made: a bad one is a ValueError naming it.
+
+    steps: optimizer steps of the run (a resumed run counts those done). learning_rate: AdamW's
+    peak rate, reached by linear warm-up over `warmup_steps` (None: 5% of the steps, at least 1),
+    then cosine decay to 10% of it at `steps`. weight_decay: AdamW's. clip_norm: global-norm
+    gradient clipping (None: none). seed: the data order (`batch_indices`). batch_size: sequences
+    per step. checkpoint_every, eval_every: steps between checkpoints (and one at the end), between
+    held-out evaluations (None: before and after training only).
+
+    Frozen and hashable, it is part of a `Trainer`, the static argument of the jitted step, which
+    rebuilds the optimizer inside the trace; only the optimizer's fields are compared, so runs that
+    differ in the others share one compiled program.
     """
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup_steps else learning_rate, peak_value=learning_rate,
-        warmup_steps=warmup_steps, decay_steps=max(steps, warmup_steps + 1), end_value=0.1 * learning_rate)
-    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm else []
-    parts.append(optax.adamw(schedule, weight_decay=weight_decay))
-    return optax.chain(*parts), schedule
+    steps: int
+    learning_rate: float
+    warmup_steps: int | None
+    weight_decay: float
+    clip_norm: float | None
+    seed: int = dataclasses.field(compare=False)
+    batch_size: int = dataclasses.field(compare=False)
+    checkpoint_every: int = dataclasses.field(compare=False)
+    eval_every: int | None = dataclasses.field(compare=False)
+
+    def __post_init__(self):
+        check_int("steps", self.steps, 1)
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", max(1, self.steps // 20))
+        for name, low in (("warmup_steps", 0), ("batch_size", 1), ("checkpoint_every", 1)):
+            check_int(name, getattr(self, name), low)
+        if self.eval_every is not None:
+            check_int("eval_every", self.eval_every, 1)
+        lr = self.learning_rate
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"learning_rate must be a number > 0, got {lr!r}")
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.clip_norm is not None and (not isinstance(self.clip_norm, (int, float)) or self.clip_norm <= 0):
+            raise ValueError(f"clip_norm must be None (no clipping) or > 0, got {self.clip_norm!r}")
+
+    def optimizer(self):
+        """(optax.GradientTransformation, schedule: step -> learning rate) of the class docstring,
+        built from floats: settings given as 1 and 1.0 are equal, share one program, and must trace alike."""
+        lr, warmup = float(self.learning_rate), self.warmup_steps
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
+            decay_steps=max(self.steps, warmup + 1), end_value=0.1 * lr)
+        parts = [optax.clip_by_global_norm(float(self.clip_norm))] if self.clip_norm else []
+        parts.append(optax.adamw(schedule, weight_decay=float(self.weight_decay)))
+        return optax.chain(*parts), schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """A trainer's static half (as gemma's sampler passes a frozen `self` to jit): `hparams`, and in
+    subclasses the graphs and settings that `loss(params, frozen, batch) -> (loss, metrics)` needs;
+    `frozen` are the traced inputs that are not trained (the target's params ...). Equal trainers
+    share one compiled step."""
+    hparams: HParams | None
+
+    def loss(self, params, frozen, batch):
+        raise NotImplementedError
+
+    # Donating the old params and optimizer state lets XLA update them in place (halves their memory).
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+    def step(self, params, opt_state, frozen, batch):
+        """One optimizer step; returns (params, opt_state, {"loss", **metrics, "grad_norm"})."""
+        (loss, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(params, frozen, batch)
+        updates, opt_state = self.hparams.optimizer()[0].update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state,
+                {"loss": loss, **metrics, "grad_norm": optax.tree.norm(grads)})
 
 
 def batch_indices(seed: int, step: int, batch_size: int, num_sequences: int) -> np.ndarray:
@@ -46,52 +118,54 @@ def batch_indices(seed: int, step: int, batch_size: int, num_sequences: int) -> 
     return rows
 
 
+def take(data: dict, rows) -> dict:
+    """Rows `rows` of each numpy array in `data`, on the device."""
+    return {name: jnp.asarray(array[rows]) for name, array in data.items()}
+
+
+def write_json(path: Path, value) -> None:
+    """Writes then renames, so a run killed mid-write never leaves a file that looks complete."""
+    tmp = path.with_suffix(".tmp.json")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def digest(*arrays) -> str:
+    """A short fingerprint of numpy arrays (so data made otherwise is not taken for them)."""
+    return hashlib.sha256(b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()[:16]
+
+
 def params_digest(params) -> str:
     """A cheap fingerprint of a parameter pytree (so data made by other weights is not reused)."""
     sums = jax.device_get(jax.tree.map(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))), params))
-    return hashlib.sha256(np.asarray(jax.tree.leaves(sums), np.float64).tobytes()).hexdigest()[:16]
+    return digest(np.asarray(jax.tree.leaves(sums), np.float64))
 
 
-def check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+def cast_like(params, reference):
+    """Trained float32 `params` in the dtypes of `reference` (the model's own params)."""
+    return jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, reference)
 
 
-def check_optimizer_args(steps, learning_rate, batch_size, warmup_steps, weight_decay, clip_norm,
-                         checkpoint_every, eval_every) -> None:
-    """ValueError naming the first bad training argument."""
-    for name, value in (("steps", steps), ("batch_size", batch_size), ("checkpoint_every", checkpoint_every)):
-        check_int(name, value, 1)
-    if warmup_steps is not None:
-        check_int("warmup_steps", warmup_steps, 0)
-    if eval_every is not None:
-        check_int("eval_every", eval_every, 1)
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
-        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
-    if not isinstance(weight_decay, (int, float)) or weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-    if clip_norm is not None and (not isinstance(clip_norm, (int, float)) or clip_norm <= 0):
-        raise ValueError(f"clip_norm must be None (no clipping) or > 0, got {clip_norm!r}")
+def heldout_acceptance(target, draft, prompts, *, k: int = 4, max_new_tokens: int = 32, seed: int = 0) -> dict:
+    """Greedy speculative decoding of `prompts` with `draft` (a Model or a drafter): acceptance rate
+    and accepted length."""
+    stats = SpeculativeDecoder(target, draft, spec=SpecConfig(k=k)).generate(
+        prompts, max_new_tokens=max_new_tokens, seed=seed).stats
+    return {"acceptance_rate": float(stats.acceptance_rate),
+            "mean_accepted_length": float(stats.mean_accepted_length)}
 
 
 class Checkpoints:
     """Orbax checkpoints of one run in `directory`: params, optimizer state, step and history,
     with the run's `settings` (a JSON dict); restoring refuses a run made with other settings."""
 
-    def __init__(self, directory, settings: dict, every: int):
-        import orbax.checkpoint as ocp
-
-        self.directory, self.settings, self.every = Path(directory).absolute(), _json_roundtrip(settings), every
-        # Saving is decided by `due` (every `every` steps and at the end), so orbax keeps every save asked for.
+    def __init__(self, directory, settings: dict):
+        self.directory, self.settings = Path(directory).absolute(), _json_roundtrip(settings)
+        # `train` decides when to save, so orbax keeps every save asked for.
         self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=2, create=True))
 
-    def due(self, done: int, steps: int) -> bool:
-        return done % self.every == 0 or done == steps
-
     def save(self, step: int, params, opt_state, history: dict) -> None:
-        import orbax.checkpoint as ocp
-
         state = {"params": params, "opt_state": opt_state, "step": np.int64(step)}
         # A snapshot: orbax writes in the background while the loop goes on appending to `history`.
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -100,8 +174,6 @@ class Checkpoints:
 
     def restore(self, params, opt_state, history: dict):
         """(params, opt_state, step, history) of the latest checkpoint, or the arguments and step 0."""
-        import orbax.checkpoint as ocp
-
         step = self.manager.latest_step()
         if step is None:
             return params, opt_state, 0, history
@@ -122,48 +194,66 @@ class Checkpoints:
         self.manager.close()
 
 
-def start_run(params, hparams: tuple, settings: dict, checkpoint_dir, checkpoint_every: int, history: dict):
-    """A run's starting point: (schedule, float32 params, optimizer state, first step, history,
-    Checkpoints or None), fresh or restored from the latest checkpoint in `checkpoint_dir`."""
-    optimizer, schedule = make_optimizer(*hparams)
-    # Train in float32 whatever the model's dtype: Adam's small updates vanish in bfloat16.
+def train(trainer: Trainer, frozen, data: dict, params, *, settings: dict, history: dict, checkpoint_dir,
+          evaluate: Callable | None, progress: bool, desc: str, callback: Callable | None):
+    """Trains a float32 copy of `params` (Adam's small updates vanish in bfloat16) with
+    `trainer.step(params, opt_state, frozen, batch)`; returns (params, history).
+
+    `data` holds numpy arrays of one row per sequence; step s trains on the rows
+    `batch_indices(seed, s, batch_size, n)` of each (`take`). Each metric of a step (a device
+    scalar or vector) is appended to `history[name]` as a float or a list of floats, with "step"
+    and "learning_rate". `evaluate(step, params)` returns a dict of floats appended with
+    "eval_step", before a fresh run, every `eval_every` steps and after the last.
+
+    The trainers pass these of their arguments on:
+      checkpoint_dir: where orbax checkpoints go, every `checkpoint_every` steps and at the end;
+        an existing run there resumes if made with the same hparams and `settings` (the trainer's
+        own: its data, model, loss ...), or else is refused with a ValueError.
+      progress: show a tqdm bar with the loss and the last evaluation.
+      callback: called as `callback(step, metrics)` after each step (and its checkpoint); raising
+        from it stops the run, which a later call with the same checkpoint_dir resumes.
+    """
+    hparams = trainer.hparams
+    optimizer, schedule = hparams.optimizer()
     params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.float32), params)
     opt_state, start, checkpoints = optimizer.init(params), 0, None
     if checkpoint_dir is not None:
-        checkpoints = Checkpoints(checkpoint_dir, settings, checkpoint_every)
+        # The cadence of checkpoints and evaluations may change when a run resumes; nothing else.
+        settings = {**{f"hparams.{name}": value for name, value in dataclasses.asdict(hparams).items()
+                       if name not in ("checkpoint_every", "eval_every")}, **settings}
+        checkpoints = Checkpoints(checkpoint_dir, settings)
         params, opt_state, start, history = checkpoints.restore(params, opt_state, history)
-    return schedule, params, opt_state, start, history, checkpoints
+
+    def step_fn(params, opt_state, s):
+        rows = batch_indices(hparams.seed, s, hparams.batch_size, len(next(iter(data.values()))))
+        params, opt_state, metrics = trainer.step(params, opt_state, frozen, take(data, rows))
+        metrics = {name: np.asarray(value).tolist() for name, value in jax.device_get(metrics).items()}
+        return params, opt_state, {**metrics, "learning_rate": float(schedule(s))}
+
+    params = _run_steps(step_fn, params, opt_state, hparams, start=start, history=history, checkpoints=checkpoints,
+                        evaluate=evaluate, progress=progress, desc=desc, callback=callback)
+    return params, history
 
 
-def run_steps(step_fn: Callable, params, opt_state, *, start: int, steps: int, history: dict,
-              checkpoints: Checkpoints | None, evaluate: Callable | None, eval_every: int | None,
-              progress: bool, desc: str, callback: Callable | None):
-    """Optimizer steps `start` .. `steps - 1`, with held-out evaluations, checkpoints, a tqdm bar
-    and the callback; returns the trained params.
-
-    `step_fn(params, opt_state, step)` returns (params, opt_state, metrics): floats (or lists of
-    floats) appended to `history[name]` with "step". `evaluate(done, params)` returns a dict of
-    floats appended with "eval_step"; it runs before a fresh run, every `eval_every` steps and
-    after the last.
-    """
-    from tqdm.auto import tqdm
-
+def _run_steps(step_fn: Callable, params, opt_state, hparams: HParams, *, start: int, history: dict,
+               checkpoints: Checkpoints | None, evaluate: Callable | None, progress: bool, desc: str,
+               callback: Callable | None):
+    """Steps `start` .. `hparams.steps - 1` of `train`, with its evaluations, checkpoints, bar and callback."""
+    steps, eval_every = hparams.steps, hparams.eval_every
     bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress)
     shown = {}
     if evaluate is not None and start == 0:
         shown = evaluate(0, params)
-        record_eval(history, 0, shown)
+        _append(history, {"eval_step": 0, **shown})
     try:
         for step in range(start, steps):
             params, opt_state, metrics = step_fn(params, opt_state, step)
             done = step + 1
-            history.setdefault("step", []).append(done)
-            for name, value in metrics.items():
-                history.setdefault(name, []).append(value)
+            _append(history, {"step": done, **metrics})
             if evaluate is not None and ((eval_every and done % eval_every == 0) or done == steps):
                 shown = evaluate(done, params)
-                record_eval(history, done, shown)
-            if checkpoints is not None and checkpoints.due(done, steps):
+                _append(history, {"eval_step": done, **shown})
+            if checkpoints is not None and (done % hparams.checkpoint_every == 0 or done == steps):
                 checkpoints.save(done, params, opt_state, history)
             bar.set_postfix({"loss": f"{metrics['loss']:.4f}", **{k: f"{v:.3f}" for k, v in shown.items()}},
                             refresh=False)
@@ -177,8 +267,7 @@ def run_steps(step_fn: Callable, params, opt_state, *, start: int, steps: int, h
     return params
 
 
-def record_eval(history: dict, step: int, values: dict) -> None:
-    history.setdefault("eval_step", []).append(step)
+def _append(history: dict, values: dict) -> None:
     for name, value in values.items():
         history.setdefault(name, []).append(value)
 
@@ -187,5 +276,5 @@ def _json_roundtrip(value):
     return json.loads(json.dumps(value))
 
 
-__all__ = ["Checkpoints", "batch_indices", "check_int", "check_optimizer_args", "make_optimizer", "params_digest",
-           "record_eval", "run_steps", "start_run"]
+__all__ = ["Checkpoints", "HParams", "Trainer", "batch_indices", "cast_like", "check_int", "digest",
+           "heldout_acceptance", "params_digest", "take", "train", "write_json"]
