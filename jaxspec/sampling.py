@@ -97,8 +97,7 @@ def request_keys(seed: int, request_ids_b: np.ndarray) -> jax.Array:
 
 @functools.lru_cache(maxsize=64)
 def _base_key(seed: int) -> jax.Array:
-    # Made once per seed: building a key eagerly cost about 0.3 ms of host time per call on
-    # XLA:CPU, before the device had anything to do (5% of a 96-token call at batch 1 is 3 ms).
+    # Made once per seed: building a key eagerly costs host time on every call.
     return jax.random.key(seed)
 
 
@@ -109,5 +108,5 @@ def clear_keys() -> None:
 
 @jax.jit
 def _fold_keys(base, request_ids_b):
-    # Compiled: folding in eagerly, op by op, cost 5 ms of host time per call.
+    # Compiled: folding in eagerly, op by op, costs milliseconds of host time per call.
     return jax.vmap(lambda i: jax.random.fold_in(base, i))(request_ids_b)

@@ -69,11 +69,9 @@ class RequestQueue:
 
 def refill_rows(n: int, slots: int) -> int:
     """Rows of a refill batch of `n` requests into a table of `slots`: the next power of two, at
-    most `slots`. Each refill size is a program of its own (`engine.refill_on_device`) and refills
-    come in every size from 1 to `slots`: bucketed like a fresh batch (multiples of 8), a run with
-    1000 slots compiled 10 refill programs in one call (22 s of its 67 on XLA:CPU), and a longer
-    job would have met more of its 125 sizes mid-run. Powers of two bound them to
-    ceil(log2(slots)) + 1, for at most twice the rows of a refill's prefill."""
+    most `slots`. Each refill size is a program of its own (`loop.refill_on_device`) and refills
+    come in every size: powers of two bound the programs to ceil(log2(slots)) + 1, for at most
+    twice the rows of a refill's prefill."""
     return min(1 << max(n - 1, 0).bit_length(), slots)
 
 

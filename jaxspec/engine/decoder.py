@@ -41,16 +41,12 @@ _DECODERS: weakref.WeakSet = weakref.WeakSet()   # live decoders, whose `_compil
 def clear_caches() -> None:
     """Releases every compiled program, JAX's and jaxspec's, and the library's own caches.
 
-    Programs are compiled and cached per shape, as JAX does: per batch bucket, cache length
-    bucket, k / step plan and sampling config. Re-running shapes already seen compiles nothing
-    and does not grow memory; every new shape adds programs (on XLA:CPU a few MB and memory maps
-    each: 6 for a trivial program, about 120 for a decode program) that stay until this call. A
-    long notebook or a parameter sweep calls it to release the programs of shapes it no longer
-    needs. Decoders and models built before it keep working: they compile again on next use.
-
-    Calls `jax.clear_caches()` (JAX's persistent compilation cache on disk, if set, stays), then
-    empties the PRNG keys kept per seed (`jaxspec.generate`) and each live decoder's record of
-    the goodput plans it compiled ahead.
+    Programs are compiled and cached per shape (batch bucket, cache length bucket, plan, sampling)
+    and stay until this call; shapes already seen compile nothing and add no memory. A long
+    notebook or a parameter sweep calls it to release the programs of shapes it no longer needs;
+    decoders and models built before keep working (they compile again on next use). Calls
+    `jax.clear_caches()` (a persistent compilation cache on disk stays), then empties the keys
+    kept per seed and each live decoder's record of the goodput plans it compiled ahead.
     """
     jax.clear_caches()
     clear_keys()
