@@ -212,12 +212,15 @@ class SpeculativeDecoder:
                                           control())
             if schedule.goodput and bool(np.all(done_b)):   # no row was running: the new rows' opening choice
                 plan_index = int(jax.device_get(state.policy.choice))
-        stats = _stats(Counters(**queue.counters), batch.num_prompts, int(steps), time.perf_counter() - start, step_ks,
-                       self.drafter)
-        stats.extra["slots"] = slots
+        extra = dict(slots=slots)
         if schedule.goodput:   # (plan, steps, wall seconds) of each segment, and each plan's predicted step seconds
-            stats.extra.update(segments=segments, plan_seconds=clock["seconds_j"].tolist())
+            extra.update(segments=segments, plan_seconds=clock["seconds_j"].tolist())
+        return self._result(queue, int(steps), time.perf_counter() - start, step_ks, extra)
+
+    def _result(self, queue, steps: int, seconds: float, step_ks: list[int], extra: dict) -> GenerationResult:
         tokens = queue.results()
+        stats = _stats(Counters(**queue.counters), queue.batch.num_prompts, steps, seconds, step_ks, self.drafter)
+        stats.extra.update(extra)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
     def _compile_plans(self, program: Program, params, state, control) -> None:
@@ -265,13 +268,9 @@ class SpeculativeDecoder:
                  for t, g in zip(tables, groups)]
         runner.run(lanes)
         steps = sum(int(s) for s in jax.device_get([ln.state.steps for ln in lanes]))
-        seconds_taken = time.perf_counter() - start
-        tokens = queue.results()
         step_ks = runner.trace if schedule.goodput else [schedule.plans[0].k] * steps
-        stats = _stats(Counters(**queue.counters), n, steps, seconds_taken, step_ks, self.drafter)
-        stats.extra["lanes"] = len(lanes)
-        stats.extra["slots"] = rows * len(lanes)
-        return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+        return self._result(queue, steps, time.perf_counter() - start, step_ks,
+                            dict(lanes=len(lanes), slots=rows * len(lanes)))
 
 
 def _requests(batch, seed: int, eos: int) -> Requests:
