@@ -110,19 +110,15 @@ class VocabMap:
                     end = start + 1
                 start = end
             spellings.append(spelled[:max_expansion])
-        m = max(1, max(map(len, spellings), default=1))
-        self.expand_vm = np.zeros((v, m), np.int32)
-        self.expand_len_v = np.zeros((v,), np.int32)
+        self.expand_len_v = np.array([len(spelled) for spelled in spellings], np.int32)
+        self.expand_vm = np.zeros((v, self.expand_len_v.max(initial=1)), np.int32)
         for t, spelled in enumerate(spellings):
             self.expand_vm[t, :len(spelled)] = spelled
-            self.expand_len_v[t] = len(spelled)
         self.shared = int((self.to_target_w >= 0).sum())
         if not self.shared:
             raise ValueError("the draft and target vocabularies share no token: nothing can be proposed")
-        digest = hashlib.sha256()
-        for table in (self.to_target_w, self.expand_vm, self.expand_len_v):
-            digest.update(table.tobytes())
-        self.digest = digest.hexdigest()
+        tables = (self.to_target_w, self.expand_vm, self.expand_len_v)
+        self.digest = hashlib.sha256(b"".join(table.tobytes() for table in tables)).hexdigest()
 
     @classmethod
     def from_tokenizers(cls, draft_tokenizer, draft_size: int, target_tokenizer, target_size: int) -> VocabMap:
