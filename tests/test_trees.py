@@ -285,7 +285,8 @@ def test_an_eagle_tree_is_each_expanded_paths_top_children_fed_one_token_at_a_ti
     from scipy.special import log_softmax
 
     import jaxspec
-    from jaxspec.drafting.trees import TreeShape, eagle_tree
+    from jaxspec.drafting.eagle import EagleState
+    from jaxspec.drafting.trees import TreeShape
     from jaxspec.models import eagle
     target = jaxspec.Model.random(jaxspec.ModelConfig.preset("tiny").replace(vocab_size=32), seed=6)
     head = eagle.EagleHead.init(target, draft_vocab_size=24, token_counts=np.arange(32) % 5, seed=2)
@@ -295,8 +296,9 @@ def test_an_eagle_tree_is_each_expanded_paths_top_children_fed_one_token_at_a_ti
                                             jnp.asarray(rng.integers(0, 32, (2, 5))), head.init_cache(2, 32))
     cache = cache.commit(lengths)   # row 1 kept 3 of its 5 (the rest is stale, as after a rejection)
     last = (jnp.arange(2), lengths - 1)
-    tree = eagle_tree(head.graphdef, head.params, head.embed_vd, head.draft_ids, 32, cache, out[last], logits[last],
-                      jnp.asarray([7, 9]), shape, SamplingConfig())
+    drafter, state = jaxspec.EagleDrafter(head), EagleState(cache=cache, hidden_bd=out[last], logits_bw=logits[last])
+    tree, _ = drafter.propose_tree(drafter.params, state, jnp.asarray([[7], [9]]), jnp.zeros((2,), jnp.int32), shape,
+                                   SamplingConfig())
     tok, par = np.asarray(tree.tokens_bw), np.asarray(tree.parent_bw)
 
     def logq(r, q):
@@ -330,13 +332,15 @@ def ngram_branches(ctx, max_n, min_n, width, depth):
 def test_an_ngram_tree_holds_the_best_continuations_with_distinct_first_tokens():
     import jax.numpy as jnp
 
-    from jaxspec.drafting.trees import TreeShape, ngram_tree
+    import jaxspec
+    from jaxspec.drafting.trees import TreeShape
     rng, shape = np.random.default_rng(4), TreeShape(depth=3, width=3)
     contexts = [rng.integers(0, 4, n).tolist() for n in (20, 9, 14, 2)] + [[1, 2, 3, 1, 2, 3, 1, 2]]
     seq = np.zeros((len(contexts), 24), np.int32)
     for r, ctx in enumerate(contexts):
         seq[r, :len(ctx)] = ctx
-    tree = ngram_tree(jnp.asarray(seq), jnp.asarray([len(c) - 1 for c in contexts]), shape, 3, 1)
+    pending = jnp.asarray([len(c) - 1 for c in contexts])
+    tree, _ = jaxspec.NgramDrafter(3, 1).propose_tree((), (), jnp.asarray(seq), pending, shape, SamplingConfig())
     tok, par, cum = (np.asarray(x) for x in (tree.tokens_bw, tree.parent_bw, tree.cum_bw))
     for r, ctx in enumerate(contexts):
         usable = np.nonzero(np.isfinite(cum[r]))[0]

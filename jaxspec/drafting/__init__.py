@@ -1,12 +1,12 @@
 """Drafters: what proposes draft tokens each step (never how many are verified).
 
-  base.py        the `Drafter` protocol, `Proposal`, the draft-model helpers (prefill, catch-up,
-                 autoregressive chains of draws)
+  base.py        the `Drafter` protocol, `Proposal`, and what the model drafters share (prefill,
+                 catch-up, re-feeding the last two tokens, chains of draws)
   model.py       `ModelDrafter`: a smaller model on its own KV cache
   ngram.py       `NgramDrafter`: prompt lookup in the row's own context
   eagle.py       `EagleDrafter`: an EAGLE-3 head fed the target's features
   crossvocab.py  `CrossVocabDrafter`, `VocabMap`: a draft model with another tokenizer
-  trees.py       `TreeShape`, `Tree`: draft trees grown by each drafter
+  trees.py       `TreeShape`, `Tree`, and growing a tree from a draft model's logits (EAGLE-2)
 """
 
 from jaxspec.drafting.base import Drafter, Proposal

@@ -1,5 +1,5 @@
-"""Proposers of draft tokens: a draft model and n-gram prompt lookup (a speculative chain, a
-decoder drafting for a larger target, is `jaxspec.engine.chain.ChainDrafter`).
+"""The drafter protocol (`Drafter`, `Proposal`) and the helpers the model drafters share: prefill,
+catch-up, feeding the last committed tokens, and chains of draws.
 
 Shape key: b rows, l sequence-buffer slots, p padded prompt length, k draft tokens, v vocabulary.
 
@@ -8,7 +8,9 @@ Every drafter answers the same two calls inside the compiled step:
 - `init(params, tokens_bp, prompt_len_b, cache_len)` -> state, once after the prompts are known;
 - `propose(params, state, seq_bl, pending_b, k, key_b, sampling)` -> (Proposal, state);
 
-and `init_deferred`, the state for rows that may not draft for a while (plain decoding first).
+and `init_deferred`, the state for rows that may not draft for a while (plain decoding first);
+`propose_tree` drafts a tree instead of a chain (`trees.py`), and a drafter with `feature_layers`
+`absorb`s the target's features of the tokens it keeps.
 
 `seq_bl` holds each row's whole sequence so far; `pending_b` is the position of the last emitted
 token (the one the target has not processed yet), so the committed sequence of row b is
@@ -22,6 +24,7 @@ Drafters decide what to propose, never how many tokens to verify (the engine and
 from __future__ import annotations
 
 import copy
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,8 @@ from flax import struct
 
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward, init_cache
-from jaxspec.sampling import SamplingConfig, probabilities
+from jaxspec.policy.goodput import CATCH_UP_CHUNK
+from jaxspec.sampling import SamplingConfig, choose, probabilities
 
 _F32 = jnp.float32
 
@@ -58,25 +62,60 @@ class Proposal:
 def draft_logprob(logits_bv, token_b, q_bv, sampling: SamplingConfig, deterministic: bool):
     """The default acceptance surrogate of one draft position (the paper's draft probability).
 
-    A deterministic draw (greedy drafting, n-gram) may be scored by its own token: the draft model's
-    probability of it (at temperature 1 when verification is greedy, else under the sampling
-    transforms). A random draw must not be: if whether slot j is verified depended on the token
-    drawn there, the verified tokens would be a biased sample and rejection sampling would no
-    longer reproduce the target's distribution. It is scored by E_{x~q}[q(x)] = sum q^2, the
-    expectation of the paper's score over the draw, which is a function of the prefix alone.
+    A deterministic draw (greedy drafting, n-gram) may be scored by its own token: the draft
+    model's probability of it (`scoring_probs`). A random draw must not be: if whether slot j is
+    verified depended on the token drawn there, the verified tokens would be a biased sample and
+    rejection sampling would no longer reproduce the target's distribution. It is scored by
+    E_{x~q}[q(x)] = sum q^2, the expectation of the paper's score over the draw, which is a
+    function of the prefix alone.
     """
     if not deterministic:
         return jnp.log(jnp.sum(q_bv * q_bv, axis=-1))
-    dist_bv = jax.nn.softmax(logits_bv.astype(_F32), axis=-1) if sampling.greedy else probabilities(logits_bv, sampling)
-    return jnp.log(jnp.take_along_axis(dist_bv, token_b[:, None], axis=-1)[:, 0])
+    return jnp.log(jnp.take_along_axis(scoring_probs(logits_bv, sampling), token_b[:, None], axis=-1)[:, 0])
+
+
+def scoring_probs(logits_bv, sampling: SamplingConfig):
+    """The draft's distribution that scores deterministic drafts: at temperature 1 when
+    verification is greedy, else under the sampling transforms."""
+    return jax.nn.softmax(logits_bv.astype(_F32), axis=-1) if sampling.greedy else probabilities(logits_bv, sampling)
 
 
 class Drafter:
-    """Base class: the interface the engine calls (see the module docstring)."""
+    """Base class: the interface the engine calls (see the module docstring).
+
+    A drafter is a static argument of the compiled programs, so subclasses say what sets the
+    program apart (`_key`) and where their weights live (`weights`); equality, hashing, `params`
+    and `static` follow from those.
+    """
 
     #: target layers whose inputs this drafter reads (EAGLE heads); the engine then hands it the
     #: target's features of every token the target keeps, through `absorb`, in the same step
     feature_layers: tuple[int, ...] = ()
+
+    #: the weights by name: each name's dotted attribute path (a Drafter there stands for its own
+    #: weights); `params` is this dict of weights, which the compiled programs take as an argument
+    weights: dict[str, str] = {}
+
+    def _key(self) -> tuple:
+        """What tells this drafter's compiled programs from those of another of its class: drafters
+        with equal keys share them. By default a drafter is equal only to itself."""
+        return (id(self),)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other._key() == self._key()
+
+    def __hash__(self):
+        return hash((type(self), self._key()))
+
+    @property
+    def params(self) -> dict:
+        found = {name: operator.attrgetter(path)(self) for name, path in self.weights.items()}
+        return {name: value.params if isinstance(value, Drafter) else value for name, value in found.items()}
+
+    def static(self) -> Drafter:
+        """This drafter as a compiled program's static argument: equal to it, holding no weights
+        (a program's cache keeps its static arguments alive, and with them whatever they hold)."""
+        return abstract(self, tuple(self.weights.values())) if self.weights else self
 
     def absorb(self, params, state, features_bwf, next_bw, count_b):
         """Takes in the target's features of the first `count_b` tokens of a pass (the tokens
@@ -87,15 +126,6 @@ class Drafter:
     #: draft-model forwards per step for k proposals (statistics only)
     def forwards_per_step(self, k: int) -> int:
         return 0
-
-    @property
-    def params(self):
-        return ()
-
-    def static(self) -> Drafter:
-        """This drafter as a compiled program's static argument: equal to it, holding no weights
-        (a program's cache keeps its static arguments alive, and with them whatever they hold)."""
-        return self
 
     @property
     def vocab_size(self) -> int | None:
@@ -119,6 +149,23 @@ class Drafter:
                          "Model, an EAGLE head or n-gram lookup")
 
 
+def abstract(obj, fields=("params",)):
+    """A shallow copy of `obj` whose `fields` (dotted attribute paths) hold shapes and dtypes
+    instead of arrays; a Drafter in a field becomes its `static()` twin."""
+    twin = copy.copy(obj)
+    for path in fields:
+        field, _, rest = path.partition(".")
+        value = getattr(twin, field)
+        if rest:
+            value = abstract(value, (rest,))
+        elif isinstance(value, Drafter):
+            value = value.static()
+        else:
+            value = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), value)
+        setattr(twin, field, value)
+    return twin
+
+
 def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> KVCache:
     """A drafter model's cache after the prompts, committed to all but the last prompt token
     (each propose re-feeds the last two committed tokens)."""
@@ -127,23 +174,17 @@ def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> 
     return cache.commit(prompt_len_b - 1)
 
 
-CATCH_UP_CHUNK = 8
-
-
-def catch_up(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATCH_UP_CHUNK) -> KVCache:
-    """Makes a drafter model's cache hold every position below `upto_b`, committed to it.
+def feed_missing(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATCH_UP_CHUNK, reader=None):
+    """Catch-up: makes a drafter model's cache hold every position below `upto_b`, committed to it.
+    Returns the cache and the reader's state.
 
     The cache is trusted up to min(lengths, upto) (past that it may hold rejected drafts). Usually
     nothing is missing and the loop does not run; after steps that skipped drafting (the goodput
     policy's k = 0) each row feeds its missing tokens, `chunk` at a time, at its own position.
+    `reader` = (drafter, params, state) of a drafter reading this model's features (an EAGLE head
+    under a chain level), which absorbs every token fed. Its state must hold exactly the rows of
+    the trusted cache (`EagleDrafter.truncate`).
     """
-    return feed_missing(graphdef, params, cache, seq_bl, upto_b, chunk)[0]
-
-
-def feed_missing(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATCH_UP_CHUNK, reader=None):
-    """`catch_up`, returning (cache, reader state); `reader` = (drafter, params, state) of a drafter
-    reading this model's features (an EAGLE head under a chain level), which absorbs every token
-    fed. Its state must hold exactly the rows of the trusted cache (`EagleDrafter.truncate`)."""
     cache = cache.commit(jnp.minimum(cache.lengths, upto_b))
     offsets = jnp.arange(chunk, dtype=jnp.int32)
     drafter, drafter_params, drafter_state = reader if reader is not None else (None, None, ())
@@ -164,26 +205,56 @@ def feed_missing(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = 
     return jax.lax.while_loop(lambda c: jnp.any(c[0].lengths < upto_b), feed, (cache, drafter_state))
 
 
-def draft_chain(graphdef, params, cache: KVCache, logits_bv, k: int, key_b, draw_one):
-    """k autoregressive draws from a draft model: `draw_one(logits, keys)` -> (token, q, score)
-    turns the logits after the last fed token into a draw; each draw but the last is fed back
-    (committed). Returns the k draws stacked along axis 1, and the cache."""
+def feed_last_two(graphdef, params, cache: KVCache, seq_bl, last_b):
+    """The draft model's logits after seq[b, last_b], and its cache committed to `last_b` (the
+    last token's keys and values written at that slot: commit last_b + 1 to keep them).
+
+    The catch-up rule of the model drafters: roll back to last_b - 1, feed what is missing below
+    (`feed_missing`), then feed the last two tokens. After a drafting step the cache holds every
+    token before them (after a partial accept its drafts up to the accepted one are there; after a
+    full accept only the last draft and the bonus token are missing), so two suffice and the
+    shapes stay static.
+    """
+    cache = feed_missing(graphdef, params, cache, seq_bl, last_b - 1)[0]
+    last_two_b2 = jnp.take_along_axis(seq_bl, last_b[:, None] + jnp.array([[-1, 0]]), axis=1)
+    logits_b1v, cache = forward(graphdef, params, last_two_b2, cache, jnp.ones_like(last_b)[:, None])
+    return logits_b1v[:, 0], cache.commit(last_b)
+
+
+def draw_token(logits_bv, keys_b, draw: SamplingConfig, sampling: SamplingConfig):
+    """One draft draw under `draw` (greedy when drafting greedily): the token, the distribution q
+    it came from, and its TETRIS score under the target's `sampling` (`draft_logprob`)."""
+    token_b, q_bv = choose(keys_b, logits_bv, draw), probabilities(logits_bv, draw)
+    return token_b, q_bv, draft_logprob(logits_bv, token_b, q_bv, sampling, draw.greedy)
+
+
+def draft_chain(logits_bv, k: int, key_b, draw_one, feed, carry) -> tuple[Proposal, object]:
+    """k autoregressive draws, each row with its own keys: `draw_one(logits, keys_b)` -> (token_b,
+    q_bv, score_b) turns the logits after the last fed token into a draw (the first from
+    `logits_bv`); `feed(carry, token_b)` -> (logits, carry) feeds each draw but the last. Returns
+    the k draws as a Proposal (all real), and the carry."""
     keys_bk = jax.vmap(lambda key: jax.random.split(key, k))(key_b)
     first = draw_one(logits_bv, keys_bk[:, 0])
 
-    def step(carry, keys_b):
-        cache, token_b = carry
+    def step(carry_token, keys_b):
+        carry, token_b = carry_token
+        logits, carry = feed(carry, token_b)
+        drawn = draw_one(logits, keys_b)
+        return (carry, drawn[0]), drawn
+
+    (carry, _), rest = jax.lax.scan(step, (carry, first[0]), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
+    tokens_bk, q_bkv, logprob_bk = (jnp.concatenate([a[:, None], jnp.swapaxes(r, 0, 1)], axis=1)
+                                    for a, r in zip(first, rest))
+    proposal = Proposal(tokens_bk=tokens_bk, q_bkv=q_bkv, logprob_bk=logprob_bk,
+                        num_drafts_b=jnp.full(key_b.shape[:1], k, jnp.int32))
+    return proposal, carry
+
+
+def model_feed(graphdef, params):
+    """`draft_chain`'s feed for a draft model: each token at its cache's end, committed."""
+
+    def feed(cache: KVCache, token_b):
         logits_b1v, cache = forward(graphdef, params, token_b[:, None], cache)
-        drawn = draw_one(logits_b1v[:, 0], keys_b)
-        return (cache.commit(cache.lengths + 1), drawn[0]), drawn
+        return logits_b1v[:, 0], cache.commit(cache.lengths + 1)
 
-    (cache, _), rest = jax.lax.scan(step, (cache, first[0]), jnp.swapaxes(keys_bk[:, 1:], 0, 1))
-    return tuple(jnp.concatenate([a[:, None], jnp.swapaxes(r, 0, 1)], axis=1) for a, r in zip(first, rest)), cache
-
-
-def abstract(obj, fields=("params",)):
-    """A shallow copy of `obj` whose `fields` are pytrees of shapes and dtypes instead of arrays."""
-    twin = copy.copy(obj)
-    for field in fields:
-        setattr(twin, field, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), getattr(obj, field)))
-    return twin
+    return feed

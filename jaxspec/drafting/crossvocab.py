@@ -32,13 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxspec.drafting.base import CATCH_UP_CHUNK, Drafter, Proposal, abstract, catch_up, draft_chain, draft_logprob
+from jaxspec.drafting.base import Drafter, draft_chain, draw_token, feed_last_two, feed_missing, model_feed
+from jaxspec.drafting.trees import draft_tree
 from jaxspec.models.cache import KVCache
 from jaxspec.models.gguf_tokenizer import byte_alphabet
-from jaxspec.models.model import Model, forward, init_cache
-from jaxspec.sampling import SamplingConfig, choose, probabilities
+from jaxspec.models.model import Model, init_cache
+from jaxspec.policy.goodput import CATCH_UP_CHUNK
+from jaxspec.sampling import SamplingConfig
 
-_F32 = jnp.float32
 MAX_EXPANSION = 16   # draft tokens standing for one target token (longer spellings are cut)
 _PREFILL_CHUNK = 64  # draft tokens per forward of the prompt's catch-up
 
@@ -109,27 +110,19 @@ class VocabMap:
                     end = start + 1
                 start = end
             spellings.append(spelled[:max_expansion])
-        m = max(1, max(map(len, spellings), default=1))
-        self.expand_vm = np.zeros((v, m), np.int32)
-        self.expand_len_v = np.zeros((v,), np.int32)
+        self.expand_len_v = np.array([len(spelled) for spelled in spellings], np.int32)
+        self.expand_vm = np.zeros((v, self.expand_len_v.max(initial=1)), np.int32)
         for t, spelled in enumerate(spellings):
             self.expand_vm[t, :len(spelled)] = spelled
-            self.expand_len_v[t] = len(spelled)
         self.shared = int((self.to_target_w >= 0).sum())
         if not self.shared:
             raise ValueError("the draft and target vocabularies share no token: nothing can be proposed")
-        digest = hashlib.sha256()
-        for table in (self.to_target_w, self.expand_vm, self.expand_len_v):
-            digest.update(table.tobytes())
-        self.digest = digest.hexdigest()
+        tables = (self.to_target_w, self.expand_vm, self.expand_len_v)
+        self.digest = hashlib.sha256(b"".join(table.tobytes() for table in tables)).hexdigest()
 
     @classmethod
     def from_tokenizers(cls, draft_tokenizer, draft_size: int, target_tokenizer, target_size: int) -> VocabMap:
         return cls(token_bytes(draft_tokenizer, draft_size), token_bytes(target_tokenizer, target_size))
-
-    def tables(self) -> dict[str, jax.Array]:
-        return {"to_target_w": jnp.asarray(self.to_target_w), "to_draft_v": jnp.asarray(self.to_draft_v),
-                "expand_vm": jnp.asarray(self.expand_vm), "expand_len_v": jnp.asarray(self.expand_len_v)}
 
 
 def same_vocabulary(a, b) -> bool:
@@ -157,34 +150,24 @@ class CrossVocabDrafter(Drafter):
     only if the draft needs over twice as many tokens for the same text) stops proposing.
     """
 
+    weights = {"model": "model.params", "tables": "_tables"}
+
     def __init__(self, model: Model, vocab_map: VocabMap, *, greedy: bool = False):
         if len(vocab_map.to_target_w) != model.config.vocab_size:
             raise ValueError(f"vocab_map covers {len(vocab_map.to_target_w)} draft tokens, the draft model has "
                              f"vocab_size {model.config.vocab_size}")
         self.model, self.map, self.greedy = model, vocab_map, greedy
-        self._tables = vocab_map.tables()
+        self._tables = {name: jnp.asarray(getattr(vocab_map, name))
+                        for name in ("to_target_w", "to_draft_v", "expand_vm", "expand_len_v")}
 
     def __repr__(self):
         return f"CrossVocabDrafter({self.model!r}, shared tokens={self.map.shared})"
 
-    def __eq__(self, other):
-        return (type(other) is CrossVocabDrafter and other.model.graphdef == self.model.graphdef
-                and other.map.digest == self.map.digest and other.greedy == self.greedy)
-
-    def __hash__(self):
-        return hash((CrossVocabDrafter, self.model.graphdef, self.map.digest, self.greedy))
+    def _key(self):
+        return (self.model.graphdef, self.map.digest, self.greedy)
 
     def forwards_per_step(self, k: int) -> int:
         return k
-
-    @property
-    def params(self):
-        return {"model": self.model.params, "tables": self._tables}
-
-    def static(self) -> CrossVocabDrafter:
-        twin = copy.copy(self)
-        twin.model, twin._tables = abstract(self.model), None
-        return twin
 
     def placed(self, sharding) -> CrossVocabDrafter:
         """This drafter with its tables on `sharding` (the draft's mesh, replicated)."""
@@ -196,18 +179,15 @@ class CrossVocabDrafter(Drafter):
     def vocab_size(self) -> int:
         return len(self.map.to_draft_v)
 
-    def _slots(self, cache_len: int) -> int:
-        return 2 * cache_len + 2 * _PREFILL_CHUNK
-
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
         state = self.init_deferred(params, tokens_bp, prompt_len_b, cache_len)
         # The prompt's expansion, fed up to its last two tokens (each propose re-feeds those).
-        cache = catch_up(self.model.graphdef, params["model"], state.cache, state.seq_bd,
-                         jnp.maximum(state.length_b - 2, 0), chunk=_PREFILL_CHUNK)
+        cache = feed_missing(self.model.graphdef, params["model"], state.cache, state.seq_bd,
+                             jnp.maximum(state.length_b - 2, 0), chunk=_PREFILL_CHUNK)[0]
         return state.replace(cache=cache)
 
     def init_deferred(self, params, tokens_bp, prompt_len_b, cache_len: int):
-        b, slots = tokens_bp.shape[0], self._slots(cache_len)
+        b, slots = tokens_bp.shape[0], 2 * cache_len + 2 * _PREFILL_CHUNK
         zeros_b = jnp.zeros((b,), jnp.int32)
         state = _BridgeState(cache=init_cache(self.model.graphdef, params["model"], b, slots),
                              seq_bd=jnp.zeros((b, slots), jnp.int32), length_b=zeros_b, synced_b=zeros_b)
@@ -215,67 +195,54 @@ class CrossVocabDrafter(Drafter):
 
     def _fed(self, params, state, seq_bl, pending_b, chunk: int, ahead: int):
         """Syncs the draft sequence to the committed text (`chunk` target tokens per round, leaving
-        room for `ahead` slots of drafting) and feeds the draft through its last token. Returns
-        the state, the rows that may draft (those that took in all their text and have two draft
-        tokens), the last draft token's slot, the cache's trusted length before feeding, the
-        draft's logits after the last token, and the cache (its lengths at that slot)."""
-        graphdef = self.model.graphdef
+        room for `ahead` slots of drafting) and feeds the draft through its last token
+        (`feed_last_two`). Returns the state (its cache's lengths: what is trusted), the rows that
+        may draft (those that took in all their text and have two draft tokens), the last draft
+        token's slot, the draft's logits after it, and the cache committed below it."""
         state = _sync(params["tables"], state, seq_bl, pending_b + 1, chunk,
                       state.seq_bd.shape[1] - max(ahead, CATCH_UP_CHUNK) - 2)
         live_b = (state.synced_b == pending_b + 1) & (state.length_b >= 2)
-        last_b, trusted_b = jnp.maximum(state.length_b - 1, 1), state.cache.lengths
-        cache = catch_up(graphdef, params["model"], state.cache, state.seq_bd, last_b - 1)
-        last_two_b2 = jnp.take_along_axis(state.seq_bd, last_b[:, None] + jnp.array([[-1, 0]]), axis=1)
-        logits_b1w, cache = forward(graphdef, params["model"], last_two_b2, cache, jnp.ones_like(last_b)[:, None])
-        return state, live_b, last_b, trusted_b, logits_b1w[:, 0], cache.commit(last_b)
+        last_b = jnp.maximum(state.length_b - 1, 1)
+        return (state, live_b, last_b,
+                *feed_last_two(self.model.graphdef, params["model"], state.cache, state.seq_bd, last_b))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
-        tables, slots = params["tables"], state.seq_bd.shape[1]
-        state, live_b, last_b, trusted_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b, k + 1, k)
-        drafts_bk, q_bkv, logprob_bk, cache = self._draft(params, cache.commit(last_b + 1), logits_bw, k, key_b,
-                                                          sampling)
+        """k draws from the draft's distribution restricted to the shared tokens (q over the target
+        vocabulary)."""
+        tables, draw = params["tables"], SamplingConfig() if self.greedy else sampling
+        shared_w = tables["to_target_w"] >= 0
+        state, live_b, last_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b, k + 1, k)
+
+        def draw_one(logits_bw, keys_b):
+            token_b, q_bw, score_b = draw_token(jnp.where(shared_w, logits_bw, -jnp.inf), keys_b, draw, sampling)
+            return token_b, jnp.take(jnp.pad(q_bw, ((0, 0), (0, 1))), tables["to_draft_v"], axis=1), score_b
+
+        drafted, cache = draft_chain(logits_bw, k, key_b, draw_one, model_feed(self.model.graphdef, params["model"]),
+                                     cache.commit(last_b + 1))
         # This step's drafts join the draft sequence tentatively: the next sync keeps the cache
         # up to the first one the target did not keep.
-        at_bk = jnp.where(live_b[:, None], last_b[:, None] + 1 + jnp.arange(k), slots)
-        seq_bd = state.seq_bd.at[jnp.arange(seq_bl.shape[0])[:, None], at_bk].set(drafts_bk, mode="drop")
-        cache = cache.commit(jnp.where(live_b, cache.lengths, jnp.minimum(trusted_b, state.length_b)))
-        num_b = jnp.where(live_b, k, 0).astype(jnp.int32)
-        tokens_bk = jnp.where(live_b[:, None], jnp.take(tables["to_target_w"], drafts_bk), 0)
-        proposal = Proposal(tokens_bk=tokens_bk, q_bkv=q_bkv, num_drafts_b=num_b, logprob_bk=logprob_bk)
+        at_bk = jnp.where(live_b[:, None], last_b[:, None] + 1 + jnp.arange(k), state.seq_bd.shape[1])
+        seq_bd = state.seq_bd.at[jnp.arange(seq_bl.shape[0])[:, None], at_bk].set(drafted.tokens_bk, mode="drop")
+        cache = cache.commit(jnp.where(live_b, cache.lengths, jnp.minimum(state.cache.lengths, state.length_b)))
+        proposal = drafted.replace(num_drafts_b=jnp.where(live_b, k, 0).astype(jnp.int32), tokens_bk=jnp.where(
+            live_b[:, None], jnp.take(tables["to_target_w"], drafted.tokens_bk), 0))
         return proposal, state.replace(cache=cache, seq_bd=seq_bd)
 
     def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
         """A tree drafted over the shared tokens (each node one target token) after the same sync
         as `propose`. Its nodes do not join the draft sequence: the next sync feeds the tokens
         the target kept."""
-        from jaxspec.drafting.trees import draft_tree
-        tables = params["tables"]
-        state, live_b, last_b, trusted_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b,
-                                                                       shape.depth + 1, shape.columns)
+        to_target_w = params["tables"]["to_target_w"]
+        state, live_b, last_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b, shape.depth + 1,
+                                                            shape.columns)
         root_w = jnp.take_along_axis(state.seq_bd, last_b[:, None], axis=1)[:, 0]
         tree, cache = draft_tree(self.model.graphdef, params["model"], cache, root_w, logits_bw, shape,
-                                 SamplingConfig() if self.greedy else sampling, tables["to_target_w"] >= 0)
+                                 SamplingConfig() if self.greedy else sampling, to_target_w >= 0)
         root_b = jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1)[:, 0]
-        tree = tree.replace(tokens_bw=jnp.take(tables["to_target_w"], tree.tokens_bw).at[:, 0].set(root_b),
+        tree = tree.replace(tokens_bw=jnp.take(to_target_w, tree.tokens_bw).at[:, 0].set(root_b),
                             cum_bw=jnp.where(live_b[:, None], tree.cum_bw, tree.cum_bw.at[:, 1:].set(-jnp.inf)))
-        cache = cache.commit(jnp.where(live_b, last_b + 1, jnp.minimum(trusted_b, state.length_b)))
+        cache = cache.commit(jnp.where(live_b, last_b + 1, jnp.minimum(state.cache.lengths, state.length_b)))
         return tree, state.replace(cache=cache)
-
-    def _draft(self, params, cache: KVCache, logits_bw, k: int, key_b, sampling: SamplingConfig):
-        """k draws from the draft's distribution restricted to the shared tokens: the draft
-        tokens, their distributions over the target vocabulary, their TETRIS scores, the cache."""
-        tables = params["tables"]
-        draw = SamplingConfig() if self.greedy else sampling
-        shared_w = tables["to_target_w"] >= 0
-
-        def draw_one(logits_bw, keys_b):
-            masked_bw = jnp.where(shared_w, logits_bw, -jnp.inf)
-            token_b, q_bw = choose(keys_b, masked_bw, draw), probabilities(masked_bw, draw)
-            q_bv = jnp.take(jnp.pad(q_bw, ((0, 0), (0, 1))), tables["to_draft_v"], axis=1)
-            return token_b, q_bv, draft_logprob(masked_bw, token_b, q_bw, sampling, draw.greedy)
-
-        drawn, cache = draft_chain(self.model.graphdef, params["model"], cache, logits_bw, k, key_b, draw_one)
-        return (*drawn, cache)
 
 
 def _sync(tables, state: _BridgeState, seq_bl, upto_b, chunk: int, room: int) -> _BridgeState:

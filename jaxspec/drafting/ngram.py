@@ -1,6 +1,6 @@
-"""`NgramDrafter`: prompt lookup in each row's own context (no model).
+"""`NgramDrafter`: prompt lookup in each row's own context (no model), as a chain or a tree.
 
-Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary.
+Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary, w tree columns.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.drafting.base import Drafter, Proposal
-from jaxspec.drafting.trees import ngram_tree
+from jaxspec.drafting.trees import Tree, TreeShape
 from jaxspec.sampling import SamplingConfig
 
 _F32 = jnp.float32
@@ -34,39 +34,36 @@ class NgramDrafter(Drafter):
     def __repr__(self):
         return f"NgramDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
 
-    def __eq__(self, other):
-        return type(other) is NgramDrafter and other._key() == self._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
     def _key(self):
-        return (NgramDrafter, self.max_ngram, self.min_ngram, self._vocab)
+        return (self.max_ngram, self.min_ngram, self._vocab)
 
     def bind_vocab(self, vocab_size: int) -> NgramDrafter:
         return NgramDrafter(self.max_ngram, self.min_ngram, vocab_size)
 
-    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+    def _scores(self, seq_bl, pending_b):
+        """int [b, l]: n * l + c at each slot c that continues an earlier occurrence of the row's
+        last n tokens (the longest such n), -1 elsewhere. The largest is the lookup's pick: the
+        longest match, then the latest."""
         b, slots = seq_bl.shape
-        start_i = jnp.arange(slots)
-        best_start_b = jnp.full((b,), -1, jnp.int32)
-        # Longest n first: a row keeps the first n that matched.
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+        slot_l = jnp.arange(slots)
+        score_bl = jnp.full((b, slots), -1, jnp.int32)
+        for n in range(self.min_ngram, self.max_ngram + 1):
             suffix_bn = jnp.take_along_axis(seq_bl, jnp.clip(pending_b[:, None] - n + 1 + jnp.arange(n), 0), axis=1)
-            match_bl = jnp.ones((b, slots), bool)
+            # Occurrences start at slot s, end before the suffix itself does, in a row long enough.
+            match_bl = (slot_l[None, :] + n <= pending_b[:, None]) & (pending_b[:, None] + 1 >= n)
             for j in range(n):
-                shifted_bl = jnp.take(seq_bl, jnp.clip(start_i + j, 0, slots - 1), axis=1)
-                match_bl &= shifted_bl == suffix_bn[:, j:j + 1]
-            # An earlier occurrence ends before the suffix itself does, and the row is long enough.
-            match_bl &= (start_i[None, :] + n <= pending_b[:, None]) & (pending_b[:, None] + 1 >= n)
-            latest_b = jnp.max(jnp.where(match_bl, start_i[None, :], -1), axis=1)
-            continuation_b = jnp.where(latest_b >= 0, latest_b + n, -1)
-            best_start_b = jnp.where(best_start_b >= 0, best_start_b, continuation_b)
-        found_b = best_start_b >= 0
+                match_bl &= jnp.take(seq_bl, jnp.clip(slot_l + j, 0, slots - 1), axis=1) == suffix_bn[:, j:j + 1]
+            continues_bl = jnp.pad(match_bl, ((0, 0), (n, 0)))[:, :slots]   # slot s + n continues it
+            score_bl = jnp.where(continues_bl, n * slots + slot_l[None, :], score_bl)
+        return score_bl
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        score_bl = self._scores(seq_bl, pending_b)
+        start_b = jnp.argmax(score_bl, axis=1)
         # Proposals may only copy tokens that exist: up to and including the pending one.
-        num_drafts_b = jnp.where(found_b, jnp.clip(pending_b + 1 - best_start_b, 0, k), 0).astype(jnp.int32)
-        index_bk = jnp.clip(best_start_b[:, None] + jnp.arange(k), 0, slots - 1)
-        tokens_bk = jnp.take_along_axis(seq_bl, index_bk, axis=1)
+        num_drafts_b = jnp.where(jnp.max(score_bl, axis=1) >= 0, jnp.clip(pending_b + 1 - start_b, 0, k), 0)
+        num_drafts_b = num_drafts_b.astype(jnp.int32)
+        tokens_bk = jnp.take_along_axis(seq_bl, jnp.minimum(start_b[:, None] + jnp.arange(k), seq_bl.shape[1] - 1), 1)
         tokens_bk = jnp.where(jnp.arange(k)[None] < num_drafts_b[:, None], tokens_bk, 0)
         q_bkv = jax.nn.one_hot(tokens_bk, self._vocab, dtype=_F32)
         # No model, no confidence: equal scores, so TETRIS splits its budget evenly.
@@ -74,5 +71,30 @@ class NgramDrafter(Drafter):
                             logprob_bk=jnp.zeros(tokens_bk.shape, _F32))
         return proposal, state
 
-    def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
-        return ngram_tree(seq_bl, pending_b, shape, self.max_ngram, self.min_ngram), state
+    def propose_tree(self, params, state, seq_bl, pending_b, shape: TreeShape, sampling: SamplingConfig):
+        """Up to W branches, each continuing one earlier occurrence of the row's last n tokens for
+        D tokens (the longest n first, then the latest), with distinct first tokens. Branch i's
+        node at depth d scores -(d + i) (no model, no probabilities: each token and each rank down
+        counts as one unit of doubt); nodes past the present are unusable. Branch i sits in column
+        1 + i at depth 1 and in the first child column of expanded node i below, so the layout is
+        `TreeShape`'s."""
+        (b, slots), w = seq_bl.shape, shape.columns
+        starts, cols_w, rows_b = shape.starts(), jnp.arange(w), jnp.arange(b)
+        score_bl = self._scores(seq_bl, pending_b)
+        tokens = jnp.zeros((b, w), jnp.int32).at[:, 0].set(seq_bl[rows_b, pending_b])
+        parent = jnp.full((b, w), -1, jnp.int32)
+        cum = jnp.full((b, w), -jnp.inf, _F32).at[:, 0].set(0.0)
+        ancestor = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w))
+        for i in range(shape.width):
+            start_b = jnp.argmax(score_bl, axis=1)
+            found_b = jnp.max(score_bl, axis=1) >= 0
+            score_bl = jnp.where(seq_bl == seq_bl[rows_b, start_b][:, None], -1, score_bl)   # distinct firsts
+            above_b = jnp.zeros((b,), jnp.int32)
+            for d in range(1, shape.depth + 1):
+                col = 1 + i if d == 1 else starts[d - 1] + i * shape.width
+                tokens = tokens.at[:, col].set(seq_bl[rows_b, jnp.minimum(start_b + d - 1, slots - 1)])
+                parent = parent.at[:, col].set(above_b)
+                cum = cum.at[:, col].set(jnp.where(found_b & (start_b + d - 1 <= pending_b), -float(d + i), -jnp.inf))
+                ancestor = ancestor.at[:, col].set(ancestor[rows_b, above_b] | (cols_w == col)[None])
+                above_b = jnp.full((b,), col, jnp.int32)
+        return Tree(tokens_bw=tokens, parent_bw=parent, ancestor_bww=ancestor, cum_bw=cum), state

@@ -1,5 +1,6 @@
-"""Draft trees: their static layout and dynamic drafting (EAGLE-2), with a draft model or any
-logits function.
+"""Draft trees: their static layout (`TreeShape`), the drafted `Tree`, their dynamic growth
+(EAGLE-2's, `grow_tree`) from any logits function, and `draft_tree`, its form for a draft model.
+`EagleDrafter` and `NgramDrafter` build theirs in their own modules.
 
 Shape key: b rows, w tree columns, v vocabulary, e expanded nodes per depth (= width).
 
@@ -21,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxspec.drafting.base import scoring_probs
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward_packed
-from jaxspec.sampling import SamplingConfig, probabilities
+from jaxspec.sampling import SamplingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,18 +46,11 @@ class TreeShape:
 
     def starts(self) -> list[int]:
         """The first column of each depth 1..D, and the end."""
-        out = [1, 1 + self.width]
-        for _ in range(2, self.depth + 1):
-            out.append(out[-1] + self.width ** 2)
-        return out
+        return [1] + [1 + self.width + d * self.width ** 2 for d in range(self.depth)]
 
     def depth_w(self) -> np.ndarray:
         """int32 [w]: each column's depth (0 for the root)."""
-        starts = self.starts()
-        depth = np.zeros(self.columns, np.int32)
-        for d in range(1, self.depth + 1):
-            depth[starts[d - 1]:starts[d]] = d
-        return depth
+        return np.repeat(np.arange(self.depth + 1, dtype=np.int32), np.diff([0, *self.starts()]))
 
 
 @struct.dataclass
@@ -70,9 +65,7 @@ class Tree:
 
 def _children(logits_bev, shape: TreeShape, sampling: SamplingConfig):
     """Each node's W most probable next tokens and their log-probabilities, [b, e, W]."""
-    dist = jax.nn.softmax(logits_bev.astype(jnp.float32), -1) if sampling.greedy else probabilities(logits_bev,
-                                                                                                      sampling)
-    prob, token = jax.lax.top_k(dist, shape.width)
+    prob, token = jax.lax.top_k(scoring_probs(logits_bev, sampling), shape.width)
     return token.astype(jnp.int32), jnp.log(prob)
 
 
@@ -130,68 +123,3 @@ def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: 
         return allow(jnp.take_along_axis(logits_bwv, expand_be[:, :, None], axis=1)), cache
 
     return grow_tree(root_b, allow(root_logits_bv), shape, sampling, expand, cache)
-
-
-def eagle_tree(graphdef, params, embed_vd, draft_ids, vocab_size: int, cache: KVCache, hidden_bd, logits_bw, root_b,
-               shape: TreeShape, sampling: SamplingConfig) -> Tree:
-    """`grow_tree` with an EAGLE-3 head (`jaxspec.models.eagle`) whose cache is committed to the
-    kept tokens, `hidden_bd` and `logits_bw` its output after the root (its first draft's input
-    and scores). A node is fed with its parent's output (the root's: `hidden_bd`), at the
-    position after its parent's and at slot lengths + column - 1 (the root is not fed), seeing
-    its fed ancestors; the head's cache past `lengths` is scratch (`absorb` rewrites it)."""
-    from jaxspec.models import eagle as eagle_lib
-    b, rows_b1 = root_b.shape[0], jnp.arange(root_b.shape[0])[:, None]
-
-    def expand(carry, d, expand_be, tokens_bw, parent_bw, ancestor_bww):
-        cache, hidden_bwd = carry
-        hidden_bed = jnp.take_along_axis(hidden_bwd, jnp.take_along_axis(parent_bw, expand_be, 1)[:, :, None], 1)
-        tree = (expand_be - 1, jnp.full_like(expand_be, d - 1), ancestor_bww[rows_b1, expand_be][:, :, 1:])
-        logits_bew, out_bed, cache = eagle_lib.head_forward(graphdef, params, embed_vd, hidden_bed,
-                                                            jnp.take_along_axis(tokens_bw, expand_be, 1), cache, tree)
-        hidden_bwd = hidden_bwd.at[rows_b1, expand_be].set(out_bed.astype(hidden_bwd.dtype))
-        return eagle_lib.to_target_logits(logits_bew, draft_ids, vocab_size), (cache, hidden_bwd)
-
-    hidden_bwd = jnp.zeros((b, shape.columns, hidden_bd.shape[-1]), hidden_bd.dtype).at[:, 0].set(hidden_bd)
-    root_logits_bv = eagle_lib.to_target_logits(logits_bw, draft_ids, vocab_size)
-    return grow_tree(root_b, root_logits_bv, shape, sampling, expand, (cache, hidden_bwd))[0]
-
-
-def ngram_tree(seq_bl, pending_b, shape: TreeShape, max_ngram: int, min_ngram: int) -> Tree:
-    """A prompt-lookup tree per row: up to W branches, each continuing one earlier occurrence of
-    the row's last n tokens for D tokens (the longest n first, then the latest), with distinct
-    first tokens. Branch i's node at depth d scores -(d + i) (no model, no probabilities: each
-    token and each rank down counts as one unit of doubt); nodes past the present are unusable.
-    Branch i sits in column 1 + i at depth 1 and in the first child column of expanded node i
-    below, so the layout is `TreeShape`'s."""
-    b, slots = seq_bl.shape
-    width, starts, cols_w = shape.width, shape.starts(), jnp.arange(shape.columns)
-    slot_l = jnp.arange(slots)
-    score_bl = jnp.full((b, slots), -1, jnp.int32)       # by continuation start: n * slots + start, -1: none
-    for n in range(max_ngram, min_ngram - 1, -1):
-        suffix_bn = jnp.take_along_axis(seq_bl, jnp.clip(pending_b[:, None] - n + 1 + jnp.arange(n), 0), axis=1)
-        match_bl = (slot_l[None, :] + n <= pending_b[:, None]) & (pending_b[:, None] + 1 >= n)
-        for j in range(n):
-            match_bl &= jnp.take(seq_bl, jnp.clip(slot_l + j, 0, slots - 1), axis=1) == suffix_bn[:, j:j + 1]
-        cont_l = jnp.minimum(slot_l + n, slots - 1)
-        score_bl = jnp.maximum(score_bl, jnp.full((b, slots), -1, jnp.int32).at[:, cont_l].max(
-            jnp.where(match_bl, n * slots + cont_l[None], -1)))
-    rows_b1 = jnp.arange(b)[:, None]
-    tokens = jnp.zeros((b, shape.columns), jnp.int32).at[:, 0].set(seq_bl[rows_b1[:, 0], pending_b])
-    parent = jnp.full((b, shape.columns), -1, jnp.int32)
-    cum = jnp.full((b, shape.columns), -jnp.inf, jnp.float32).at[:, 0].set(0.0)
-    ancestor = jnp.broadcast_to(jnp.eye(shape.columns, dtype=bool), (b, shape.columns, shape.columns))
-    for i in range(width):
-        start_b = jnp.argmax(score_bl, axis=1)
-        found_b = jnp.max(score_bl, axis=1) >= 0
-        score_bl = jnp.where(seq_bl == seq_bl[rows_b1[:, 0], start_b][:, None], -1, score_bl)   # distinct firsts
-        above_b = jnp.zeros((b,), jnp.int32)
-        for d in range(1, shape.depth + 1):
-            col = 1 + i if d == 1 else starts[d - 1] + i * width
-            ok_b = found_b & (start_b + d - 1 <= pending_b)
-            tokens = tokens.at[:, col].set(jnp.take_along_axis(seq_bl, jnp.minimum(start_b + d - 1, slots - 1)[:, None],
-                                                               axis=1)[:, 0])
-            parent = parent.at[:, col].set(above_b)
-            cum = cum.at[:, col].set(jnp.where(ok_b, -float(d + i), -jnp.inf))
-            ancestor = ancestor.at[:, col].set(ancestor[rows_b1[:, 0], above_b] | (cols_w == col)[None])
-            above_b = jnp.full((b,), col, jnp.int32)
-    return Tree(tokens_bw=tokens, parent_bw=parent, ancestor_bww=ancestor, cum_bw=cum)
