@@ -11,7 +11,7 @@ target's distribution exactly; only the acceptance rates depend on how close the
 
 Bookkeeping. The middle model's cache is trusted as far as the tokens it was fed agree with the
 row (it also holds this level's proposals, of which the level above keeps a prefix, and plain
-steps above may have emitted other tokens since). Each propose feeds what is missing (`catch_up`),
+steps above may have emitted other tokens since). Each propose feeds what is missing (`feed_missing`),
 re-feeds the committed token before the pending one, then runs inner steps until every row has k
 tokens. The cache is never cleared: lowering its lengths rolls back. An EAGLE head as the middle
 model's drafter follows the same lengths and absorbs every token fed.
@@ -19,13 +19,11 @@ model's drafter follows the same lengths and absorbs every token fed.
 
 from __future__ import annotations
 
-import copy
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.drafting.base import Drafter, Proposal, abstract, feed_missing, prefill_cache
+from jaxspec.drafting.base import Drafter, Proposal, feed_missing, prefill_cache
 from jaxspec.engine.plans import Program, schedule_for
 from jaxspec.engine.step import Counters, DecodeState, speculative_step
 from jaxspec.models.cache import KVCache
@@ -61,31 +59,17 @@ class ChainDrafter(Drafter):
         self.inner = decoder.drafter
         self.inner_spec = decoder.spec
 
-    def __eq__(self, other):
-        return (type(other) is ChainDrafter and other.model.graphdef == self.model.graphdef
-                and other._key() == self._key())
-
-    def __hash__(self):
-        return hash(self._key())
+    weights = {"model": "model.params", "inner": "inner"}
 
     def _key(self):
-        return (ChainDrafter, self.model.graphdef, self.inner, self.inner_spec)
-
-    @property
-    def params(self):
-        return (self.model.params, self.inner.params)
-
-    def static(self) -> ChainDrafter:
-        twin = copy.copy(self)
-        twin.model, twin.inner = abstract(self.model), self.inner.static()
-        return twin
+        return (self.model.graphdef, self.inner, self.inner_spec)
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
-        model_params, inner_params = params
+        model_params, inner_params = params["model"], params["inner"]
         inner_state = self.inner.init(inner_params, tokens_bp, prompt_len_b, cache_len)
         if not self.inner.feature_layers:
             cache = prefill_cache(self.model.graphdef, model_params, tokens_bp, prompt_len_b, cache_len)
@@ -97,7 +81,7 @@ class ChainDrafter(Drafter):
         return _ChainState(cache=cache, inner_state=inner_state, seen_bl=_fit(tokens_bp, cache_len))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
-        model_params, inner_params = params
+        model_params, inner_params = params["model"], params["inner"]
         graphdef = self.model.graphdef
         b = seq_bl.shape[0]
         # Catch up. Position p of the cache is trusted while the tokens it was fed through p + 1 are this
@@ -130,7 +114,7 @@ class ChainDrafter(Drafter):
         schedule, (budget,) = schedule_for(self.inner_spec, b, b)
         program = Program(target=graphdef, drafter=self.inner, schedule=schedule, sampling=sampling, record=True)
         inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), lambda s: speculative_step(
-            program, schedule.plans[0], params, s, budget), inner)
+            program, schedule.plans[0], (model_params, inner_params), s, budget), inner)
         proposal = Proposal(tokens_bk=inner.out_bo, q_bkv=inner.probs_bov, logprob_bk=inner.logprob_bo,
                             num_drafts_b=jnp.full((b,), k, jnp.int32))
         return proposal, _ChainState(cache=inner.target_cache, inner_state=inner.draft_state,

@@ -46,7 +46,7 @@ MARGIN = 0.04       # predicted gain a switch of plan must promise
 DRAIN_QUANTILE = 0.9  # a draining batch is done when this share of its rows is (`tokens_and_steps`)
 CHOOSE_EVERY = 4    # plain steps between two choices on device; a drafting plan chooses after every step
 HORIZON = 16        # steps over which a plan's cost of starting (the drafter's catch-up) is spread while requests wait
-CATCH_UP_CHUNK = 8  # tokens a drafter that fell behind feeds per forward (`drafters.catch_up`)
+CATCH_UP_CHUNK = 8  # tokens a drafter that fell behind feeds per forward (`drafting.base.feed_missing`)
 
 
 def expected_tokens_per_step(alpha, k):
