@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from bench_speculative import transformers_rows
 from checkout import MODELS, QWEN, QWEN_DRAFT, add_out_argument, code_prompts, out_dir
-from distill_smollm2 import TOPICS, build_prompts, chat, shakespeare_texts
+from distill_smollm2 import prompt_split
 
 import jaxspec
 from jaxspec.cli.eagle import source_texts
@@ -44,15 +44,8 @@ from jaxspec.training.distill import answered
 def smollm2_data(target, args):
     """(training token lists: prompt + the target's answer; the same for held-out prompts; the
     held-out prompts)."""
-    texts, rng = shakespeare_texts(), random.Random(args.seed)
-    works = sorted(texts)
-    heldout_works = works[::6]
-    topics = list(TOPICS)
-    rng.shuffle(topics)
-    train = chat(target.tokenizer, build_prompts(texts, [w for w in works if w not in heldout_works],
-                                                 args.per_work, topics[6:], rng))[:args.prompts]
-    heldout = chat(target.tokenizer, build_prompts(texts, heldout_works, 2, topics[:6], rng))[:16]
-    heldout = [target.tokenizer.encode(t) for t in heldout]
+    train, heldout, _, _ = prompt_split(target.tokenizer, args.per_work, args.seed)
+    train, heldout = train[:args.prompts], [target.tokenizer.encode(t) for t in heldout[:16]]
     return _answered(target, train, "continuations", args), _answered(target, heldout, "heldout", args), heldout
 
 

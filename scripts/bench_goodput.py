@@ -219,13 +219,15 @@ def main() -> None:
         round_plans[batch] = {label: [[(j, n) for j, n, _ in run] for run in runs]
                               for label, runs in segments.items() if label.startswith("goodput")}
         jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
-        report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans)
+        report(args, out, pair_text, cost, points, rows, round_seconds=round_seconds, skipped=skipped,
+               round_plans=round_plans)
         batch_seconds.append(time.perf_counter() - batch_start)
         print(f"batch {batch}: {batch_seconds[-1]:.0f} s", flush=True)
-    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans))
+    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds=round_seconds, skipped=skipped,
+                        round_plans=round_plans))
 
 
-def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans=None) -> str:
+def report(args, out, pair_text, cost, points, rows, *, round_seconds, skipped, round_plans=None) -> str:
     """Writes <out>.{json,md,png} for the batches run so far; returns the markdown."""
     m = machine()
     fit = cost.fit.get("step", {})

