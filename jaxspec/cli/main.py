@@ -5,7 +5,7 @@
     jaxspec merge OUT.jsonl
     jaxspec profile --target PATH --draft PATH --output cost.json
     jaxspec distill / train-eagle --target PATH ... --output DIR
-    jaxspec bench [--quick] [--only NAME]
+    jaxspec bench [--quick] [--only NAME] [--out DIR]
 
 A model argument is a path (GGUF file, HF folder, jaxspec checkpoint) or `preset:NAME` for random
 weights at a preset's shape (`preset:qwen2.5-1.5b`): timings depend on shapes, not on weights.
@@ -120,9 +120,9 @@ def generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    output = output_path(args.output)
-    if output.resolve() == Path(args.prompts).resolve():
+    if Path(args.output).resolve() == Path(args.prompts).resolve():
         raise ValueError("--output must differ from --prompts")
+    output = output_path(args.output)
     placement = multihost.placement(args.coordinator, args.num_processes, args.process_id)
     # Everything that can be checked without the models is checked first: a typo fails in a second.
     jobs = jobs_lib.read_jobs(args.prompts, skip_bad_lines=args.skip_bad_lines, warn=warn)
