@@ -14,6 +14,7 @@ import argparse
 
 import jax
 import numpy as np
+from checkout import add_out_argument, out_dir
 
 import jaxspec
 from jaxspec.drafting import NgramDrafter
@@ -62,6 +63,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--blocks", type=int, nargs="+", default=[attention_lib.BLOCK], help="blocked path's block sizes")
     p.add_argument("--name", default="bench_attention")
+    add_out_argument(p)
     args = p.parse_args()
     config = jaxspec.ModelConfig.preset(args.preset)
     config = config.replace(num_layers=args.layers or config.num_layers)
@@ -77,7 +79,7 @@ def main() -> None:
         f"each step timed inside the engine's device loop, {args.rounds} round-robin rounds after compiling "
         f"(medians). `vs_plain`: the step against the plain path's at the same batch and live length. Machine: "
         f"{m['processor']}, {m['cpu_count']} cores, {m['device_kind']}, jax {m['jax']}.", "", table(rows)])
-    write_results(args.name, {"args": vars(args), "rows": rows}, md)
+    write_results(out_dir(args) / args.name, {"args": vars(args), "rows": rows}, md)
     print("\n" + md)
 
 

@@ -7,7 +7,7 @@ identity with the target's own output. Part 2, the draft's view of the text: alo
 greedy output, how often the SmolLM2 draft's first proposal is the target's next token when it
 reads the text as jaxspec feeds it (each target token spelled in its own vocabulary, on device)
 and when it reads the text re-tokenized by its own tokenizer (universal assisted generation, which
-needs the host at every step). Writes docs/results/<name>.{json,md}.
+needs the host at every step). Writes docs/results/<name>.{json,md} (or into --out DIR).
 
 `--part overhead` instead times the bridge itself: SmolLM2 drafting for itself, as a plain
 `ModelDrafter` and through a `CrossVocabDrafter` whose map is the identity (same proposals, same
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
+from checkout import add_out_argument, code_prompts, out_dir, qwen_files, sonnet
 
 import jaxspec
 from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
@@ -34,9 +33,6 @@ from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.models.model import forward, init_cache
 from jaxspec.tools.benchmarking import round_robin, table, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-SAME_FAMILY = REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 COLUMNS = ["batch", "draft", "k", "tok_s", "vs_target", "acceptance", "mean_accepted", "same_output"]
 
 
@@ -100,7 +96,7 @@ def overhead_rows(args):
     model = jaxspec.load(smollm2_gguf_path())
     pieces = token_bytes(model.tokenizer, model.config.vocab_size)
     bridge = CrossVocabDrafter(model, VocabMap(pieces, pieces))
-    text = (REPO / "data" / "sonnet18.txt").read_text()
+    text = sonnet()
     prompts = [model.tokenizer(text[i * 40:])["input_ids"][:48] for i in range(4)]
     rows = []
     for batch in args.batches:
@@ -120,7 +116,7 @@ def overhead_rows(args):
     note = (f"SmolLM2-135M drafting for itself, float32, greedy, {args.new_tokens} new tokens, sonnet prompts, "
             f"{args.rounds} rounds: time through the bridge over time as a plain draft model (median of per-round "
             f"ratios).")
-    write_results(args.name, {"note": note, "rows": rows},
+    write_results(out_dir(args) / args.name, {"note": note, "rows": rows},
                   f"# {args.name}\n\n{note}\n\n`python scripts/bench_crossvocab.py --part overhead`\n\n{table(rows)}")
 
 
@@ -132,22 +128,19 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--name", default="bench_crossvocab")
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.part == "overhead":
         return overhead_rows(args)
-    for path in (TARGET, SAME_FAMILY):
-        if not path.exists():
-            raise SystemExit(f"{path} is missing: run `make models-qwen`")
-    target = jaxspec.load(TARGET)
-    drafts = {"qwen2.5-coder-0.5b (same tokenizer)": jaxspec.load(SAME_FAMILY),
+    target, same_family = map(jaxspec.load, qwen_files())
+    drafts = {"qwen2.5-coder-0.5b (same tokenizer)": same_family,
               "smollm2-135m (other tokenizer)": jaxspec.load(smollm2_gguf_path())}
     smol = drafts["smollm2-135m (other tokenizer)"]
     start = time.perf_counter()
     vocab_map = VocabMap.from_tokenizers(smol.tokenizer, smol.config.vocab_size, target.tokenizer,
                                          target.config.vocab_size)
     map_seconds = time.perf_counter() - start
-    lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
-    prompts = [target.tokenizer(line["prompt"])["input_ids"] for line in lines]
+    prompts = code_prompts(target.tokenizer)
     rows = speed_rows(target, drafts, prompts, args)
     outputs = jaxspec.generate(target, prompts, args.new_tokens).tokens
     views = view_rows(target, smol, vocab_map, prompts, outputs)
@@ -158,8 +151,8 @@ def main():
             f"Qwen's {target.config.vocab_size}; the tables took {map_seconds:.1f} s to build.")
     markdown = (f"# {args.name}\n\n{note}\n\n`python scripts/bench_crossvocab.py`\n\n{table(rows, COLUMNS)}\n\n"
                 f"How the SmolLM2 draft reads the text (along the target's output on all prompts):\n\n{table(views)}")
-    write_results(args.name, {"note": note, "rows": rows, "views": views, "shared_tokens": vocab_map.shared},
-                  markdown)
+    write_results(out_dir(args) / args.name,
+                  {"note": note, "rows": rows, "views": views, "shared_tokens": vocab_map.shared}, markdown)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Same GGUF weights, same prompts (cut to one length so neither side pads), greedy, batch 1 and 8;
 each configuration warmed up once, then timed as the median of repeats in this one run; outputs
-are checked token for token. Prints a table and writes docs/results/bench_decode.{json,md}.
+are checked token for token. Prints a table and writes docs/results/bench_decode.{json,md} (or into
+--out DIR).
 
     python scripts/bench_decode.py [--new-tokens 64] [--prompt-len 32] [--batches 1 8]
 """
@@ -11,6 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
+
+import torch
+from checkout import add_out_argument, out_dir
+from transformers import AutoModelForCausalLM
 
 import jaxspec
 from jaxspec.models.loading import smollm2_gguf_path
@@ -35,11 +40,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default="bench_decode")
+    add_out_argument(parser)
     args = parser.parse_args()
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
     path = smollm2_gguf_path()
     ours = jaxspec.load(path)
     ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
@@ -78,7 +80,7 @@ def main() -> None:
           f"{torch.__version__} with {torch.get_num_threads()} threads, jax {machine()['jax']}.\n\n"
           + table(rows))
     print("\n" + md)
-    write_results(args.name, {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt_len": args.prompt_len,
+    write_results(out_dir(args) / args.name, {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt_len": args.prompt_len,
                               "torch_threads": torch.get_num_threads(), "rows": rows}, md)
     if not all(r["same_output"] for r in rows):
         raise SystemExit("outputs differ between jaxspec and transformers")

@@ -16,7 +16,7 @@ within-round ratios; the head's step cost is timed against a target step of one 
 
     python scripts/bench_eagle.py --pair smollm2 [--train-only | --eval-only] [--steps 1200]
 
-Writes docs/results/bench_eagle_<pair>.{json,md}.
+Writes docs/results/bench_eagle_<pair>.{json,md} (or into --out DIR).
 """
 
 from __future__ import annotations
@@ -24,38 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from bench_speculative import transformers_rows
+from checkout import MODELS, QWEN, QWEN_DRAFT, add_out_argument, code_prompts, out_dir
+from distill_smollm2 import prompt_split
 
 import jaxspec
 from jaxspec.cli.eagle import source_texts
+from jaxspec.models import eagle
 from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.tools.benchmarking import machine, table, write_results
 from jaxspec.training.distill import answered
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-QWEN, QWEN_DRAFT = (REPO / "models" / f"qwen2.5-coder-{s}-instruct-q4_k_m.gguf" for s in ("1.5b", "0.5b"))
 
 
 def smollm2_data(target, args):
     """(training token lists: prompt + the target's answer; the same for held-out prompts; the
     held-out prompts)."""
-    from distill_smollm2 import TOPICS, build_prompts, chat, shakespeare_texts
-
-    texts, rng = shakespeare_texts(), random.Random(args.seed)
-    works = sorted(texts)
-    heldout_works = works[::6]
-    topics = list(TOPICS)
-    rng.shuffle(topics)
-    train = chat(target.tokenizer, build_prompts(texts, [w for w in works if w not in heldout_works],
-                                                 args.per_work, topics[6:], rng))[:args.prompts]
-    heldout = chat(target.tokenizer, build_prompts(texts, heldout_works, 2, topics[:6], rng))[:16]
-    heldout = [target.tokenizer.encode(t) for t in heldout]
+    train, heldout, _, _ = prompt_split(target.tokenizer, args.per_work, args.seed)
+    train, heldout = train[:args.prompts], [target.tokenizer.encode(t) for t in heldout[:16]]
     return _answered(target, train, "continuations", args), _answered(target, heldout, "heldout", args), heldout
 
 
@@ -77,8 +67,7 @@ def qwen_data(target, args):
         if budget <= 0:
             break
     heldout = [target.tokenizer.encode(text)[:args.seq_len] for text in texts[:8]]
-    lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
-    return data, heldout, [target.tokenizer.encode(line["prompt"]) for line in lines]
+    return data, heldout, code_prompts(target.tokenizer)
 
 
 def train(target, data, heldout, args):
@@ -146,8 +135,6 @@ def speed_rows(target, drafts: dict, prompts, args, batch: int, eos):
 
 def head_step_fraction(target, head, rounds: int = 20) -> float:
     """Seconds of one head draft step over one target step of a single token (batch 1)."""
-    from jaxspec.models import eagle
-
     cache_t, cache_h = target.init_cache(1, 256), head.init_cache(1, 256)
     tok = jax.numpy.zeros((1, 1), jax.numpy.int32)
     hidden = jax.numpy.zeros((1, 1, head.config.layer.hidden_size), head.params["fc_fd"].dtype)
@@ -186,9 +173,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--work", help="features, continuations and checkpoints (default models/<pair>-eagle3-work)")
     p.add_argument("--output", help="the head (default models/<pair>-eagle3)")
+    add_out_argument(p)
     args = p.parse_args()
-    args.work = Path(args.work or REPO / "models" / f"{args.pair}-eagle3-work")
-    args.output = Path(args.output or REPO / "models" / f"{args.pair}-eagle3")
+    args.work = Path(args.work or MODELS / f"{args.pair}-eagle3-work")
+    args.output = Path(args.output or MODELS / f"{args.pair}-eagle3")
     if args.pair == "qwen" and not QWEN.exists():
         raise SystemExit(f"{QWEN} is missing: run `make models-qwen`")
     target = jaxspec.load(smollm2_gguf_path() if args.pair == "smollm2" else QWEN)
@@ -213,8 +201,6 @@ def bench(target, head, heldout, args) -> None:
         jax.clear_caches()
     if args.pair == "qwen" and 1 in args.batches:
         # transformers on the same prompt (batch 1), timed after the jaxspec rows: a rougher ratio.
-        from bench_speculative import transformers_rows
-
         ar_b1 = next(r["tok_s"] for r in rows if r["batch"] == 1 and r["method"] == "autoregressive")
         for r in transformers_rows("qwen", heldout, args.new_tokens, args.reference, ar_b1):
             rows.append({key: r[key] for key in ("batch", "method", "tok_s", "vs_ar", "same_output")})
@@ -238,8 +224,9 @@ def bench(target, head, heldout, args) -> None:
         table(curve)])
     print("\n" + md)
     del args.reference
-    write_results(f"bench_eagle_{args.pair}", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                                "head_step_fraction": fraction, "curve": curve, "training": info}, md)
+    write_results(out_dir(args) / f"bench_eagle_{args.pair}", {
+        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "head_step_fraction": fraction,
+        "curve": curve, "training": info}, md)
 
 
 if __name__ == "__main__":

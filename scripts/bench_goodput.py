@@ -7,7 +7,7 @@ profiled first on this device (and saved next to the results); for each fixed k 
 step time is compared with the cost model's prediction. Greedy outputs are checked identical to
 autoregressive decoding (and where one differs, the row and token where it parts are reported). Configurations are timed
 round-robin and compared within a round (the machine's speed drifts). Writes
-docs/results/<name>.{json,md,png} after every batch.
+docs/results/<name>.{json,md,png} (or --out DIR) after every batch.
 
     python scripts/bench_goodput.py [--batches 1 4 16 64] [--new-tokens 96] [--cost-model FILE]
 
@@ -23,6 +23,7 @@ import time
 
 import jax
 import numpy as np
+from checkout import add_out_argument, out_dir, pyplot
 
 import jaxspec
 from jaxspec.engine.loop import cache_length
@@ -30,7 +31,6 @@ from jaxspec.engine.timing import side_by_side, time_points
 from jaxspec.policy.cost import CostModel
 from jaxspec.tools.benchmarking import (
     PAIRS,
-    RESULTS_DIR,
     build_pair,
     divergence,
     heldout_best_ratios,
@@ -77,12 +77,13 @@ def main() -> None:
     parser.add_argument("--deadline", type=float,
                         help="seconds to finish in: a batch starts only if, at the pace of the slowest batch so far, "
                              "it ends by then (results are written after every batch)")
-    parser.add_argument("--name", default="bench_goodput", help="output name under docs/results (or a path)")
+    parser.add_argument("--name", default="bench_goodput", help="output name under --out (or a path)")
+    add_out_argument(parser)
     args = parser.parse_args()
     started = time.perf_counter()
     target, draft, pair_text = build_pair(args.pair, args.dtype)
     config = target.config
-    out = RESULTS_DIR / args.name
+    out = out_dir(args) / args.name
     out.parent.mkdir(parents=True, exist_ok=True)
     provenance = dict(target_name=config.name, draft_name=draft.config.name, dtype=str(target.dtype), mesh_shape=(),
                       device_kind=jax.devices()[0].device_kind)
@@ -218,13 +219,15 @@ def main() -> None:
         round_plans[batch] = {label: [[(j, n) for j, n, _ in run] for run in runs]
                               for label, runs in segments.items() if label.startswith("goodput")}
         jax.clear_caches()   # programs of this batch size are not reused; keep memory maps bounded
-        report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans)
+        report(args, out, pair_text, cost, points, rows, round_seconds=round_seconds, skipped=skipped,
+               round_plans=round_plans)
         batch_seconds.append(time.perf_counter() - batch_start)
         print(f"batch {batch}: {batch_seconds[-1]:.0f} s", flush=True)
-    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans))
+    print("\n" + report(args, out, pair_text, cost, points, rows, round_seconds=round_seconds, skipped=skipped,
+                        round_plans=round_plans))
 
 
-def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, round_plans=None) -> str:
+def report(args, out, pair_text, cost, points, rows, *, round_seconds, skipped, round_plans=None) -> str:
     """Writes <out>.{json,md,png} for the batches run so far; returns the markdown."""
     m = machine()
     fit = cost.fit.get("step", {})
@@ -272,9 +275,9 @@ def report(args, out, pair_text, cost, points, rows, round_seconds, skipped, rou
            else ""),
         "", table(rows, COLUMNS), "", f"![goodput]({out.name}.png)"])
     plot(rows, batches_run, out.with_name(f"{out.name}.png"))
-    write_results(str(out), {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
-                             "round_seconds": round_seconds, "round_plans": round_plans or {},
-                             "skipped_batches": skipped}, md)
+    write_results(out, {"args": vars(args), "cost_model": cost.to_dict(), "rows": rows,
+                        "round_seconds": round_seconds, "round_plans": round_plans or {},
+                        "skipped_batches": skipped}, md)
     return md
 
 
@@ -285,11 +288,7 @@ COLUMNS = ["batch", "method", "best_fixed", "tok_s", "vs_ar", "vs_best_fixed", "
 
 
 def plot(rows, batches, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, ax = plt.subplots(figsize=(8, 4))
     for method in methods:

@@ -12,7 +12,8 @@ For the goodput rows: which draft lengths ran, and the measured seconds per veri
 
 `--threads single` runs each device's programs on one thread (XLA's
 `--xla_cpu_multi_thread_eigen=false`), so on a 2-core host the two slices can run at once (the
-setting in which pipelining can overlap, `scripts/mesh_sweep.py`). Writes docs/results/<name>.{json,md}.
+setting in which pipelining can overlap, `scripts/mesh_sweep.py`). Writes docs/results/<name>.{json,md}
+(or --out DIR).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ if __name__ == "__main__" and "jax" not in sys.modules:   # XLA reads its flags 
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "")] + flags).strip()
 
 import numpy as np  # noqa: E402
+from checkout import REPO, RESULTS, add_out_argument, out_dir  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec.tools.benchmarking import (  # noqa: E402
     PAIRS,
-    RESULTS_DIR,
     build_pair,
     heldout_best_ratios,
     machine,
@@ -47,7 +48,7 @@ from jaxspec.tools.benchmarking import (  # noqa: E402
 MODES = {"draft slice": False, "pipelined": True}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", default="tiny-8L", choices=sorted(PAIRS))
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32])
@@ -56,11 +57,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", choices=["single", "multi"], default="single")
     parser.add_argument("--no-tetris", action="store_true", help="skip goodput + TETRIS (k = K - 1, extra = 1)")
-    parser.add_argument("--cost-model", default=str(RESULTS_DIR / "bench_goodput_sets_warmacc_cost_model.json"),
+    parser.add_argument("--cost-model", default=str(RESULTS / "bench_goodput_sets_warmacc_cost_model.json"),
                         help="a CostModel JSON of the pair on this machine (one device)")
     parser.add_argument("--name", default="bench_goodput_sliced")
-    args = parser.parse_args()
+    add_out_argument(parser)
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     target, draft, pair_text = build_pair(args.pair)
     cost = jaxspec.CostModel.load(args.cost_model)
     mesh = jaxspec.MeshConfig(target_tp=1, draft_tp=1)
@@ -136,13 +141,13 @@ def write(args, pair_text, cost, rows, details) -> None:
             "`same_output`: every call's tokens equal the target's own "
             "greedy output. "
             f"Machine: {machine()['platform']}, {machine().get('cpu_count', '?')} cores. Cost model: "
-            f"`{os.path.relpath(args.cost_model, RESULTS_DIR.parents[1])}` (one device).\n\n")
+            f"`{os.path.relpath(args.cost_model, REPO)}` (one device).\n\n")
     columns = ["batch", "mode", "method", "best_fixed", "tok_s", "vs_best_fixed", "vs_best_fixed_90",
                "vs_heldout_best", "vs_heldout_best_90", "mean_k", "k_shares", "acceptance", "lane_step_ms",
                "same_output"]
     full = [{c: row.get(c, "") for c in columns} for row in rows]
-    write_results(args.name, dict(machine=machine(), args=vars(args), cost_model=cost.to_dict(), rows=rows,
-                                  details=details), text + table(full, columns) + "\n")
+    write_results(out_dir(args) / args.name, dict(machine=machine(), args=vars(args), cost_model=cost.to_dict(),
+                                                  rows=rows, details=details), text + table(full, columns) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ one process under it (`--num-processes 1`: what coordination alone costs), 2 and
 process the job reports its setup seconds (reading the input and the parts, connecting, agreeing,
 the barrier), the coordination a request pays is that over its requests. Every run's merged
 output is checked against the single-process output token for token. Writes
-docs/results/<name>.{json,md}.
+docs/results/<name>.{json,md} (or --out DIR).
 
     python scripts/bench_multihost.py [--model preset:smollm2-135m] [--requests 48] [--rounds 2]
 """
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from checkout import add_out_argument, out_dir
 
 from jaxspec.tools.benchmarking import table, write_results
 
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--name", default="bench_multihost")
+    add_out_argument(parser)
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="bench-multihost-"))
     rng = np.random.default_rng(0)
@@ -116,7 +118,7 @@ def main() -> None:
             f"(taskset); wall time from launch to the last exit, loading and compiling included; medians of "
             f"{args.rounds} rounds, round-robin. setup_s: the slowest process's reading, connecting, agreeing "
             f"and barrier before decoding.")
-    write_results(args.name, {"note": note, "rows": rows, "seconds": seconds, "args": vars(args)},
+    write_results(out_dir(args) / args.name, {"note": note, "rows": rows, "seconds": seconds, "args": vars(args)},
                   f"# {args.name}\n\n{note}\n\n`python scripts/bench_multihost.py {' '.join(sys.argv[1:])}`\n\n"
                   f"{table(rows)}")
     shutil.rmtree(folder)

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from checkout import QWEN, add_out_argument, out_dir
 
 import jaxspec
 from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.tools.benchmarking import machine, round_robin, table, write_results
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Write a short story about a robot who learns to paint.",
            "Explain how a bicycle stays upright while it is moving.",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -110,9 +110,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--weights", nargs="+", default=list(WEIGHTS)[1:], choices=list(WEIGHTS)[1:])
     p.add_argument("--name", default=None)
+    add_out_argument(p)
     args = p.parse_args()
     path = args.model or (smollm2_gguf_path() if args.pair == "smollm2"
-                          else str(REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
+                          else str(QWEN))
     ref = jaxspec.load(path)
     tok = ref.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
@@ -130,7 +131,8 @@ def main() -> None:
         f"(medians). Machine: {m['processor']}, {m['cpu_count']} "
         f"cores, jax {m['jax']}.", "", table(q_rows), "", table(s_rows)])
     print("\n" + md)
-    write_results(args.name or f"bench_quant_{args.pair}", {"args": vars(args), "quality": q_rows, "speed": s_rows}, md)
+    write_results(out_dir(args) / (args.name or f"bench_quant_{args.pair}"),
+                  {"args": vars(args), "quality": q_rows, "speed": s_rows}, md)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ request's latency (seconds from the call's start until it finished, reported by 
 and p90 over the batch) are measured in the same calls. Configurations are warmed up, then timed
 round-robin, one call each per round; `vs_ar` is the median over rounds of the ratio to
 autoregressive within a round (this VM's speed drifts). Outputs are checked identical to
-autoregressive decoding. Writes docs/results/<name>.{json,md} and <name>_{throughput,vsr}.png.
+autoregressive decoding. Writes docs/results/<name>.{json,md} and <name>_{throughput,vsr}.png (or
+into --out DIR).
 
     python scripts/bench_speculative.py [--part sonnet qwen] [--batches 1 4] [--ks 1 2 3 4 5 6]
 """
@@ -24,21 +25,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
+from checkout import QWEN, QWEN_DRAFT, add_out_argument, code_prompts, out_dir, pyplot, qwen_files, sonnet
 
 import jaxspec
 from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.prompts import bucket_batch, bucket_length
-from jaxspec.tools.benchmarking import RESULTS_DIR, machine, round_robin, table, write_results
+from jaxspec.tools.benchmarking import machine, round_robin, table, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-DRAFT = REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 METHODS = ("speculative", "tetris", "goodput", "pipelined")
 COLUMNS = ["task", "batch", "method", "k", "extra", "tok_s", "vs_ar", "latency_p50_s", "latency_p90_s",
            "acceptance", "vsr", "ter", "mean_accepted", "k_used", "same_output"]
@@ -78,7 +75,7 @@ def cost_model(part, target, draft, prompts, args):
                                      passes=2)
     print(f"{part}: cost model profiled in {time.perf_counter() - start:.0f} s (batches {batches}), "
           f"R^2 {cost.fit['step']['r2']:.3f}", flush=True)
-    cost.save(RESULTS_DIR / f"{args.name}_{part}_cost_model.json")
+    cost.save(out_dir(args) / f"{args.name}_{part}_cost_model.json")
     jax.clear_caches()
     return cost
 
@@ -130,6 +127,8 @@ def timed_run(fn, warm):
 
 
 def transformers_rows(task, prompts, new_tokens, reference, jax_ar_tok_s):
+    # Imported here: only these rows need torch, and the scripts that import this one (bench_eagle,
+    # device_check on a GPU machine's own python) may run without it.
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -138,7 +137,7 @@ def transformers_rows(task, prompts, new_tokens, reference, jax_ar_tok_s):
         model.generation_config.eos_token_id = None  # both sides emit exactly new_tokens tokens
         return model.eval()
 
-    target, draft = load(TARGET), load(DRAFT)
+    target, draft = load(QWEN), load(QWEN_DRAFT)
     rows = []
     ids = torch.tensor([prompts[0]])
     mask = torch.ones_like(ids)
@@ -159,14 +158,10 @@ def transformers_rows(task, prompts, new_tokens, reference, jax_ar_tok_s):
 
 
 def qwen_part(args):
-    for path in (TARGET, DRAFT):
-        if not path.exists():
-            raise SystemExit(f"{path} is missing: run `make models-qwen`")
     start = time.perf_counter()
-    target, draft = jaxspec.load(TARGET), jaxspec.load(DRAFT)
+    target, draft = map(jaxspec.load, qwen_files())
     print(f"loaded the Qwen pair in {time.perf_counter() - start:.0f}s", flush=True)
-    lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
-    prompts = [target.tokenizer(line["prompt"])["input_ids"] for line in lines]
+    prompts = code_prompts(target.tokenizer)
     task = "qwen-coder 1.5B <- 0.5B, code"
     rows, reference, cost = run_grid("qwen", task, target, draft, prompts, args)
     del target, draft
@@ -180,10 +175,10 @@ def qwen_part(args):
 
 def sonnet_part(args):
     model = jaxspec.load(smollm2_gguf_path())
-    sonnet = (REPO / "data" / "sonnet18.txt").read_text().strip().splitlines()
+    poem = sonnet()
     prompts = []
     for first in range(0, 8):
-        ask = (f"Here is a sonnet:\n{chr(10).join(sonnet)}\n\nRepeat lines {first + 1} to {first + 6} "
+        ask = (f"Here is a sonnet:\n{poem}\n\nRepeat lines {first + 1} to {first + 6} "
                f"of the sonnet exactly, one per line.")
         chat = model.tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=False,
                                                    add_generation_prompt=True)
@@ -193,15 +188,10 @@ def sonnet_part(args):
     return rows, cost
 
 
-def plot(rows, name):
-    """<name>_throughput.png: tokens/s against k, one line per method, a panel per task and batch;
-    <name>_vsr.png: TETRIS VSR against extra draft tokens (extra 0 = standard), a line per k."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
+def plot(rows, prefix):
+    """<prefix>_throughput.png: tokens/s against k, one line per method, a panel per task and batch;
+    <prefix>_vsr.png: TETRIS VSR against extra draft tokens (extra 0 = standard), a line per k."""
+    plt = pyplot()
     panels = list(dict.fromkeys((r["task"], r["batch"]) for r in rows if r["k"] is not None))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (task, batch) in zip(axes[0], panels):
@@ -219,10 +209,10 @@ def plot(rows, name):
             else:
                 ax.plot(ks, tok_s, marker="o", lw=2 if line == "speculative" else 1, label=line)
         ax.set(xlabel="k (draft tokens verified per row)", ylabel="tokens/s", title=f"{task}, batch {batch}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{name}_throughput.png", dpi=110)
+    fig.savefig(f"{prefix}_throughput.png", dpi=110)
     plt.close(fig)
 
     panels = [p for p in panels if any(r["method"] == "tetris" and (r["task"], r["batch"]) == p for r in rows)]
@@ -237,10 +227,10 @@ def plot(rows, name):
             ax.plot(*zip(*points), marker="o", label=f"k={k}")
         ax.set(xlabel="extra draft tokens per row (0 = standard)", ylabel="VSR (accepted / verified)",
                title=f"TETRIS, {task}, batch {batch}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{name}_vsr.png", dpi=110)
+    fig.savefig(f"{prefix}_vsr.png", dpi=110)
     plt.close(fig)
 
 
@@ -265,10 +255,11 @@ def main() -> None:
                         help="cache sizes the cost model is profiled at (default: the runs' and half of it)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--name", default="bench_speculative")
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out_dir(args).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     rows, costs = [], {}
     for part, run in (("sonnet", sonnet_part), ("qwen", qwen_part)):
@@ -296,9 +287,9 @@ def main() -> None:
         f"Total time {time.perf_counter() - start:.0f} s.",
         "", table(rows, COLUMNS), "", f"![throughput against k]({args.name}_throughput.png)"]
         + (["", f"![TETRIS VSR]({args.name}_vsr.png)"] if "tetris" in args.methods else []))
-    plot(rows, args.name)
+    plot(rows, out_dir(args) / args.name)
     print("\n" + md)
-    write_results(args.name, {"args": vars(args), "cost_models": costs, "rows": rows}, md)
+    write_results(out_dir(args) / args.name, {"args": vars(args), "cost_models": costs, "rows": rows}, md)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Parts:
 Every configuration is warmed up on the same compiled shapes, then timed (median of --repeats);
 greedy outputs are checked identical to autoregressive decoding. `select_share` is the time of one
 `tetris.select` at the step's shape (measured in a compiled loop) over the mean step time.
-Prints tables and writes docs/results/bench_tetris.{json,md}.
+Prints tables and writes docs/results/bench_tetris.{json,md} (or --out DIR, --name NAME).
 
     python scripts/bench_tetris.py [--part tiny qwen packed] [--new-tokens 64]
 """
@@ -18,26 +18,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from checkout import add_out_argument, code_prompts, out_dir, qwen_files
 
 import jaxspec
 from jaxspec import tetris
 from jaxspec.models.model import forward, forward_packed
-from jaxspec.tools.benchmarking import layer_skip_pair, machine, table, timed, write_results
+from jaxspec.tools.benchmarking import PAIRS, layer_skip_pair, machine, table, timed, write_results
 
-REPO = Path(__file__).resolve().parents[1]
-TARGET = REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-DRAFT = REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-
-TINY = jaxspec.ModelConfig(vocab_size=2048, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=2,
-                           intermediate_size=768, max_position_embeddings=2048, tie_word_embeddings=True,
-                           name="tiny-8L")
+TINY = PAIRS["tiny-8L"][0]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -54,7 +47,7 @@ def select_seconds(n: int, k: int, capacity: int, reps: int = 200) -> float:
     return seconds / reps
 
 
-def run_grid(label, target, draft, prompts, batches, ks, extras, new_tokens, repeats):
+def run_grid(label, target, draft, prompts, batches, ks, extras, *, new_tokens, repeats):
     rows = []
     for batch in batches:
         ids = prompts[:batch]
@@ -102,18 +95,13 @@ def tiny_part(args):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, int(n)).tolist() for n in rng.integers(4, 48, max(args.batches))]
     return run_grid("tiny layer-skip pair", target, draft, prompts, args.batches, args.ks, args.extras,
-                    args.new_tokens, args.repeats)
+                    new_tokens=args.new_tokens, repeats=args.repeats)
 
 
 def qwen_part(args):
-    for path in (TARGET, DRAFT):
-        if not path.exists():
-            raise SystemExit(f"{path} is missing: run `make models-qwen`")
-    target, draft = jaxspec.load(TARGET), jaxspec.load(DRAFT)
-    lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
-    prompts = [target.tokenizer(line["prompt"])["input_ids"] for line in lines]
-    return run_grid("qwen-coder 1.5B <- 0.5B, code", target, draft, prompts, [8], args.qwen_ks, args.extras,
-                    args.qwen_new_tokens, 1)
+    target, draft = map(jaxspec.load, qwen_files())
+    return run_grid("qwen-coder 1.5B <- 0.5B, code", target, draft, code_prompts(target.tokenizer), [8],
+                    args.qwen_ks, args.extras, new_tokens=args.qwen_new_tokens, repeats=1)
 
 
 def packed_part(args):
@@ -164,6 +152,7 @@ def main() -> None:
     parser.add_argument("--packed-batches", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default="bench_tetris")
+    add_out_argument(parser)
     args = parser.parse_args()
     results = {}
     start = time.perf_counter()
@@ -186,7 +175,7 @@ def main() -> None:
         md += ["\n### packed vs padded verification\n", table(results["packed"])]
     md = "\n".join(md)
     print("\n" + md)
-    write_results(args.name, {"args": vars(args), **results}, md)
+    write_results(out_dir(args) / args.name, {"args": vars(args), **results}, md)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ depth D and width W with each row's k best nodes verified, and the same tree wit
 N * k best nodes. Per batch size: tokens emitted per row and target pass, accepted drafts per
 verified draft (VSR), tokens/s against autoregressive decoding (median of per-round ratios,
 round-robin after warm-up), and identity with autoregressive output. Writes
-docs/results/<name>.{json,md} and <name>.png (tokens per target pass by batch).
+docs/results/<name>.{json,md} and <name>.png (tokens per target pass by batch), or into --out DIR.
 
     python scripts/bench_trees.py [--pair qwen|tiny] [--draft model|eagle] [--batches 1 4 16] [--k 4]
                                   [--tree 4 2] [--rounds 2]
@@ -18,16 +18,14 @@ docs/results/<name>.{json,md} and <name>.png (tokens per target pass by batch).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import numpy as np
+from checkout import MODELS, QWEN, QWEN_DRAFT, add_out_argument, code_prompts, out_dir, pyplot
 
 import jaxspec
-from jaxspec.tools.benchmarking import RESULTS_DIR, layer_skip_pair, round_robin, table, write_results
+from jaxspec.tools.benchmarking import layer_skip_pair, round_robin, table, write_results
 
-REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ["batch", "method", "tokens_per_pass", "vsr", "verified_per_row", "tok_s", "vs_ar", "same_output"]
 
 
@@ -36,12 +34,10 @@ def load_pair(name: str, draft_kind: str = "model"):
         target, draft = layer_skip_pair(jaxspec.ModelConfig.preset("tiny").replace(num_layers=8), draft_layers=2,
                                         damping=0.05)
         return target, draft, [list(np.random.default_rng(i).integers(0, 256, 24)) for i in range(16)]
-    target = jaxspec.load(REPO / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-    draft = (jaxspec.EagleDrafter(jaxspec.load(REPO / "models" / "qwen-eagle3", target=target)) if draft_kind == "eagle"
-             else jaxspec.load(REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
-    lines = [json.loads(line) for line in (REPO / "data" / "code_prompts.jsonl").read_text().splitlines()]
-    prompts = [target.tokenizer(line["prompt"])["input_ids"] for line in lines]
-    return target, draft, (prompts * 2)[:16]
+    target = jaxspec.load(QWEN)
+    draft = (jaxspec.EagleDrafter(jaxspec.load(MODELS / "qwen-eagle3", target=target)) if draft_kind == "eagle"
+             else jaxspec.load(QWEN_DRAFT))
+    return target, draft, (code_prompts(target.tokenizer) * 2)[:16]
 
 
 def configurations(k: int, tree: tuple[int, int], extra: int):
@@ -75,10 +71,8 @@ def run(args):
     return rows
 
 
-def plot(rows, name: str):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(rows, path):
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "autoregressive"):
         mine = [r for r in rows if r["method"] == method]
@@ -88,7 +82,7 @@ def plot(rows, name: str):
     ax.set_ylabel("tokens per row and target pass")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 def main():
@@ -102,15 +96,16 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--name", default=None)
+    add_out_argument(parser)
     args = parser.parse_args()
     name = args.name or f"bench_trees_{args.pair}" + ("_eagle" if args.draft == "eagle" else "")
     rows = run(args)
     note = (f"Pair `{args.pair}` ({args.draft} draft), greedy, {args.new_tokens} new tokens, k = {args.k} verified "
             f"per row per step (TETRIS and batch budgets: N * k), {args.rounds} rounds round-robin.")
-    write_results(name, {"note": note, "rows": rows, "args": vars(args)},
+    write_results(out_dir(args) / name, {"note": note, "rows": rows, "args": vars(args)},
                   f"# {name}\n\n{note}\n\n`python scripts/bench_trees.py {' '.join(sys.argv[1:])}`\n\n"
                   f"{table(rows, COLUMNS)}")
-    plot(rows, name)
+    plot(rows, out_dir(args) / f"{name}.png")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
+
+from checkout import sonnet
 
 import jaxspec
 from jaxspec.models.loading import smollm2_gguf_path
 
-SONNET = (Path(__file__).resolve().parents[1] / "data" / "sonnet18.txt").read_text().strip()
 # The TETRIS paper's "sonnet" task: answers that copy from the prompt, where lookup drafting shines.
-DEFAULT_PROMPTS = [f"Here is a sonnet:\n{SONNET}\n\nRepeat lines {a} to {a + 5} of the sonnet exactly."
+DEFAULT_PROMPTS = [f"Here is a sonnet:\n{sonnet()}\n\nRepeat lines {a} to {a + 5} of the sonnet exactly."
                    for a in (1, 3, 5, 7)]
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from bench_attention import attention_rows
 from bench_eagle import head_step_fraction
 from bench_tetris import packed_rows, select_seconds
+from checkout import RESULTS
 
 import jaxspec
 from jaxspec.drafting import NgramDrafter
@@ -191,7 +192,7 @@ def speculative(target, s, out: dict, before_deadline, trees: bool = False) -> N
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes: the whole script in about a minute on CPU")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "results" / "gpu"))
+    p.add_argument("--out", default=str(RESULTS / "gpu"))
     p.add_argument("--deadline", type=float, default=420.0, help="seconds: start nothing after this")
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     args = p.parse_args()

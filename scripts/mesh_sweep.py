@@ -13,10 +13,10 @@ Two thread settings, each in its own process (XLA reads its flags once):
           draft slice and the target slice each fit one of the two cores: the setting where the
           pipeline's step time can approach max(draft, verify).
 
-A discrete-event simulation (jaxspec.parallel.simulate) driven by the measured draft and verify
+A discrete-event simulation (`jaxspec.tools.mesh_sim.simulate`) driven by the measured draft and verify
 times predicts each two-slice configuration's time per verification; the table compares it with
 the measurement, and a what-if table extends it to larger tensor-parallel degrees.
-Writes docs/results/<name>.{json,md,png}.
+Writes docs/results/<name>.{json,md,png} (or into --out DIR).
 
     python scripts/mesh_sweep.py [--threads multi single] [--batch 8] [--new-tokens 48]
 """
@@ -25,10 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
+
+import numpy as np
+from checkout import add_out_argument, out_dir, pyplot
+
+import jaxspec
+from jaxspec.tools.benchmarking import layer_skip_pair, machine, table, timed, write_results
+from jaxspec.tools.mesh_sim import simulate
 
 FLAGS = {"multi": "--xla_force_host_platform_device_count=8",
          "single": "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false "
@@ -49,12 +57,6 @@ CONFIGS = [
 
 
 def run_part(args) -> list[dict]:
-    import numpy as np
-
-    import jaxspec
-    from jaxspec.tools.benchmarking import layer_skip_pair, timed
-    from jaxspec.tools.mesh_sim import simulate
-
     config = jaxspec.ModelConfig(vocab_size=4096, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
                                  intermediate_size=768, max_position_embeddings=2048, tie_word_embeddings=False,
                                  name="sweep-8L")
@@ -98,8 +100,6 @@ def what_if(rows: list[dict], k: int, batch: int, new_tokens: int) -> list[dict]
     verify time by target_tp (ideal scaling, as on GPUs with fast links; on this CPU it does not
     scale) while the draft slice keeps its time: an assumption, not a measurement.
     """
-    from jaxspec.tools.mesh_sim import simulate
-
     seq = next(r for r in rows if r["config"] == "tp1 + draft slice")
     pipe = next(r for r in rows if r["config"] == "tp1 + draft slice, pipelined")
 
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default="mesh_sweep")
+    add_out_argument(parser)
     parser.add_argument("--part-output", help=argparse.SUPPRESS)
     parser.add_argument("--from-json", help="rewrite the report from a saved <name>.json instead of measuring")
     args = parser.parse_args()
@@ -160,10 +161,6 @@ def main() -> None:
 
 
 def report(rows, args) -> None:
-    import math
-
-    from jaxspec.tools.benchmarking import RESULTS_DIR, machine, table, write_results
-
     rows = [{key: v for key, v in r.items() if not (isinstance(v, float) and math.isnan(v))} for r in rows]
     for r in rows:
         if "verify_ms" not in r:
@@ -187,17 +184,12 @@ def report(rows, args) -> None:
     md.append(f"![mesh sweep]({args.name}.png)")
     text = "\n".join(md)
     print("\n" + text)
-    plot(rows, RESULTS_DIR / f"{args.name}.png")
-    write_results(args.name, {"args": vars(args), "rows": rows, "what_if": sims}, text)
+    write_results(out_dir(args) / args.name, {"args": vars(args), "rows": rows, "what_if": sims}, text)
+    plot(rows, out_dir(args) / f"{args.name}.png")
 
 
 def plot(rows, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
+    plt = pyplot()
     sliced = [r for r in rows if "verify_ms" in r]
     labels = [f"{r['config']}\n({r['threads']})" for r in sliced]
     y = np.arange(len(sliced))

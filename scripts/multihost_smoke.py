@@ -19,10 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+from checkout import RESULTS
+
 
 def worker(process_id: int, port: int, local_devices: int) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # JAX is imported only now, in the worker: it reads these variables when it starts.
     import jax
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
                                local_device_ids=list(range(local_devices)))
@@ -55,8 +58,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--local-devices", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--output", default=str(Path(__file__).resolve().parent.parent / "docs" / "results"
-                                                / "multihost_smoke.json"))
+    parser.add_argument("--output", default=str(RESULTS / "multihost_smoke.json"))
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker, args.port, args.local_devices)

@@ -9,9 +9,10 @@ No model runs; numbers follow from the formulas. Writes docs/results/multilevel.
 from __future__ import annotations
 
 import numpy as np
+from checkout import RESULTS, pyplot
 
 from jaxspec.tools import multilevel as ml
-from jaxspec.tools.benchmarking import RESULTS_DIR, table, write_results
+from jaxspec.tools.benchmarking import table, write_results
 
 ALPHAS = np.round(np.arange(0.30, 0.991, 0.01), 2)
 RATIOS = (0.01, 0.05, 0.1, 0.2, 0.4)   # draft cost / target cost
@@ -64,11 +65,7 @@ def thresholds():
 
 
 def plot(curves, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for ratio, (ks, speedups) in curves.items():
         left.step(ALPHAS, ks, where="mid", label=f"C1/C2 = {ratio}")
@@ -85,8 +82,6 @@ def main() -> None:
     two, curves = two_models()
     chain_rows = chains()
     threshold_rows = thresholds()
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    plot(curves, RESULTS_DIR / "multilevel.png")
     md = "\n".join([
         "Analytic models of `jaxspec.tools.multilevel` (no model runs). Throughput is relative to the target "
         "alone (one token per target call).", "",
@@ -95,7 +90,8 @@ def main() -> None:
         "### Three-model chains against the two-model choices they contain", "", table(chain_rows), "",
         "### Threshold drafting against the best fixed k (same mean acceptance)", "", table(threshold_rows)])
     print(md)
-    write_results("multilevel", {"two_models": two, "chains": chain_rows, "thresholds": threshold_rows}, md)
+    write_results(RESULTS / "multilevel", {"two_models": two, "chains": chain_rows, "thresholds": threshold_rows}, md)
+    plot(curves, RESULTS / "multilevel.png")
 
 
 if __name__ == "__main__":

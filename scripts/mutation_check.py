@@ -23,7 +23,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from checkout import REPO, RESULTS
+
 VERIFY = "jaxspec/verify.py"
 TAKE_P = "p_at_bv = jnp.take_along_axis(p_bkv, accepted_b[:, None, None], axis=1)[:, 0]"
 # (name, what it breaks, text in verify.py, its replacement)
@@ -47,13 +48,13 @@ TESTS = {   # the default suite's tests of the rule: its unit tests, then end-to
 def copy_repo(dest: Path, commit: str | None) -> None:
     """The library and its tests as in the working tree, or as committed at `commit`."""
     if commit is not None:
-        archive = subprocess.run(["git", "archive", commit, "jaxspec", "tests", "pyproject.toml"], cwd=ROOT,
+        archive = subprocess.run(["git", "archive", commit, "jaxspec", "tests", "pyproject.toml"], cwd=REPO,
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
         return
     for name in ("jaxspec", "tests"):
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+        shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
 
 
 def run_tests(copy: Path, args: list[str], timeout: float) -> dict:
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="mutation names to run (default: all)")
     parser.add_argument("--commit", default=None, help="check this commit (default: the working tree)")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per pytest run")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "mutation_check"))
+    parser.add_argument("--out", default=str(RESULTS / "mutation_check"))
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if args.only is None or m[0] in args.only]
     rows = []

@@ -7,7 +7,7 @@ verification costing two plain steps), batch 1 / 4 / 16 / 64, a draft position c
 (0.9 -> 0.3, 0.3 -> 0.9), falling along the window (0.95 * 0.85^j) or differing between rows
 (half at 0.9, half at 0.3); plus cost models the policy believes wrong (drafting 3x cheaper or
 dearer than it is). 128 tokens a row, plans k = 0..6, a change of plan costs 0.1 of a plain
-step, four texts per scenario. Writes docs/results/policy_sim.{md,json}.
+step, four texts per scenario. Writes docs/results/policy_sim.{md,json} (or --out DIR, --name NAME).
 
     python scripts/policy_sim.py [--quick]
 """
@@ -19,6 +19,7 @@ import dataclasses
 import time
 
 import numpy as np
+from checkout import add_out_argument, out_dir
 
 from jaxspec import policy
 from jaxspec.policy.cost import CostModel
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few scenarios (a smoke run)")
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--name", default="policy_sim")
+    add_out_argument(parser)
     args = parser.parse_args()
     plans = tuple((k, None) for k in range(7))
     start = time.perf_counter()
@@ -90,8 +92,8 @@ def main() -> None:
     md = "\n".join([
         f"# Goodput policy in the simulator ({len(policy_rows)} scenarios, {args.seeds} texts each)", "",
         "Written by `make policy-sim` (`scripts/policy_sim.py`): deterministic, the clock is a cost model "
-        "(`jaxspec.tools.policy_sim`), no timing. `vs_best`: the policy's tokens per simulated second over the best fixed "
-        "draft length's in hindsight (k = 0..6, the same texts); `vs_plain`: over plain decoding's. Goals: "
+        "(`jaxspec.tools.policy_sim`), no timing. `vs_best`: the policy's tokens per simulated second over the best "
+        "fixed draft length's in hindsight (k = 0..6, the same texts); `vs_plain`: over plain decoding's. Goals: "
         "`vs_best` >= 0.97 everywhere, `vs_plain` >= 0.99 where plain decoding is best.", "",
         "## Each rule switched off", "",
         "`policy_gains_over_2pct_in`: scenarios where the policy with every rule beats this variant by more than "
@@ -105,7 +107,7 @@ def main() -> None:
         "cost makes it choose draft lengths for the wrong machine (the remedy is profiling on the machine that "
         "decodes: `jaxspec profile`).", "", table(wrong, columns), "",
         "## Every scenario (the full policy)", "", table(policy_rows, columns)])
-    write_results(args.name, {"args": vars(args), "summary": summary, "rows": rows,
+    write_results(out_dir(args) / args.name, {"args": vars(args), "summary": summary, "rows": rows,
                               "seconds": time.perf_counter() - start}, md)
     print(table(summary))
     print(f"{len(misses)} of {len(policy_rows)} scenarios below the goals; {time.perf_counter() - start:.0f} s")

@@ -7,7 +7,7 @@ of k + 1 tokens per row, drafts from n-gram lookup, whose own cost is negligible
         [--quantize none int8] [--batches 1 8 32] [--ks 0 3] [--context 256] [--name step_profile]
         [--deadline SECONDS]
 
-Writes docs/results/<name>.{json,md} (or <name> as a path prefix when it contains a '/').
+Writes docs/results/<name>.{json,md} (or into --out DIR).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import jax
+from checkout import add_out_argument, out_dir
 
 import jaxspec
 from jaxspec.tools import profiling
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--name", default="step_profile")
+    add_out_argument(p)
     p.add_argument("--deadline", type=float, default=None, help="seconds: start no configuration after this")
     args = p.parse_args()
     start = time.time()
@@ -79,7 +81,8 @@ def main() -> None:
         "Costliest kernels per configuration:", "",
         table([{"weights": f"{r['dtype']}/{r['quantization'] or 'float'}", "batch": r["batch"], "k": r["k"], **t}
                for r in results for t in r["top_kernels"][:4]])])
-    write_results(args.name, {"args": vars(args), "bandwidth": bandwidth, "results": results, "skipped": skipped}, md)
+    write_results(out_dir(args) / args.name,
+                  {"args": vars(args), "bandwidth": bandwidth, "results": results, "skipped": skipped}, md)
     print("\n" + md)
 
 

@@ -1,7 +1,3 @@
-"""The `jaxspec` command: `main.py` (entry point, `generate`), `tools.py` (`profile`, `bench`,
-`distill`), `eagle.py` (`train-eagle`), `jobs.py` (JSONL job files), `multihost.py` (a job over
-several processes, `merge`)."""
-
-from jaxspec.cli.main import main
-
-__all__ = ["main"]
+"""The `jaxspec` command: `main.py` (entry point, `generate`, `merge`), `tools.py` (`profile`, `bench`,
+`distill`, and the helpers the subcommands share), `eagle.py` (`train-eagle`), `jobs.py` (JSONL job
+files), `multihost.py` (a job over several processes). `python -m jaxspec.cli` runs it too."""

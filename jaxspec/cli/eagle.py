@@ -15,10 +15,22 @@ import random
 import sysconfig
 from pathlib import Path
 
+import numpy as np
+
 import jaxspec
+from jaxspec import prompts as prompts_lib
 from jaxspec.cli import jobs as jobs_lib
-from jaxspec.cli.tools import _ints, _warn, load_model
-from jaxspec.tools.benchmarking import table
+from jaxspec.cli.tools import (
+    add_model_args,
+    add_training_args,
+    chat_prompt,
+    chat_tokenizer,
+    load_model,
+    nonnegative_ints,
+    output_path,
+    save_trained,
+    warn,
+)
 from jaxspec.training.distill import answered
 
 SUFFIXES = (".py", ".txt", ".md")
@@ -60,9 +72,7 @@ def source_texts(source: str) -> list[str]:
 
 def train_eagle(args) -> int:
     """`jaxspec train-eagle`: trains a head and saves it in the EAGLE-3 folder layout."""
-    output = Path(args.output)
-    if not output.parent.is_dir():
-        raise FileNotFoundError(f"--output {args.output}: folder {str(output.parent)!r} does not exist")
+    output = output_path(args.output)
     if args.heldout_items < 0:
         raise ValueError(f"--heldout-items must be >= 0, got {args.heldout_items}")
     if not args.data and not args.prompts:
@@ -89,12 +99,10 @@ def train_eagle(args) -> int:
         feature_cache_dir=args.feature_cache, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, heldout=heldout, eval_every=args.eval_every, eval_k=args.eval_k,
         progress=not args.no_progress)
-    trained.save(output)
-    (output / "history.json").write_text(json.dumps(history, indent=1))
-    if "eval_step" in history:
-        print(table([{"step": s, "heldout_loss": loss, "accepted_tokens_per_step": a}
-                     for s, loss, a in zip(history["eval_step"], history["heldout_loss"],
-                                           history["heldout_accepted_length"])]))
+    save_trained(trained, history, output, [
+        {"step": s, "heldout_loss": loss, "accepted_tokens_per_step": a}
+        for s, loss, a in zip(history.get("eval_step", []), history.get("heldout_loss", []),
+                              history.get("heldout_accepted_length", []))])
     print(f"final loss {history['loss'][-1]:.4f}; wrote the head to {output} "
           "(jaxspec.load(path, target=target), or jaxspec generate --draft PATH)")
     return 0
@@ -102,8 +110,6 @@ def train_eagle(args) -> int:
 
 def _token_counts(target, texts, budget_tokens: int):
     """Token frequencies over (about) the tokens training will see, for the draft vocabulary."""
-    import numpy as np
-
     counts, seen = np.zeros(target.config.vocab_size, np.int64), 0
     for item in texts:
         ids = target.tokenizer.encode(item) if isinstance(item, str) else item
@@ -116,21 +122,17 @@ def _token_counts(target, texts, budget_tokens: int):
 
 def _continuations(target, args) -> list[list[int]]:
     """Prompt + the target's greedy continuation, as token ids (`jaxspec.distill`'s data)."""
-    from jaxspec import prompts as prompts_lib
-
-    texts = [job.prompt for job in jobs_lib.read_jobs(args.prompts, warn=_warn)]
+    texts = [job.prompt for job in jobs_lib.read_jobs(args.prompts, warn=warn)]
     if args.chat:
-        if target.tokenizer is None:
-            raise ValueError(f"--chat needs a tokenizer with a chat template; {args.target} has no tokenizer")
-        texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                      add_generation_prompt=True) for t in texts]
+        tok = chat_tokenizer(target, args.target)
+        texts = [chat_prompt(tok, t) for t in texts]
     ids = prompts_lib.encode_prompts(texts, target.tokenizer, target.config.vocab_size)
     eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
     return answered(target, ids, max_new_tokens=args.max_new_tokens, seed=args.seed, eos_token_id=eos,
                     data_cache=args.data_cache, progress=not args.no_progress)
 
 
-def _add_train_eagle(sub) -> None:
+def add_train_eagle(sub) -> None:
     p = sub.add_parser(
         "train-eagle", help="train an EAGLE-3 draft head for a target (optax; resumable with orbax)",
         description="The target's features over the data are computed once (kept in --feature-cache, "
@@ -141,8 +143,7 @@ def _add_train_eagle(sub) -> None:
         epilog="example:\n  jaxspec train-eagle --target model.gguf --data stdlib --output head/ --steps 2000 "
                "--draft-vocab-size 8192 --feature-cache features/ --checkpoint-dir ckpt/",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="GGUF file, HF folder, jaxspec checkpoint, or preset:NAME")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_model_args(p)
     data = p.add_argument_group("data")
     data.add_argument("--data", nargs="+", default=[], metavar="SRC",
                       help="files, folders, JSONL, 'stdlib' or 'shakespeare' (see the module docstring)")
@@ -153,7 +154,7 @@ def _add_train_eagle(sub) -> None:
     data.add_argument("--heldout-items", type=int, default=16, help="items kept out of training for evaluation")
     data.add_argument("--feature-cache", metavar="DIR", help="keep the target's features here (resumable)")
     head = p.add_argument_group("head")
-    head.add_argument("--feature-layers", type=lambda s: _ints(s, low=0), default=None,
+    head.add_argument("--feature-layers", type=nonnegative_ints, default=None,
                       help="target layers whose inputs are fused (default: EAGLE-3's low / middle / high)")
     head.add_argument("--draft-vocab-size", type=int, default=None,
                       help="the most frequent tokens of the data (default: the full vocabulary)")
@@ -164,11 +165,6 @@ def _add_train_eagle(sub) -> None:
     train.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     train.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll")
     train.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of the steps")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--checkpoint-dir", metavar="DIR", help="orbax checkpoints; an existing run there resumes")
-    train.add_argument("--checkpoint-every", type=int, default=100)
-    train.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
-    train.add_argument("--eval-k", type=int, default=4, help="draft length of the held-out evaluation")
-    train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_training_args(train)
     p.add_argument("--output", required=True, metavar="DIR", help="where to save the trained head")
     p.set_defaults(run=train_eagle)

@@ -5,7 +5,7 @@
     jaxspec merge OUT.jsonl
     jaxspec profile --target PATH --draft PATH --output cost.json
     jaxspec distill / train-eagle --target PATH ... --output DIR
-    jaxspec bench [--quick] [--only NAME]
+    jaxspec bench [--quick] [--only NAME] [--out DIR]
 
 A model argument is a path (GGUF file, HF folder, jaxspec checkpoint) or `preset:NAME` for random
 weights at a preset's shape (`preset:qwen2.5-1.5b`): timings depend on shapes, not on weights.
@@ -21,12 +21,26 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+from tqdm import tqdm
+
 import jaxspec
 from jaxspec import prompts as prompts_lib
 from jaxspec.cli import jobs as jobs_lib
 from jaxspec.cli import multihost
-from jaxspec.cli.eagle import _add_train_eagle
-from jaxspec.cli.tools import _add_bench, _add_distill, _add_profile, _warn, load_model
+from jaxspec.cli.eagle import add_train_eagle
+from jaxspec.cli.tools import (
+    NO_DRAFT_MODEL,
+    add_bench,
+    add_distill,
+    add_model_args,
+    add_profile,
+    chat_prompt,
+    chat_tokenizer,
+    load_model,
+    output_path,
+    warn,
+)
 from jaxspec.models.eagle import is_eagle_folder
 from jaxspec.policy.cost import CostModel
 from jaxspec.tools.benchmarking import table
@@ -74,16 +88,15 @@ def _encode_jobs(todo: list[jobs_lib.Job], model: jaxspec.Model, args, max_posit
     reported with its input line, before anything is written."""
     tok, vocab = model.tokenizer, model.config.vocab_size
     where = args.prompts
-    if args.chat and tok is None:
-        raise ValueError(f"--chat needs a tokenizer with a chat template; {args.target} has no tokenizer")
+    if args.chat:
+        chat_tokenizer(model, args.target)
     ids_list, budgets = [], []
     for job in todo:
         prompt = job.prompt
         if args.chat:
             if not isinstance(prompt, str):
                 raise jobs_lib.JobFileError(f"{where}:{job.line}: --chat needs string prompts, got token ids")
-            prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+            prompt = chat_prompt(tok, prompt)
         try:
             (ids,) = prompts_lib.encode_prompts([prompt], tok, vocab)
         except ValueError as err:
@@ -107,41 +120,37 @@ def generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    output = Path(args.output)
-    if output.resolve() == Path(args.prompts).resolve():
+    if Path(args.output).resolve() == Path(args.prompts).resolve():
         raise ValueError("--output must differ from --prompts")
-    if not output.parent.is_dir():
-        raise FileNotFoundError(f"--output {args.output}: folder {str(output.parent)!r} does not exist")
+    output = output_path(args.output)
     placement = multihost.placement(args.coordinator, args.num_processes, args.process_id)
     # Everything that can be checked without the models is checked first: a typo fails in a second.
-    jobs = jobs_lib.read_jobs(args.prompts, skip_bad_lines=args.skip_bad_lines, warn=_warn)
-    spec, sampling, mesh = _build_spec(args)
-    n, me, began = 1, 0, time.perf_counter()
+    jobs = jobs_lib.read_jobs(args.prompts, skip_bad_lines=args.skip_bad_lines, warn=warn)
+    settings = _build_spec(args)
+    n, me, peers, began = 1, 0, None, time.perf_counter()
     if placement is not None:
         multihost.start(*placement)
         n, me = placement[1], placement[2]
         multihost.agree({**{k: v for k, v in vars(args).items() if k not in _OWN_ARGS},
                          "prompts": multihost.digest(args.prompts)})
     done = multihost.finished(args.output)   # the output and every part file of earlier runs
-    peers = multihost.PeerProgress(args.output, me, n) if placement is not None else None
     if placement is not None:
+        peers = multihost.PeerProgress(args.output, me, n)
         multihost.barrier("jaxspec-generate-scanned")   # nobody writes before everyone has read
         if me == 0:
             multihost.write_manifest(args.output, args.prompts)
     pending = jobs_lib.pending(jobs, done)
-    todo = pending[me::n]
     own = multihost.part_path(args.output, me) if placement is not None else output
-    scan = jobs_lib.scan_output(own)
+    share = _Share(todo=pending[me::n], output=own, scan=jobs_lib.scan_output(own), total=len(pending), peers=peers)
     if me == 0 and len(pending) < len(jobs):
         print(f"resuming: skipped {len(jobs) - len(pending)} of {len(jobs)} requests already in {args.output}"
               + (" and its parts" if placement is not None else ""), flush=True)
     coordination = time.perf_counter() - began   # the job's reading and agreeing, before any decoding
     summary = {"process": me, "requests": 0, "new_tokens": 0, "seconds": 0.0}
-    if todo:
-        summary = {"process": me, **_decode(args, jobs, todo, spec, sampling, mesh, own, scan,
-                                            (len(pending), peers) if placement is not None else None)}
-    elif scan.torn or scan.needs_newline:
-        _repair(own, scan)
+    if share.todo:
+        summary = {"process": me, **_decode(args, jobs, share, settings)}
+    elif share.scan.torn or share.scan.needs_newline:
+        _repair(own, share.scan)
     summary["setup_s"] = coordination
     everyone = multihost.gather(summary) if placement is not None else [summary]
     if me == 0:
@@ -159,13 +168,31 @@ def generate(args) -> int:
 _OWN_ARGS = ("process_id", "no_progress", "batch_size", "run")
 
 
-def _decode(args, jobs, todo, spec, sampling, mesh, own, scan, shared) -> dict:
-    """Loads the models and runs this process's requests, appending to `own`; `shared` =
-    (requests of the whole run, `multihost.PeerProgress`) for a multi-process job, whose
-    processes each run a replica on their local devices."""
-    import jax
+@dataclasses.dataclass(frozen=True)
+class _Share:
+    """This process's part of a job.
+
+    Attributes:
+      todo: its requests, in input order.
+      output: the file it appends to (the job's output, or its part file in a multi-process job).
+      scan: what that file already holds (`jobs.scan_output`).
+      total: the requests left in the whole job (what the progress bar counts).
+      peers: the other processes' progress (`multihost.PeerProgress`); None: a single-process job.
+    """
+
+    todo: list[jobs_lib.Job]
+    output: Path
+    scan: jobs_lib.OutputScan
+    total: int
+    peers: multihost.PeerProgress | None
+
+
+def _decode(args, jobs: list[jobs_lib.Job], share: _Share, settings) -> dict:
+    """Loads the models and runs this process's requests, appending to `share.output`; `settings`:
+    `_build_spec`'s. The processes of a multi-process job each run a replica on their local devices."""
+    spec, sampling, mesh = settings
     device = None
-    if shared is not None:
+    if share.peers is not None:
         local = jax.local_devices()
         if mesh is not None and mesh.num_devices > len(local):
             raise ValueError(f"this mesh needs {mesh.num_devices} devices and a process has {len(local)}: "
@@ -176,55 +203,50 @@ def _decode(args, jobs, todo, spec, sampling, mesh, own, scan, shared) -> dict:
         target = load_model(args.target, args.dtype, quantize=args.quantize)
         drafter = jaxspec.NgramDrafter(max_ngram=3)
         max_positions = target.config.max_position_embeddings
-        if args.draft not in ("none", "ngram") and is_eagle_folder(args.draft):
+        if args.draft not in NO_DRAFT_MODEL and is_eagle_folder(args.draft):
             drafter = jaxspec.EagleDrafter(jaxspec.load(args.draft, target=target))
-        elif args.draft not in ("none", "ngram"):
+        elif args.draft not in NO_DRAFT_MODEL:
             drafter = load_model(args.draft, args.dtype, seed=1, quantize=args.quantize)
             max_positions = min(max_positions, drafter.config.max_position_embeddings)
-        prompts, budgets = _encode_jobs(todo, target, args, max_positions)
+        prompts, budgets = _encode_jobs(share.todo, target, args, max_positions)
         decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=spec, sampling=sampling, mesh=mesh)
-        tok = target.tokenizer
-        eos = tok.eos_token_id if args.eos and tok is not None else None
-        _repair(own, scan)
+        _repair(share.output, share.scan)
         # Each request samples from the RNG stream of its position in the input file, so a resumed
         # run, or another process, draws the same tokens an uninterrupted one would have.
         position = {jobs_lib.id_key(job.id): i for i, job in enumerate(jobs)}
-        streams = [position[jobs_lib.id_key(job.id)] for job in todo]
-        return _run(decoder, todo, prompts, budgets, eos, streams, args, own, shared)
+        streams = [position[jobs_lib.id_key(job.id)] for job in share.todo]
+        return _run(decoder, share, prompts, budgets, streams, args)
 
 
 def _repair(path, scan: jobs_lib.OutputScan) -> None:
     if scan.torn:
         shown = scan.torn if len(scan.torn) <= 60 else scan.torn[:57] + "..."
-        _warn(f"{path} ends with a torn line (an interrupted write: {shown!r}); truncating it away, its request "
-              "runs again")
+        warn(f"{path} ends with a torn line (an interrupted write: {shown!r}); truncating it away, its request "
+             "runs again")
     jobs_lib.repair_output(path, scan)
 
 
-def _run(decoder: jaxspec.SpeculativeDecoder, todo: list[jobs_lib.Job], prompts: list[list[int]],
-         budgets: list[int], eos: int | None, streams: list[int], args, own, shared) -> dict:
-    """Runs the requests, appending each one's line to `own` as soon as it finishes. Process 0 of a
-    multi-process job shows the whole run's progress (the other processes' parts, read as it goes)."""
-    import jax
-    from tqdm import tqdm
+def _run(decoder: jaxspec.SpeculativeDecoder, share: _Share, prompts: list[list[int]], budgets: list[int],
+         streams: list[int], args) -> dict:
+    """Runs the requests, appending each one's line to `share.output` as soon as it finishes. Process 0
+    of a multi-process job shows the whole run's progress (the other processes' parts, read as it goes)."""
     tok = decoder.target.tokenizer
-    totals = {"new_tokens": 0, "drafted": 0, "accepted": 0}
-    lead = shared is None or jax.process_index() == 0
-    peers = shared[1] if shared is not None else None
+    eos = tok.eos_token_id if args.eos and tok is not None else None
+    totals = {"all_tokens": 0, "drafted": 0, "accepted": 0}
+    lead = share.peers is None or jax.process_index() == 0
     start = time.perf_counter()
-    with jobs_lib.ResultWriter(own) as writer, \
-            tqdm(total=len(todo) if shared is None else shared[0], unit="req", desc="generate", file=sys.stderr,
+    with jobs_lib.ResultWriter(share.output) as writer, \
+            tqdm(total=share.total, unit="req", desc="generate", file=sys.stderr,
                  disable=args.no_progress or not lead, dynamic_ncols=True) as bar:
         def on_finish(index: int, tokens: list[int], counters: dict[str, int]) -> None:
             stats = jobs_lib.request_stats(counters)
             stats["finish"] = "eos" if eos is not None and tokens and tokens[-1] == eos else "length"
             text = tok.decode(tokens, skip_special_tokens=False) if tok is not None else None
-            writer.write({"id": todo[index].id, "text": text, "tokens": tokens, "stats": stats})
-            totals["new_tokens"] += counters["emitted"]
+            writer.write({"id": share.todo[index].id, "text": text, "tokens": tokens, "stats": stats})
             totals["drafted"] += counters["drafted"]
             totals["accepted"] += counters["accepted"]
-            others, other_tokens = peers.poll() if peers is not None and lead else (0, 0)
-            totals["all_tokens"] = totals.get("all_tokens", 0) + counters["emitted"] + other_tokens
+            others, other_tokens = share.peers.poll() if share.peers is not None and lead else (0, 0)
+            totals["all_tokens"] += counters["emitted"] + other_tokens
             elapsed = time.perf_counter() - start
             postfix = {"tok/s": f"{totals['all_tokens'] / elapsed:.1f}"}
             if totals["drafted"]:
@@ -237,9 +259,9 @@ def _run(decoder: jaxspec.SpeculativeDecoder, todo: list[jobs_lib.Job], prompts:
                                   request_ids=streams)
     s, seconds = result.stats, time.perf_counter() - start
     # Seconds include compilation: this is the job's wall time, not a steady-state benchmark.
-    return {"requests": len(todo), "new_tokens": s.new_tokens, "seconds": seconds,
+    return {"requests": len(share.todo), "new_tokens": s.new_tokens, "seconds": seconds,
             "tokens/s": s.new_tokens / seconds, "acceptance": s.acceptance_rate,
-            "tokens/step": s.mean_accepted_length, "output": str(own)}
+            "tokens/step": s.mean_accepted_length, "output": str(share.output)}
 
 
 def _add_generate(sub) -> None:
@@ -257,15 +279,11 @@ def _add_generate(sub) -> None:
         epilog="example:\n  jaxspec generate --target model.gguf --draft ngram --prompts in.jsonl "
                "--output out.jsonl --max-new-tokens 128 --k 4 --chat")
     models = p.add_argument_group("models")
-    models.add_argument("--target", required=True,
-                        help="GGUF file, HF folder, jaxspec checkpoint, or preset:NAME (random weights)")
+    add_model_args(models, quantize=True)
     models.add_argument("--draft", default="ngram",
                         help="a draft model (path or preset:NAME; its tokenizer may differ), an EAGLE-3 head folder "
                              "(jaxspec train-eagle), 'ngram' (prompt lookup, the default) or 'none' (plain "
                              "autoregressive decoding)")
-    models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    models.add_argument("--quantize", default="none", choices=["none", "int8"],
-                        help="int8 weights (one scale per output channel) for the target and a draft model")
     io = p.add_argument_group("input and output")
     io.add_argument("--prompts", required=True, metavar="IN.jsonl", help="requests, one JSON object per line")
     io.add_argument("--output", required=True, metavar="OUT.jsonl", help="results, appended (resumable)")
@@ -273,7 +291,24 @@ def _add_generate(sub) -> None:
                     help="skip malformed input lines with a warning instead of failing")
     io.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     io.add_argument("--no-progress", action="store_true", help="no progress bar")
-    dec = p.add_argument_group("decoding")
+    _add_decoding_args(p.add_argument_group("decoding"))
+    par = p.add_argument_group("devices")
+    par.add_argument("--target-tp", type=int, default=1, help="tensor-parallel degree of the target")
+    par.add_argument("--target-dp", type=int, default=1, help="data-parallel degree of the target")
+    par.add_argument("--draft-tp", type=int, default=None,
+                     help="devices of the draft model's own slice (default: share the target's)")
+    par.add_argument("--pipeline", action="store_true",
+                     help="two pipelined batches: the draft drafts one while the target verifies the other")
+    hosts = p.add_argument_group("several processes (hosts): the same command once per process; each runs a "
+                                 "replica on its own devices and a share of the requests, writing OUT.part-ID")
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    hosts.add_argument("--num-processes", type=int, metavar="N", help="processes of the job (or JAX_NUM_PROCESSES)")
+    hosts.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (or JAX_PROCESS_ID)")
+    p.set_defaults(run=generate)
+
+
+def _add_decoding_args(dec) -> None:
+    """`generate`'s decoding options: budgets, draft lengths and selection, policy, sampling, batching."""
     dec.add_argument("--max-new-tokens", type=int, default=128,
                      help="token budget of each request without its own max_new_tokens (default 128)")
     dec.add_argument("--k", type=int, default=4, help="draft tokens per row per step (default 4)")
@@ -298,19 +333,6 @@ def _add_generate(sub) -> None:
                      help="slots decoded at once; a finished slot takes the next request (default 8)")
     dec.add_argument("--eos", action=argparse.BooleanOptionalAction, default=True,
                      help="stop a request at the tokenizer's end-of-sequence token (default on)")
-    par = p.add_argument_group("devices")
-    par.add_argument("--target-tp", type=int, default=1, help="tensor-parallel degree of the target")
-    par.add_argument("--target-dp", type=int, default=1, help="data-parallel degree of the target")
-    par.add_argument("--draft-tp", type=int, default=None,
-                     help="devices of the draft model's own slice (default: share the target's)")
-    par.add_argument("--pipeline", action="store_true",
-                     help="two pipelined batches: the draft drafts one while the target verifies the other")
-    hosts = p.add_argument_group("several processes (hosts): the same command once per process; each runs a "
-                                 "replica on its own devices and a share of the requests, writing OUT.part-ID")
-    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (or JAX_COORDINATOR_ADDRESS)")
-    hosts.add_argument("--num-processes", type=int, metavar="N", help="processes of the job (or JAX_NUM_PROCESSES)")
-    hosts.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (or JAX_PROCESS_ID)")
-    p.set_defaults(run=generate)
 
 
 def merge(args) -> int:
@@ -331,10 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_merge(sub)
-    _add_profile(sub)
-    _add_bench(sub)
-    _add_distill(sub)
-    _add_train_eagle(sub)
+    add_profile(sub)
+    add_bench(sub)
+    add_distill(sub)
+    add_train_eagle(sub)
     return parser
 
 
@@ -361,6 +383,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxspec: error: {message}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) or isinstance(err, FileNotFoundError) else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

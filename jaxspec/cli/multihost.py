@@ -28,7 +28,9 @@ import os
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxspec.cli import jobs as jobs_lib
 
@@ -59,14 +61,13 @@ def placement(coordinator: str | None, num_processes: int | None, process_id: in
 
 
 def start(coordinator: str, num_processes: int, process_id: int) -> None:
-    import jax
+    """Joins this process to the job (`jax.distributed`); every process of it must call this."""
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id)
 
 
 def _allgather_text(text: str) -> list[str]:
     """Every process's `text`, in process order (a collective: all processes must call it)."""
-    from jax.experimental import multihost_utils
     data = np.frombuffer(text.encode(), np.uint8)
     longest = int(np.max(multihost_utils.process_allgather(np.int32(len(data)))))
     padded = np.zeros(longest, np.uint8)
@@ -77,7 +78,6 @@ def _allgather_text(text: str) -> list[str]:
 
 def agree(description: dict) -> None:
     """Raises ValueError on every process unless all processes have the same description."""
-    import jax
     everyone = [json.loads(text) for text in _allgather_text(json.dumps(description, sort_keys=True))]
     for i, other in enumerate(everyone[1:], start=1):
         for key in sorted(set(everyone[0]) | set(other)):
@@ -88,7 +88,7 @@ def agree(description: dict) -> None:
 
 
 def barrier(name: str) -> None:
-    from jax.experimental import multihost_utils
+    """Waits until every process has reached the barrier of this name."""
     multihost_utils.sync_global_devices(name)
 
 

@@ -1,6 +1,6 @@
 """The `jaxspec` command line's other subcommands: `profile`, `bench`, `distill`, and the helpers
-the command line shares (model arguments, integer lists). `jaxspec.cli` holds `generate` and
-the entry point."""
+the subcommands share (model arguments, output folders, chat prompts, integer lists).
+`jaxspec.cli.main` holds `generate`, `merge` and the entry point."""
 
 from __future__ import annotations
 
@@ -17,9 +17,44 @@ from jaxspec.cli import jobs as jobs_lib
 from jaxspec.policy.cost import COEFFICIENTS, CostModel
 from jaxspec.tools.benchmarking import table
 
+MODEL_HELP = "GGUF file, HF folder, jaxspec checkpoint, or preset:NAME (random weights)"
+DTYPES = ("float32", "bfloat16")
+NO_DRAFT_MODEL = ("none", "ngram")   # --draft values that load no draft model
 
-def _warn(message: str) -> None:
+
+def warn(message: str) -> None:
+    """Prints a one-line warning on stderr."""
     print(f"jaxspec: warning: {message}", file=sys.stderr, flush=True)
+
+
+def add_model_args(group, *, quantize: bool = False) -> None:
+    """--target and --dtype (and --quantize): the model options every model-loading subcommand has."""
+    group.add_argument("--target", required=True, help=MODEL_HELP)
+    group.add_argument("--dtype", default="float32", choices=DTYPES)
+    if quantize:
+        group.add_argument("--quantize", default="none", choices=["none", "int8"],
+                           help="int8 weights (one scale per output channel) for the target and a draft model")
+
+
+def output_path(output: str) -> Path:
+    """--output as a Path, once its folder is known to exist (checked before any model is loaded)."""
+    path = Path(output)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"--output {output}: folder {str(path.parent)!r} does not exist")
+    return path
+
+
+def chat_tokenizer(model: jaxspec.Model, name: str):
+    """The model's tokenizer, which --chat needs for its chat template; `name`: the model's argument."""
+    if model.tokenizer is None:
+        raise ValueError(f"--chat needs a tokenizer with a chat template; {name} has no tokenizer")
+    return model.tokenizer
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """`text` as a user's turn in the tokenizer's chat template, with the assistant's turn opened."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def load_model(spec: str, dtype: str, *, seed: int = 0, quantize: str = "none") -> jaxspec.Model:
@@ -32,7 +67,16 @@ def load_model(spec: str, dtype: str, *, seed: int = 0, quantize: str = "none") 
     return jaxspec.load(spec, dtype=dtype, quantize=quantize)
 
 
-def _ints(text: str, low: int = 1) -> tuple[int, ...]:
+def save_trained(trained, history: dict, output: Path, eval_rows: list[dict]) -> None:
+    """Saves a trained draft or head with its history.json, and prints its held-out evaluations."""
+    trained.save(output)
+    (output / "history.json").write_text(json.dumps(history, indent=1))
+    if eval_rows:
+        print(table(eval_rows))
+
+
+def positive_ints(text: str, low: int = 1) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers, each >= `low`."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
@@ -43,14 +87,23 @@ def _ints(text: str, low: int = 1) -> tuple[int, ...]:
     return values
 
 
-def _draft_lengths(text: str) -> tuple[int, ...]:
-    return _ints(text, low=0)
+def nonnegative_ints(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers, each >= 0 (draft lengths, layer indices)."""
+    return positive_ints(text, low=0)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def profile(args) -> int:
+    """`jaxspec profile`: times speculative steps on this device and writes the fitted cost model."""
     target = load_model(args.target, args.dtype, quantize=args.quantize)
-    draft = None if args.draft in ("none", "ngram") else load_model(args.draft, args.dtype, seed=1,
-                                                                       quantize=args.quantize)
+    draft = None if args.draft in NO_DRAFT_MODEL else load_model(args.draft, args.dtype, seed=1,
+                                                                    quantize=args.quantize)
     print(f"profiling {target.config.name} (target) and {draft.config.name if draft else 'no draft model'} "
           f"on {jax.devices()[0].device_kind} ...", flush=True)
     cost = CostModel.profile(target, draft, batches=args.batches, ks=args.ks,
@@ -65,7 +118,7 @@ def profile(args) -> int:
     return 0
 
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"   # a source checkout's; an installed package has none
 
 # name -> (script, arguments of a quick run: small sizes, one repeat, results under a *_quick name).
 BENCHES: dict[str, tuple[str, list[str]]] = {
@@ -93,13 +146,14 @@ def bench(args) -> int:
         extra = extra[1:]
     if extra and not args.only:
         raise ValueError("extra script arguments need --only NAME (each script takes its own arguments)")
+    out = [] if args.out is None else ["--out", str(Path(args.out).resolve())]
     failed = []
     for name in names:
         script, quick = BENCHES[name]
         path = SCRIPTS / script
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: `jaxspec bench` runs the scripts of a source checkout")
-        command = [sys.executable, str(path), *(quick if args.quick else []), *extra]
+        command = [sys.executable, str(path), *(quick if args.quick else []), *out, *extra]
         print("$ " + " ".join(command), flush=True)
         if args.dry_run:
             continue
@@ -115,7 +169,7 @@ def bench(args) -> int:
 def distill(args) -> int:
     """`jaxspec distill`: train a draft to agree with its target; saves it as a jaxspec checkpoint."""
     def prompt_texts(path):
-        jobs = jobs_lib.read_jobs(path, skip_bad_lines=args.skip_bad_lines, warn=_warn)
+        jobs = jobs_lib.read_jobs(path, skip_bad_lines=args.skip_bad_lines, warn=warn)
         return [job.prompt for job in jobs]
 
     for name in ("steps", "batch_size", "max_new_tokens", "checkpoint_every"):
@@ -125,23 +179,18 @@ def distill(args) -> int:
         raise ValueError(f"--learning-rate must be > 0, got {args.learning_rate}")
     prompts = prompt_texts(args.prompts)
     heldout = prompt_texts(args.heldout) if args.heldout else None
-    output = Path(args.output)
-    if not output.parent.is_dir():
-        raise FileNotFoundError(f"--output {args.output}: folder {str(output.parent)!r} does not exist")
+    output = output_path(args.output)
     target = load_model(args.target, args.dtype)
     if args.draft is not None:
         draft = load_model(args.draft, args.dtype, seed=1)
     else:
         draft = jaxspec.draft_from_target(target, args.init_layers, hidden_size=args.init_hidden, seed=args.seed)
     if args.chat:
-        tok = target.tokenizer
-        if tok is None:
-            raise ValueError(f"--chat needs a tokenizer with a chat template; {args.target} has no tokenizer")
+        tok = chat_tokenizer(target, args.target)
         for texts in (prompts, heldout or []):
             if not all(isinstance(t, str) for t in texts):
                 raise ValueError("--chat needs string prompts, got token ids")
-            texts[:] = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                add_generation_prompt=True) for t in texts]
+            texts[:] = [chat_prompt(tok, t) for t in texts]
     eos = target.tokenizer.eos_token_id if args.eos and target.tokenizer is not None else None
     print(f"distilling {draft.config.name} ({draft.config.num_layers} layers, hidden {draft.config.hidden_size}) "
           f"from {target.config.name} on {len(prompts)} prompts, {args.steps} steps", flush=True)
@@ -152,25 +201,14 @@ def distill(args) -> int:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, data_cache=args.data_cache,
         heldout_prompts=heldout, eval_every=args.eval_every, eval_k=args.eval_k,
         eval_max_new_tokens=args.eval_max_new_tokens, progress=not args.no_progress)
-    trained.save(output)
-    (output / "history.json").write_text(json.dumps(history, indent=1))
-    rows = [{"step": s, "heldout_acceptance": a, "tokens_per_step": m}
-            for s, a, m in zip(history["eval_step"], history["acceptance_rate"], history["mean_accepted_length"])]
-    if rows:
-        print(table(rows))
+    save_trained(trained, history, output, [
+        {"step": s, "heldout_acceptance": a, "tokens_per_step": m}
+        for s, a, m in zip(history["eval_step"], history["acceptance_rate"], history["mean_accepted_length"])])
     print(f"final loss {history['loss'][-1]:.4f}; wrote the draft to {output} (load it with jaxspec.load)")
     return 0
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    return values
-
-
-def _add_distill(sub) -> None:
+def add_distill(sub) -> None:
     p = sub.add_parser(
         "distill", help="train a draft model to agree with its target (optax; resumable with orbax)",
         description="The target continues the prompts (cached in --data-cache), then the draft is trained to "
@@ -184,13 +222,12 @@ def _add_distill(sub) -> None:
                "--checkpoint-dir ckpt/ --data-cache data/",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     models = p.add_argument_group("models")
-    models.add_argument("--target", required=True, help="GGUF file, HF folder, jaxspec checkpoint, or preset:NAME")
+    add_model_args(models)
     models.add_argument("--draft", help="the starting draft (same vocabulary); default: made from the target")
     models.add_argument("--init-layers", type=int, default=4,
                         help="without --draft: the draft's layers (the target's first ones when the width is kept)")
     models.add_argument("--init-hidden", type=int, default=None,
                         help="without --draft: the draft's width (default: the target's)")
-    models.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     data = p.add_argument_group("data")
     data.add_argument("--prompts", required=True, metavar="IN.jsonl", help='training prompts, {"id", "prompt"} lines')
     data.add_argument("--heldout", metavar="IN.jsonl", help="held-out prompts for the acceptance estimate")
@@ -209,46 +246,50 @@ def _add_distill(sub) -> None:
     train.add_argument("--batch-size", type=int, default=8)
     train.add_argument("--warmup-steps", type=int, default=0)
     train.add_argument("--weight-decay", type=float, default=0.0)
+    train.add_argument("--eval-max-new-tokens", type=int, default=None)
+    add_training_args(train)
+    p.add_argument("--output", required=True, metavar="DIR", help="where to save the trained draft")
+    p.set_defaults(run=distill)
+
+
+def add_training_args(train) -> None:
+    """The options `distill` and `train-eagle` share: seed, checkpoints, evaluation, progress."""
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--checkpoint-dir", metavar="DIR", help="orbax checkpoints; an existing run there resumes")
     train.add_argument("--checkpoint-every", type=int, default=100)
     train.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations")
     train.add_argument("--eval-k", type=int, default=4, help="draft length of the held-out evaluation")
-    train.add_argument("--eval-max-new-tokens", type=int, default=None)
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--output", required=True, metavar="DIR", help="where to save the trained draft")
-    p.set_defaults(run=distill)
+    train.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _add_bench(sub) -> None:
+def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="run the benchmark scripts (scripts/bench_*.py, mesh_sweep.py)",
                        description="Runs the benchmark suite of a source checkout, each script in its own "
-                                   "process; each prints tables and writes docs/results/<name>.{json,md}. "
-                                   f"Benchmarks: {', '.join(BENCHES)}. Arguments after `--` go to the script "
-                                   "(with --only).",
-                       epilog="example: jaxspec bench --quick --only tetris")
+                                   "process; each prints tables and writes <name>.{json,md} into --out "
+                                   f"(default: the checkout's docs/results). Benchmarks: {', '.join(BENCHES)}. "
+                                   "Arguments after `--` go to the script (with --only).",
+                       epilog="example: jaxspec bench --quick --only tetris --out /tmp/results")
     p.add_argument("--quick", action="store_true",
                    help="small sizes and one repeat (minutes, not hours); results under <name>_quick")
     p.add_argument("--only", choices=list(BENCHES), help="run this benchmark only")
+    p.add_argument("--out", metavar="DIR", help="the folder the results go to (default: docs/results)")
     p.add_argument("--dry-run", action="store_true", help="print the commands without running them")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(run=bench)
 
 
-def _add_profile(sub) -> None:
+def add_profile(sub) -> None:
     p = sub.add_parser("profile", help="time speculative steps on this device and fit a cost model",
                        description="Times the speculative decode step over batch sizes, draft lengths and cache "
                                    "sizes (inside a compiled loop), fits the linear latency models of the draft "
                                    "and the target verification and writes them as JSON for "
                                    "SpecConfig(policy='goodput', cost_model=CostModel.load(...)).")
-    p.add_argument("--target", required=True, help="path, or preset:NAME for random weights")
+    add_model_args(p, quantize=True)
     p.add_argument("--draft", default="none", help="path, preset:NAME, or none/ngram (no draft model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="weight-only int8 target and draft")
-    p.add_argument("--batches", type=_ints, default=(1, 2, 4, 8, 16), help="comma-separated batch sizes")
-    p.add_argument("--ks", type=_draft_lengths, default=(0, 1, 2, 4),
+    p.add_argument("--batches", type=positive_ints, default=(1, 2, 4, 8, 16), help="comma-separated batch sizes")
+    p.add_argument("--ks", type=nonnegative_ints, default=(0, 1, 2, 4),
                    help="draft lengths timed (0 and at least two values >= 1)")
-    p.add_argument("--cache-lens", type=_ints, default=(128, 512), help="cache sizes")
+    p.add_argument("--cache-lens", type=positive_ints, default=(128, 512), help="cache sizes")
     p.add_argument("--passes", type=int, default=3,
                    help="passes over all the shapes, each in a shuffled order; a shape's time is the median over "
                         "passes (a drift of the machine's speed then does not bend the fit)")

@@ -1,4 +1,6 @@
-"""Helpers shared by the benchmark scripts: machine description, timing, tables, JSON output."""
+"""Helpers shared by the benchmark scripts: machine description, timing, tables, JSON output, the
+benchmarks' model pairs. Where results go is the caller's to say (`write_results`' path): the scripts
+of a source checkout write into its docs/results."""
 
 from __future__ import annotations
 
@@ -15,8 +17,7 @@ import jax
 import numpy as np
 
 from jaxspec.models.config import ModelConfig
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
+from jaxspec.models.model import Model
 
 
 def machine() -> dict[str, Any]:
@@ -141,9 +142,10 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) 
     return "\n".join(lines)
 
 
-def write_results(name: str, payload: dict[str, Any], markdown: str | None = None) -> Path:
-    """Writes docs/results/<name>.json (and <name>.md when given); returns the JSON path."""
-    path = RESULTS_DIR / f"{name}.json"    # an absolute `name` writes there instead
+def write_results(path: str | os.PathLike, payload: dict[str, Any], markdown: str | None = None) -> Path:
+    """Writes `path`.json, the payload with the machine and the date (and `path`.md when given),
+    creating the folder; returns the JSON path."""
+    path = Path(f"{os.fspath(path)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
@@ -161,8 +163,6 @@ def layer_skip_pair(config, *, draft_layers: int, damping: float, sharpness: flo
     pairs. `sharpness` scales the final norm so the output distributions are peaked rather than
     nearly flat (random weights). Returns (target, draft) sharing their weights.
     """
-    from jaxspec.models.model import Model
-
     base = Model.random(config, seed=seed)
     params = jax.tree.map(lambda x: x, base.params)
     params["final_norm"] = {"scale": params["final_norm"]["scale"] * sharpness}
@@ -190,8 +190,6 @@ def skeleton_pair(target_config, draft_config, *, damping: float, sharpness: flo
     argmax where the bigram map's top logits are close: acceptance falls as `damping` grows.
     `sharpness` scales both final norms. Needs draft width <= target width and one vocabulary.
     """
-    from jaxspec.models.model import Model
-
     if draft_config.vocab_size != target_config.vocab_size or draft_config.hidden_size > target_config.hidden_size:
         raise ValueError("skeleton_pair needs one vocabulary and a draft no wider than the target, got "
                          f"vocab {draft_config.vocab_size} / {target_config.vocab_size}, width "

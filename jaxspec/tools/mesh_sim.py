@@ -64,13 +64,11 @@ def simulate(budgets: Sequence[int], *, slots: int, k: int, alpha: float, draft_
     tokens = steps = 0
 
     def run(slice_name: str, after: float, seconds: float) -> float:
+        """Queues `seconds` of work on a slice, to start once `after` has passed; returns its end."""
         start = max(free_at[slice_name], after)
         free_at[slice_name] = start + seconds
         busy[slice_name] += seconds
         return start + seconds
-
-    def live(lane: int) -> bool:
-        return any(r > 0 for r in left[lane])
 
     def step(lane: int) -> None:
         nonlocal tokens, steps
@@ -86,19 +84,14 @@ def simulate(budgets: Sequence[int], *, slots: int, k: int, alpha: float, draft_
             if left[lane][i] == 0 and queue:
                 left[lane][i] = queue.popleft()
 
-    if not pipeline:
-        while live(0):
-            step(0)
-    else:
-        # Dispatch order of the engine: the draft slice and the target slice each run their queue
-        # in order; alternating lanes makes verify(A) and draft(B) adjacent on different slices.
-        lane = 0
-        while live(0) and live(1):
+    # The engine's dispatch order: the draft slice and the target slice each run their queue in
+    # order; alternating lanes makes verify(A) and draft(B) adjacent on different slices. A lane
+    # left without requests stays so (the queue is empty), and the other runs alone (the tail).
+    live = [lane for lane in range(lanes) if max(left[lane]) > 0]
+    while live:
+        for lane in live:
             step(lane)
-            lane = 1 - lane
-        rest = 0 if live(0) else 1
-        while live(rest):
-            step(rest)
+        live = [lane for lane in live if max(left[lane]) > 0]
     seconds = max(free_at.values())
     return SimResult(seconds=seconds, tokens=tokens, steps=steps, busy_draft=busy["draft"],
                      busy_target=busy["target"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,10 +80,22 @@ class Rules:
     prior: float = policy.PRIOR_ALPHA    # acceptance assumed before any is observed
 
 
-@functools.partial(jax.jit, static_argnames=("plans", "margin", "has_current"))
-def _choose(state, live_b, seconds_j, current, remaining_b, draining, catch_up, *, plans, margin, has_current):
-    return policy.choose(state, live_b, plans, seconds_j, current if has_current else None, remaining_b, draining,
-                         catch_up, margin)
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The compile-time settings of a choice (hashable: one program per setting)."""
+
+    plans: tuple          # (k, budget) per plan
+    margin: float         # the hysteresis
+    has_current: bool     # False: the opening choice, no plan is running
+
+
+@functools.partial(jax.jit, static_argnames="static")
+def _choose(state, inputs, static: _Static):
+    """`policy.choose` compiled; `inputs` (traced): (live_b, seconds_j, current, remaining_b, draining,
+    catch_up_seconds)."""
+    live_b, seconds_j, current, remaining_b, draining, catch_up = inputs
+    return policy.choose(state, live_b, static.plans, seconds_j, current if static.has_current else None,
+                         remaining_b, draining, catch_up, static.margin)
 
 
 _observe = jax.jit(policy.observe)
@@ -100,10 +113,8 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
 
     Returns tokens, seconds, tokens_per_second, steps and the plan of each step.
     """
-    rng = np.random.default_rng(seed)
-    u_rp = rng.random((s.batch, s.tokens))
-    alpha_rp = s.alpha_rp()
-    slot_factor = s.falloff ** np.arange(max(k for k, _ in plans) + 1)
+    text = _Text(u_rp=np.random.default_rng(seed).random((s.batch, s.tokens)), alpha_rp=s.alpha_rp(),
+                 slot_factor=s.falloff ** np.arange(max(k for k, _ in plans) + 1))
     true_j = plan_seconds(s.cost, s.batch, plans)
     believed_j = plan_seconds(s.believed or s.cost, s.batch, plans).astype(np.float32)
     catch_up = (s.believed or s.cost).draft_seconds(s.batch) if rules.catch_up else 0.0
@@ -112,9 +123,9 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
     live = n_r < s.tokens
 
     def choose(state, current):
-        return int(_choose(state, jnp.asarray(live), believed_j, current or 0,
-                           jnp.asarray(s.tokens - n_r, jnp.int32), rules.drain, catch_up, plans=plans,
-                           margin=rules.margin, has_current=current is not None))
+        inputs = (jnp.asarray(live), believed_j, current or 0, jnp.asarray(s.tokens - n_r, jnp.int32), rules.drain,
+                  catch_up)
+        return int(_choose(state, inputs, _Static(plans, rules.margin, current is not None)))
 
     current = fixed if fixed is not None else choose(state, None)
     seconds, trace, backlog = 0.0, [], 0
@@ -122,7 +133,7 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
         k, budget = plans[current]
         steps_before = len(trace)
         for _ in range(policy.CHOOSE_EVERY if k == 0 else rules.draft_chunk):
-            accepted_r, verified_r = _one_step(s, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, state)
+            accepted_r, verified_r = _one_step(s, text, n_r, live, plans[current], state)
             n_r = np.minimum(n_r + np.where(live, accepted_r + 1, 0), s.tokens)
             if k:
                 state = _observe(state, jnp.asarray(verified_r, jnp.int32), jnp.asarray(accepted_r, jnp.int32),
@@ -153,8 +164,18 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
     return dict(tokens=tokens, seconds=seconds, tokens_per_second=tokens / seconds, steps=len(trace), trace=trace)
 
 
-def _one_step(s: Scenario, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, state):
-    """Accepted drafts and verified drafts per row in one step of plan (k, budget)."""
+class _Text(NamedTuple):
+    """The text a run decodes (common to the policy and every fixed plan): row r's draft at output
+    position p and window slot j is accepted iff u_rp[r, p] < alpha_rp[r, p] * slot_factor[j]."""
+
+    u_rp: np.ndarray
+    alpha_rp: np.ndarray
+    slot_factor: np.ndarray
+
+
+def _one_step(s: Scenario, text: _Text, n_r, live, plan, state):
+    """Accepted drafts and verified drafts per row in one step of `plan` (k, budget)."""
+    k, budget = plan
     verified_r = np.where(live, k, 0)
     if budget is not None:
         # TETRIS selects by the drafter's confidence: here the policy's own estimate stands for it.
@@ -166,7 +187,7 @@ def _one_step(s: Scenario, u_rp, alpha_rp, slot_factor, n_r, live, k, budget, st
     j = np.arange(max(k, 1))[None, :]
     p_rk = np.minimum(n_r[:, None] + j, s.tokens - 1)
     rows = np.arange(s.batch)[:, None]
-    hit_rk = (u_rp[rows, p_rk] < alpha_rp[rows, p_rk] * slot_factor[:max(k, 1)][None, :])
+    hit_rk = (text.u_rp[rows, p_rk] < text.alpha_rp[rows, p_rk] * text.slot_factor[:max(k, 1)][None, :])
     hit_rk &= (j < verified_r[:, None]) & (n_r[:, None] + j < s.tokens)
     accepted_r = np.cumprod(hit_rk, axis=1).sum(axis=1) * live
     return accepted_r, verified_r
