@@ -38,7 +38,8 @@ def attention_rows(model, batch: int, slots: int, live, rounds: int, before_dead
         name = f"{impl}/{block}" if block and len(blocks) > 1 else impl
         for context in live:
             if before_deadline():
-                timers[name, context] = timing.step_timer(model, drafter, 0, batch, slots, STEPS, 0, context=context)
+                timers[name, context] = timing.step_timer(model, drafter, 0, batch, slots, iterations=STEPS, seed=0,
+                                                                  context=context)
                 timers[name, context](1)
     attention_lib.ATTENTION, attention_lib.BLOCK = "auto", default_block
     jax.clear_caches()

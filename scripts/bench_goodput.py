@@ -26,7 +26,7 @@ import numpy as np
 from checkout import add_out_argument, out_dir, pyplot
 
 import jaxspec
-from jaxspec.engine.loop import cache_length
+from jaxspec.engine.plans import cache_length
 from jaxspec.engine.timing import side_by_side, time_points
 from jaxspec.policy.cost import CostModel
 from jaxspec.tools.benchmarking import (

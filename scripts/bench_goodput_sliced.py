@@ -137,7 +137,7 @@ def write(args, pair_text, cost, rows, details) -> None:
             "k = K - 1, extra = 1 (standard windows up to K - 1, or TETRIS's K drafts a row and a budget chosen "
             "by goodput; `mean_k` counts its drafts). For the goodput rows, `lane_step_ms`: the measured "
             "seconds per verification (median over rounds of call time over verifications, prefill included); "
-            "the policy plans with the cost model's lane-step times (`pipeline.lane_step_seconds`). "
+            "the policy plans with the cost model's lane-step times (`plans.plan_seconds`). "
             "`same_output`: every call's tokens equal the target's own "
             "greedy output. "
             f"Machine: {machine()['platform']}, {machine().get('cpu_count', '?')} cores. Cost model: "

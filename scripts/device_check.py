@@ -119,7 +119,8 @@ def xla_options(target, s, out: dict, before_deadline) -> None:
         if not before_deadline():
             out.setdefault("skipped", []).append(name)
             continue
-        run = timing.step_timer(target, drafter, 0, 1, cache_len, STEPS, 0, compiler_options=options)
+        run = timing.step_timer(target, drafter, 0, 1, cache_len, iterations=STEPS, seed=0,
+                                 compiler_options=options)
         try:
             rows.append({"options": name, "compile_s": round(_compiled(run), 2)})
             timers[name] = run
@@ -138,8 +139,8 @@ def xla_options(target, s, out: dict, before_deadline) -> None:
     for n in sorted({max(1, layers // 4), max(1, layers // 2)} - {layers}):
         if before_deadline():
             model = jaxspec.Model.random(target.config.replace(num_layers=n), seed=0, dtype="bfloat16")
-            out["compile_s_by_layers"][n] = round(_compiled(timing.step_timer(model, drafter, 0, 1, cache_len, STEPS,
-                                                                              0)), 2)
+            timer = timing.step_timer(model, drafter, 0, 1, cache_len, iterations=STEPS, seed=0)
+            out["compile_s_by_layers"][n] = round(_compiled(timer), 2)
     print(table(rows), out["compile_s_by_layers"], flush=True)
 
 

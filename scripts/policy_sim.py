@@ -21,7 +21,7 @@ import time
 import numpy as np
 from checkout import add_out_argument, out_dir
 
-from jaxspec import policy
+from jaxspec.policy import goodput as policy
 from jaxspec.policy.cost import CostModel
 from jaxspec.tools import policy_sim as ps
 from jaxspec.tools.benchmarking import table, write_results

@@ -1,6 +1,6 @@
 """A deterministic testbed for the goodput policy: the clock is a cost model, acceptance is set.
 
-The policy (`jaxspec.policy`) runs as the engine runs it (`jaxspec.engine.loop.run_on_device`):
+The policy (`jaxspec.policy.goodput`) runs as the engine runs it (`jaxspec.engine.loop.run_on_device`):
 it opens with a choice, observes each verified window and chooses again after every drafting step,
 and after every `CHOOSE_EVERY` plain steps (aging its evidence first); a change of plan
 costs a host round trip, and drafting after plain steps first feeds the drafter the tokens it
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import policy
+from jaxspec.policy import goodput as policy
 from jaxspec.policy.cost import CostModel
 
 
@@ -95,7 +95,7 @@ def _choose(state, inputs, static: _Static):
     catch_up_seconds)."""
     live_b, seconds_j, current, remaining_b, draining, catch_up = inputs
     return policy.choose(state, live_b, static.plans, seconds_j, current if static.has_current else None,
-                         remaining_b, draining, catch_up, static.margin)
+                         remaining_b=remaining_b, draining=draining, catch_up_seconds=catch_up, margin=static.margin)
 
 
 _observe = jax.jit(policy.observe)

@@ -151,7 +151,7 @@ def profile_step(model: Model, batch: int, context: int, *, k: int = 0, drafter=
     """
     drafter = drafter if drafter is not None else NgramDrafter().bind_vocab(model.config.vocab_size)
     cache_len = timing.cache_len_for(context, k, steps)
-    run = timing.step_timer(model, drafter, k, batch, cache_len, steps, seed=0)
+    run = timing.step_timer(model, drafter, k, batch, cache_len, iterations=steps, seed=0)
     run(steps)
     step_s = timing.time_steps(model, drafter, k, batch, cache_len, iterations=steps)
     kernels = trace_kernels(lambda: run(steps), steps)
