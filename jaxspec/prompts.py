@@ -124,21 +124,13 @@ def prepare(prompts, tokenizer, *, vocab_size: int, max_positions: int, max_new_
         if len(p) + n > max_positions:
             raise ValueError(f"prompts[{i}] has {len(p)} tokens; with max_new_tokens={n} that is "
                              f"{len(p) + n} positions, more than max_position_embeddings={max_positions}")
-    batch = bucket_batch(len(ids))
-    p_len = bucket_length(max(len(p) for p in ids))
-    tokens = np.zeros((batch, p_len), np.int32)
-    lengths = np.ones((batch,), np.int32)
-    budgets = np.zeros((batch,), np.int32)
-    for i, (p, n) in enumerate(zip(ids, max_new)):
+    tokens = np.zeros((len(ids), bucket_length(max(len(p) for p in ids))), np.int32)
+    for i, p in enumerate(ids):
         tokens[i, :len(p)] = p
-        lengths[i] = len(p)
-        budgets[i] = n
-    request_ids_b = np.zeros((batch,), np.int32)
-    request_ids_b[:len(ids)] = stream_ids
-    # Padding rows get ids past every real one, so no two rows share an RNG stream.
-    request_ids_b[len(ids):] = stream_ids.max() + 1 + np.arange(batch - len(ids))
-    return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets, request_ids_b=request_ids_b,
-                       num_prompts=len(ids), out_len=bucket_length(max(max_new)))
+    real = PromptBatch(tokens_bp=tokens, lengths_b=np.asarray([len(p) for p in ids], np.int32),
+                       max_new_b=np.asarray(max_new, np.int32), request_ids_b=stream_ids, num_prompts=len(ids),
+                       out_len=bucket_length(max(max_new)))
+    return subset(real, np.arange(len(ids)))   # bucketed and padded
 
 
 def subset(batch: PromptBatch, rows, multiple: int = 1, min_rows: int = 0) -> PromptBatch:
