@@ -17,6 +17,12 @@ MIN_LENGTH_BUCKET = 16
 NO_EOS = -1   # the stop token of a call without one (never emitted)
 
 
+def check_int(name: str, value, low: int) -> None:
+    """A ValueError naming `name` and its limit unless `value` is an int (not a bool) >= `low`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
 def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
     """Next power of two >= n (at least `minimum`)."""
     size = minimum

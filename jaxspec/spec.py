@@ -7,6 +7,7 @@ from typing import Any
 
 from jaxspec.drafting.trees import TreeShape
 from jaxspec.policy.cost import CostModel
+from jaxspec.prompts import check_int
 
 MAX_K = 16  # the largest draft length a program is compiled for
 MAX_TREE_COLUMNS = 64  # the most nodes (root included) a draft tree may have
@@ -49,12 +50,10 @@ class SpecConfig:
     tree: tuple[int, int] | None = None
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
-            raise ValueError(f"k must be an int >= 0, got {self.k!r}")
+        check_int("k", self.k, 0)
         if self.k > MAX_K:
             raise ValueError(f"k={self.k} is larger than the compiled maximum MAX_K={MAX_K}")
-        if isinstance(self.extra, bool) or not isinstance(self.extra, int) or self.extra < 0:
-            raise ValueError(f"extra must be an int >= 0, got {self.extra!r}")
+        check_int("extra", self.extra, 0)
         if self.k + self.extra > MAX_K:
             raise ValueError(f"k + extra = {self.k + self.extra} is larger than the compiled maximum MAX_K={MAX_K}")
         if self.selection not in SELECTIONS:

@@ -25,6 +25,7 @@ from flax import struct
 from jaxspec.drafting.base import scoring_probs
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward_packed
+from jaxspec.prompts import check_int
 from jaxspec.sampling import SamplingConfig
 
 
@@ -35,9 +36,7 @@ class TreeShape:
 
     def __post_init__(self):
         for name in ("depth", "width"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"tree {name} must be an int >= 1, got {value!r}")
+            check_int(f"tree {name}", getattr(self, name), 1)
 
     @property
     def columns(self) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.model import Model, resolve_dtype
+from jaxspec.prompts import check_int
 
 
 def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None = None,
@@ -52,8 +53,7 @@ def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None
     if target.quantization is not None:
         raise ValueError(f"target is {target.quantization}-quantized: build the draft from the float model "
                          f"and quantize both afterwards")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    check_int("num_layers", num_layers, 1)
     width = cfg.hidden_size if hidden_size is None else hidden_size
     if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= cfg.hidden_size:
         raise ValueError(f"hidden_size must be an int in [1, {cfg.hidden_size}] (the target's width), "

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxspec.prompts import check_int
+
 DATA, TENSOR = "data", "tensor"
 
 
@@ -38,9 +40,7 @@ class MeshConfig:
 
     def __post_init__(self):
         for name, low in (("target_tp", 1), ("target_dp", 1), ("draft_tp", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"MeshConfig.{name} must be an int >= {low}, got {value!r}")
+            check_int(f"MeshConfig.{name}", getattr(self, name), low)
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(self.devices))
 

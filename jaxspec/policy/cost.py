@@ -35,6 +35,8 @@ import jax
 import numpy as np
 import scipy.optimize
 
+from jaxspec.prompts import check_int
+
 REQUIRED = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token")
 COEFFICIENTS = REQUIRED + ("target_per_attention", "speculation_fixed", "speculation_per_row")
 
@@ -165,8 +167,7 @@ class CostModel:
         if 0 not in ks or len({k for k in ks if k >= 1}) < 2:
             raise ValueError(f"ks must include 0 and at least two values >= 1 to separate drafting, speculation "
                              f"and verification costs, got {ks}")
-        if not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"passes must be an int >= 1, got {passes!r}")
+        check_int("passes", passes, 1)
         if _step_timer is None:
             raise RuntimeError("no step timer registered: import jaxspec (jaxspec.engine.timing registers it)")
         shapes = [(b, k, s) for b in batches for k in ks for s in cache_lens]

@@ -33,6 +33,7 @@ from flax import nnx
 from jaxspec.drafting import EagleDrafter
 from jaxspec.models.eagle import EagleHead
 from jaxspec.models.model import Model
+from jaxspec.prompts import check_int
 from jaxspec.training import loop as training
 from jaxspec.training.feature_cache import feature_cache, stored
 
@@ -159,8 +160,8 @@ def heldout_loss(target: Model, head: EagleHead, data, *, seq_len: int = 128, tt
 
 
 def _check(target, head, seq_len, ttt_steps) -> None:
-    training.check_int("ttt_steps", ttt_steps, 1)
-    training.check_int("seq_len", seq_len, 3)
+    check_int("ttt_steps", ttt_steps, 1)
+    check_int("seq_len", seq_len, 3)
     if not isinstance(head, EagleHead):
         raise ValueError(f"head must be a jaxspec.EagleHead, got {type(head).__name__}")
     if head.config.target_hidden_size != target.config.hidden_size or (

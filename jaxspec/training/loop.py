@@ -25,12 +25,8 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from jaxspec.engine import SpeculativeDecoder
+from jaxspec.prompts import check_int
 from jaxspec.spec import SpecConfig
-
-
-def check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -276,5 +272,5 @@ def _json_roundtrip(value):
     return json.loads(json.dumps(value))
 
 
-__all__ = ["Checkpoints", "HParams", "Trainer", "batch_indices", "cast_like", "check_int", "digest",
+__all__ = ["Checkpoints", "HParams", "Trainer", "batch_indices", "cast_like", "digest",
            "heldout_acceptance", "params_digest", "take", "train", "write_json"]
