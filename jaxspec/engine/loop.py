@@ -54,6 +54,12 @@ def choose_plan(program: Program, state: DecodeState, control: Control, current)
                              catch_up_seconds=control.catch_up)
 
 
+def open_policy(program: Program, state: DecodeState, control: Control, prior=policy_lib.PRIOR_ALPHA):
+    """The state with the goodput policy's counts for its rows (from `prior`) and its opening choice."""
+    state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], program.schedule.max_k, prior))
+    return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, None)))
+
+
 def _fresh_rows(program: Program, params, requests: Requests, control: Control,
                 prior=policy_lib.PRIOR_ALPHA) -> DecodeState:
     """Loop state for freshly prefilled rows: target and drafter caches and, under the goodput
@@ -65,12 +71,11 @@ def _fresh_rows(program: Program, params, requests: Requests, control: Control,
     state, features_bpf = initial_state(program, params[0], requests)
     drafts_now = True
     if schedule.goodput:
-        state = state.replace(policy=policy_lib.PolicyState.init(tokens_bp.shape[0], schedule.max_k, prior))
-        choice = choose_plan(program, state, control, None)
-        drafts_now = jnp.asarray([plan.k > 0 for plan in schedule.plans])[choice]
+        state = open_policy(program, state, control, prior)
+        drafts_now = jnp.asarray([plan.k > 0 for plan in schedule.plans])[state.policy.choice]
         # Opening with plain decoding, the drafter skips its prefill: it is a prompt behind.
         behind = jnp.where(drafts_now, 0.0, jnp.max(prompt_len_b).astype(jnp.float32))
-        state = state.replace(policy=state.policy.replace(choice=choice, behind=behind))
+        state = state.replace(policy=state.policy.replace(behind=behind))
     if schedule.drafts:
         init = functools.partial(drafter.init, cache_len=program.cache_len)
         deferred = functools.partial(drafter.init_deferred, cache_len=program.cache_len)

@@ -50,11 +50,7 @@ from jaxspec.sampling import request_keys
 def _target_start(program: Program, params, requests: Requests, control: Control):
     """The target slice's prefill; under the goodput policy, the opening choice of the lane's plan."""
     state = step.initial_state(program, params[0], requests)[0]
-    if not program.schedule.goodput:
-        return state
-    schedule = program.schedule
-    state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], schedule.max_k))
-    return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, None)))
+    return loop.open_policy(program, state, control) if program.schedule.goodput else state
 
 
 @functools.partial(jax.jit, static_argnames=("program",))
