@@ -89,23 +89,23 @@ class EagleModule(nnx.Module):
         f = config.feature_size
         self.theta, self.rope_scaling, self.head_dim = c.rope_theta, c.rope_scaling, h
         self.norm_before_residual = config.norm_before_residual
-        self.fc_fd = nnx.Param(_normal(rngs.params(), (f, d), f ** -0.5, dtype), axes=("features", "embed"))
+
+        def param(shape, fan_in: int, axes):   # random, std 1 / sqrt(fan_in)
+            return nnx.Param(_normal(rngs.params(), shape, fan_in ** -0.5, dtype), axes=axes)
+
+        self.fc_fd = param((f, d), f, ("features", "embed"))
         self.input_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-        self.q_xnh = nnx.Param(_normal(rngs.params(), (2 * d, n, h), (2 * d) ** -0.5, dtype),
-                               axes=("embed", "heads", "head_dim"))
-        self.k_xkh = nnx.Param(_normal(rngs.params(), (2 * d, k, h), (2 * d) ** -0.5, dtype),
-                               axes=("embed", "kv_heads", "head_dim"))
-        self.v_xkh = nnx.Param(_normal(rngs.params(), (2 * d, k, h), (2 * d) ** -0.5, dtype),
-                               axes=("embed", "kv_heads", "head_dim"))
-        self.o_nhd = nnx.Param(_normal(rngs.params(), (n, h, d), (n * h) ** -0.5, dtype),
-                               axes=("heads", "head_dim", "embed"))
+        self.q_xnh = param((2 * d, n, h), 2 * d, ("embed", "heads", "head_dim"))
+        self.k_xkh = param((2 * d, k, h), 2 * d, ("embed", "kv_heads", "head_dim"))
+        self.v_xkh = param((2 * d, k, h), 2 * d, ("embed", "kv_heads", "head_dim"))
+        self.o_nhd = param((n, h, d), n * h, ("heads", "head_dim", "embed"))
         self.mlp_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-        self.gate_du = nnx.Param(_normal(rngs.params(), (d, u), d ** -0.5, dtype), axes=("embed", "mlp"))
-        self.up_du = nnx.Param(_normal(rngs.params(), (d, u), d ** -0.5, dtype), axes=("embed", "mlp"))
-        self.down_ud = nnx.Param(_normal(rngs.params(), (u, d), u ** -0.5, dtype), axes=("mlp", "embed"))
+        self.gate_du = param((d, u), d, ("embed", "mlp"))
+        self.up_du = param((d, u), d, ("embed", "mlp"))
+        self.down_ud = param((u, d), u, ("mlp", "embed"))
         self.final_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-        self.lm_head_dw = nnx.Param(_normal(rngs.params(), (d, w), d ** -0.5, dtype), axes=("embed", "vocab"))
+        self.lm_head_dw = param((d, w), d, ("embed", "vocab"))
 
     def fuse(self, features_mf):
         return features_mf @ self.fc_fd[...]
@@ -302,8 +302,9 @@ def _speculators(hf: dict, tensors: dict) -> tuple[dict, dict]:
     return layer, {name.replace("layers.0.", "midlayer.", 1): value for name, value in tensors.items()}
 
 
-def load_head(path, target, dtype=None) -> EagleHead:
-    """Reads an EAGLE-3 folder (`EagleHead.save`'s layout, the reference's) as a head bound to `target`.
+def load_head(path, target) -> EagleHead:
+    """Reads an EAGLE-3 folder (`EagleHead.save`'s layout, the reference's) as a head bound to `target`,
+    in the target's dtype.
 
     Raises ValueError naming the field or tensor when the folder does not fit the target or
     misses a tensor, or a tensor has the wrong shape.
@@ -330,11 +331,10 @@ def load_head(path, target, dtype=None) -> EagleHead:
                           num_kv_heads=hf["num_key_value_heads"], intermediate_size=hf["intermediate_size"],
                           rope_theta=rope_theta, rms_norm_eps=float(hf["rms_norm_eps"]), head_dim=hf.get("head_dim"),
                           rope_scaling=rope_scaling_from_hf(hf))
-    dtype = target.dtype if dtype is None else dtype
-    graphdef, state = nnx.split(_abstract_module(config, dtype))
+    graphdef, state = nnx.split(_abstract_module(config, target.dtype))
     params = convert_tensors(config.layer, nnx.to_pure_dict(state), lambda name: np.asarray(tensors[name], np.float32),
                              set(tensors) - {"d2t", "t2d", "embed_tokens.weight"}, source="eagle",
-                             convert_leaf=lambda value, path: jnp.asarray(value, dtype))
+                             convert_leaf=lambda value, path: jnp.asarray(value, target.dtype))
     if "d2t" in tensors:
         draft_ids = np.arange(w) + np.asarray(tensors["d2t"], np.int64)
     elif w == tc.vocab_size:
