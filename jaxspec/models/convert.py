@@ -24,8 +24,7 @@ def _identity(x, cfg):
 
 
 def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h]
-    d = x.shape[1]
-    return x.T.reshape(d, -1, cfg.resolved_head_dim)
+    return x.T.reshape(x.shape[1], -1, cfg.resolved_head_dim)
 
 
 def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]

@@ -51,14 +51,15 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def _matrix(module, name: str, shape, fan_in: int, axes, dtype, rngs, quantized: bool) -> None:
-    """Adds the weight `name` (random, std 1/sqrt(fan_in)) to `module`, with its `<name>_scale`
-    (None unless `quantized`: then an int8 weight and scales over its output axes, as structure
-    only: the values come from `quant.quantize_params` or the loaders)."""
-    w = _normal(rngs.params(), shape, fan_in ** -0.5, dtype)
+def _matrix(module, name: str, shape, axes, dtype, rngs, quantized: bool) -> None:
+    """Adds the weight `name` (random, std 1/sqrt(fan_in), fan_in the size of its input axes) to
+    `module`, with its `<name>_scale` (None unless `quantized`: then an int8 weight and scales
+    over its output axes, as structure only: the values come from `quant.quantize_params` or the
+    loaders)."""
+    in_axes = quant.BLOCK_MATRICES.get(name, 1)
+    w = _normal(rngs.params(), shape, math.prod(shape[:in_axes]) ** -0.5, dtype)
     scale = None
     if quantized:
-        in_axes = quant.BLOCK_MATRICES.get(name, 1)
         w = jnp.zeros(shape, jnp.int8)
         scale = nnx.Param(jnp.ones(shape[in_axes:], jnp.float32), axes=axes[in_axes:])
     setattr(module, name, nnx.Param(w, axes=axes))
@@ -118,11 +119,10 @@ class Block(nnx.Module):
         self.head_dim = h
         norm = functools.partial(RMSNorm, eps=config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
         self.attn_norm = norm(d)
-        attention = {"q_dnh": ((d, n, h), d, ("embed", "heads", "head_dim")),
-                     "k_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim")),
-                     "v_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim"))}
-        for name, (shape, fan_in, axes) in attention.items():
-            _matrix(self, name, shape, fan_in, axes, dtype, rngs, quantized)
+        for name, shape, axes in (("q_dnh", (d, n, h), ("embed", "heads", "head_dim")),
+                                  ("k_dkh", (d, k, h), ("embed", "kv_heads", "head_dim")),
+                                  ("v_dkh", (d, k, h), ("embed", "kv_heads", "head_dim"))):
+            _matrix(self, name, shape, axes, dtype, rngs, quantized)
         biases = {"q_bias_nh": ((n, h), ("heads", "head_dim")), "k_bias_kh": ((k, h), ("kv_heads", "head_dim")),
                   "v_bias_kh": ((k, h), ("kv_heads", "head_dim"))}
         for name, (shape, axes) in biases.items():
@@ -130,13 +130,13 @@ class Block(nnx.Module):
             setattr(self, name, bias)
         self.q_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
         self.k_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
-        _matrix(self, "o_nhd", (n, h, d), n * h, ("heads", "head_dim", "embed"), dtype, rngs, quantized)
+        _matrix(self, "o_nhd", (n, h, d), ("heads", "head_dim", "embed"), dtype, rngs, quantized)
         self.mlp_norm = norm(d)
         self.post_attn_norm = norm(d) if config.post_norms else None
         self.post_mlp_norm = norm(d) if config.post_norms else None
         for name, shape, axes in (("gate_df", (d, f), ("embed", "mlp")), ("up_df", (d, f), ("embed", "mlp")),
                                   ("down_fd", (f, d), ("mlp", "embed"))):
-            _matrix(self, name, shape, shape[0], axes, dtype, rngs, quantized)
+            _matrix(self, name, shape, axes, dtype, rngs, quantized)
 
     def _mm(self, x_mi, name: str):
         """x [m, i] through the matrix `name` (int8 or float) -> [m, o]."""
@@ -191,7 +191,7 @@ class Decoder(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head_dv = self.lm_head_dv_scale = None
         else:
-            _matrix(self, "lm_head_dv", (d, v), d, ("embed", "vocab"), dtype, rngs, quantized)
+            _matrix(self, "lm_head_dv", (d, v), ("embed", "vocab"), dtype, rngs, quantized)
 
     def embed(self, tokens):
         x = jnp.take(self.embed_vd[...], tokens, axis=0)
@@ -283,10 +283,8 @@ class Decoder(nnx.Module):
         a chain, at that position; a column of `width` marks an unused slot of the buffer.
         Token-wise work (projections, MLP) runs on the m packed tokens only; attention alone
         scatters the queries into a padded [b, width] layout and gathers its outputs back. Keys
-        and values of used slots are written to the cache; `lengths` is unchanged. `tree` =
-        (depth_bw, ancestor_bww): the window is a draft tree; column j sits at position
-        lengths + depth_bw[b, j] and sees the columns ancestor_bww[b, j] marks (`attend_cache`).
-        Also returns the `features` layers' inputs [m, f], or None.
+        and values of used slots are written to the cache; `lengths` is unchanged. `tree`: a draft
+        tree, as for `forward_packed`. Also returns the `features` layers' inputs [m, f], or None.
         """
         b = cache.batch
         used_m = col_m < width

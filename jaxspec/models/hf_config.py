@@ -75,10 +75,9 @@ def to_hf(cfg) -> dict[str, Any]:
                   layer_types=list(cfg.layer_types or ()), attn_logit_softcapping=cfg.attn_softcap,
                   final_logit_softcapping=cfg.final_softcap, query_pre_attn_scalar=cfg.query_pre_attn_scalar)
         if cfg.architecture == "gemma3_text":
-            hf["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                                        **cfg.rope},
-                                     "sliding_attention": {"rope_type": "default",
-                                                           "rope_theta": cfg.rope_local_theta}}
+            full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **cfg.rope}
+            hf["rope_parameters"] = {"full_attention": full,
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}
         return hf
     if cfg.rope.get("rope_type") == "freq_factors":
         raise ValueError("rope scaling read from a GGUF rope_freqs.weight tensor has no config.json form")
