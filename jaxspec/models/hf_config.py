@@ -87,7 +87,7 @@ def to_hf(cfg) -> dict[str, Any]:
         hf["sliding_window"] = cfg.sliding_window
     elif cfg.sliding_window is not None:
         raise ValueError(f"jaxspec writes sliding windows for mistral models only, not {cfg.architecture}")
-    if (cfg.architecture in ("qwen3", "gemma3_text")) != cfg.qk_norm:
+    if (cfg.architecture == "qwen3") != cfg.qk_norm:
         raise ValueError(f"transformers has q/k norms in qwen3 models only, not in {cfg.architecture} "
                          f"(qk_norm={cfg.qk_norm})")
     if cfg.architecture != "qwen2":

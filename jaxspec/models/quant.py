@@ -68,12 +68,10 @@ def split_pairs(params: dict) -> dict:
     entries (the loaders quantize leaf by leaf, so no float copy of the model exists)."""
     out = {}
     for key, child in params.items():
-        if isinstance(child, dict):
-            out[key] = split_pairs(child)
-        elif isinstance(child, tuple):
+        if isinstance(child, tuple):
             out[key], out[scale_name(key)] = child
         else:
-            out[key] = child
+            out[key] = split_pairs(child) if isinstance(child, dict) else child
     return out
 
 
