@@ -20,11 +20,10 @@ _F32 = jnp.float32
 # an online softmax), "xla" / "cudnn" (`jax.nn.dot_product_attention` with that implementation;
 # cuDNN's flash attention skips the key blocks past each row's live length), or "auto": on a GPU,
 # cuDNN in bfloat16 / float16 where its head sizes allow, else plain (XLA's GPU runtime reads a
-# traced loop condition back to the host every iteration); elsewhere blocked (2 CPU cores,
-# SmolLM2 shape, 1024 slots: at batch 8, 0.47x plain's step with 64 live, 0.92x with 900; at
-# batch 1, 0.82x and 1.12x; blocks of 256 or 512 no better: docs/results/bench_attention.md).
-# Attention without a cache (prefill, `Model.logits`) runs plain unless an SDPA implementation is
-# chosen. Read when a program is traced: set it before the first compile (or `jax.clear_caches()`).
+# traced loop condition back to the host every iteration); elsewhere blocked, which reads only the
+# live slots (docs/results/bench_attention.md). Attention without a cache (prefill, `Model.logits`)
+# runs plain unless an SDPA implementation is chosen. Read when a program is traced: set it before
+# the first compile (or `jax.clear_caches()`).
 ATTENTION = "auto"
 BLOCK = 128
 
@@ -47,10 +46,6 @@ def _scores(scores, opts: Options, head_dim: int):
     return scores if opts.softcap is None else opts.softcap * jnp.tanh(scores / opts.softcap)
 
 
-def _sdpa_can(opts: Options) -> bool:
-    return opts.softcap is None   # `jax.nn.dot_product_attention` has no soft cap
-
-
 def visible(k_pos, q_pos, window: int | None):
     """Whether a key at k_pos is visible to a query at q_pos (broadcasting): at or before it, and
     with a sliding `window`, less than `window` positions before it (the query itself included)."""
@@ -63,15 +58,12 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, opts: Options = _PLAIN):
     visible to a query iff `visible` (at or before it, within the sliding window if any).
 
     The plain path is written as batched 2-D dots with (batch, kv head) leading, which XLA's CPU
-    backend runs about 2.5x faster than the equivalent multi-axis einsum.
+    backend runs faster than the equivalent multi-axis einsum.
     """
     impl = attention_impl(q_btnh.dtype, q_btnh.shape[-1])
     with jax.named_scope("attention"):
-        visible_bts = visible(k_pos_bs[:, None, :], q_pos_bt[:, :, None], opts.window)
-        if impl in ("plain", "blocked") or not _sdpa_can(opts):
-            return _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts)
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None], scale=opts.scale,
-                                            implementation=impl)
+        return _dense(q_btnh, k_bskh, v_bskh, visible(k_pos_bs[:, None, :], q_pos_bt[:, :, None], opts.window),
+                      opts, impl)
 
 
 def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = _PLAIN, tree=None):
@@ -92,10 +84,16 @@ def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = _PLAI
             return _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts, tree)
         k_bskh, v_bskh = k_bskh.astype(q_btnh.dtype), v_bskh.astype(q_btnh.dtype)
         visible_bts = _cache_visible(jnp.arange(s, dtype=jnp.int32), q_pos_bt, opts.window, tree)
-        if impl == "plain" or not _sdpa_can(opts):
-            return _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts)
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None], scale=opts.scale,
-                                            key_value_seq_lengths=live_b, implementation=impl)
+        return _dense(q_btnh, k_bskh, v_bskh, visible_bts, opts, impl, live_b)
+
+
+def _dense(q_btnh, k_bskh, v_bskh, visible_bts, opts: Options, impl: str, live_b=None):
+    """Attention under a dense mask: the plain dots, or `jax.nn.dot_product_attention` (which has
+    no soft cap), reading only the first live_b[b] keys of row b when given."""
+    if impl in ("plain", "blocked") or opts.softcap is not None:
+        return _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts)
+    return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, mask=visible_bts[:, None], scale=opts.scale,
+                                        key_value_seq_lengths=live_b, implementation=impl)
 
 
 def _cache_visible(slot_s, q_pos_bt, window: int | None, tree):

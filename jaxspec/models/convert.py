@@ -2,13 +2,14 @@
 
 Each row names a jaxspec weight, its tensor name in a transformers checkpoint and in a llama.cpp
 GGUF file (`{i}` = layer index), and how the HF layout ([out, in] matrices, fused head axes)
-maps onto ours (einsum-friendly [in, heads, head_dim] etc.). Loaders and writers walk this table;
-nothing else knows tensor names.
+maps onto ours (einsum-friendly [in, heads, head_dim] etc.). Loaders and writers walk this table
+(and `EAGLE3_RULES`, an EAGLE-3 head's); nothing else knows tensor names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Collection
 
 import numpy as np
@@ -23,8 +24,7 @@ def _identity(x, cfg):
 
 
 def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h]
-    d = x.shape[1]
-    return x.T.reshape(d, -1, cfg.resolved_head_dim)
+    return x.T.reshape(x.shape[1], -1, cfg.resolved_head_dim)
 
 
 def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]
@@ -70,30 +70,12 @@ class WeightRule:
         return dict(self.hf_by_arch).get(cfg.architecture, self.hf)
 
 
-def _has_bias(cfg):
-    return cfg.attention_bias
-
-
-def _post_norms(cfg):
-    return cfg.post_norms
-
-
-def _qk_norm(cfg):
-    return cfg.qk_norm
-
-
 def _untied(cfg):
     return not cfg.tie_word_embeddings
 
 
-def _q_heads(cfg):
-    return cfg.num_heads
-
-
-def _kv_heads(cfg):
-    return cfg.num_kv_heads
-
-
+_has_bias, _post_norms, _qk_norm = (operator.attrgetter(f) for f in ("attention_bias", "post_norms", "qk_norm"))
+_q_heads, _kv_heads = operator.attrgetter("num_heads"), operator.attrgetter("num_kv_heads")
 _L = "model.layers.{i}."
 RULES: tuple[WeightRule, ...] = (
     WeightRule(("embed_vd",), "model.embed_tokens.weight", "token_embd.weight"),
@@ -134,9 +116,24 @@ RULES: tuple[WeightRule, ...] = (
                _transpose, _transpose, per_layer=True),
 )
 
-# Tensors some checkpoints carry that hold nothing jaxspec needs.
-_HARMLESS_HF = ("rotary_emb.inv_freq",)
-
+# An EAGLE-3 head (`jaxspec.models.eagle.EagleModule`) in the reference's layout, PyTorch [out, in]
+# weights as vLLM and SGLang read them; it has no GGUF form.
+_M = "midlayer."
+EAGLE3_RULES: tuple[WeightRule, ...] = (
+    WeightRule(("fc_fd",), "fc.weight", "", _transpose, _transpose),
+    WeightRule(("q_xnh",), _M + "self_attn.q_proj.weight", "", _in_heads, _in_heads_inv),
+    WeightRule(("k_xkh",), _M + "self_attn.k_proj.weight", "", _in_heads, _in_heads_inv),
+    WeightRule(("v_xkh",), _M + "self_attn.v_proj.weight", "", _in_heads, _in_heads_inv),
+    WeightRule(("o_nhd",), _M + "self_attn.o_proj.weight", "", _out_heads, _out_heads_inv),
+    WeightRule(("gate_du",), _M + "mlp.gate_proj.weight", "", _transpose, _transpose),
+    WeightRule(("up_du",), _M + "mlp.up_proj.weight", "", _transpose, _transpose),
+    WeightRule(("down_ud",), _M + "mlp.down_proj.weight", "", _transpose, _transpose),
+    WeightRule(("input_norm", "scale"), _M + "input_layernorm.weight", ""),
+    WeightRule(("hidden_norm", "scale"), _M + "hidden_norm.weight", ""),
+    WeightRule(("mlp_norm", "scale"), _M + "post_attention_layernorm.weight", ""),
+    WeightRule(("final_norm", "scale"), "norm.weight", ""),
+    WeightRule(("lm_head_dw",), "lm_head.weight", "", _transpose, _transpose),
+)
 
 def _unpermute_gguf(x: np.ndarray, n_head: int) -> np.ndarray:
     """Undoes llama.cpp's q/k row permutation (its rope pairs interleaved, ours rotate-half)."""
@@ -157,7 +154,7 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
       our_shapes: nested dict of the expected jaxspec params (anything with `.shape`).
       get: reads one tensor (float numpy, HF layout) by name.
       names: every tensor name in the checkpoint (to report unexpected ones).
-      source: "hf" or "gguf" (which name column to use).
+      source: "hf" or "gguf" (which name column of `RULES` to use), or "eagle" (`EAGLE3_RULES`).
       convert_leaf: (numpy weight in our layout, its params path) -> what the params store.
 
     Raises:
@@ -166,7 +163,7 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
     names = set(names)
     used: set[str] = set()
     params: dict = {}
-    for rule in RULES:
+    for rule in EAGLE3_RULES if source == "eagle" else RULES:
         if not rule.present(cfg):
             continue
         template = rule.gguf if source == "gguf" else rule.hf_name(cfg)
@@ -194,10 +191,11 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
     return params
 
 
-def params_to_hf(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
-    """jaxspec params -> HF-named numpy tensors (for writing safetensors checkpoints)."""
+def params_to_hf(cfg: ModelConfig, params: dict, source: str = "hf") -> dict[str, np.ndarray]:
+    """jaxspec params -> HF-named float32 numpy tensors (for writing safetensors checkpoints; of an
+    EAGLE-3 head with `source="eagle"`)."""
     out = {}
-    for rule in RULES:
+    for rule in EAGLE3_RULES if source == "eagle" else RULES:
         if not rule.present(cfg):
             continue
         for i in range(cfg.num_layers if rule.per_layer else 1):
@@ -207,11 +205,10 @@ def params_to_hf(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 
 def _harmless(name: str, cfg: ModelConfig, source: str) -> bool:
-    if source == "hf":
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            return True  # some tied checkpoints store the shared matrix twice
-        return name.endswith(_HARMLESS_HF)
-    return False
+    """Tensors some HF checkpoints carry that hold nothing jaxspec needs: rotary inverse frequencies,
+    and a tied model's shared matrix stored twice."""
+    return source == "hf" and (name.endswith("rotary_emb.inv_freq") or
+                               (name == "lm_head.weight" and cfg.tie_word_embeddings))
 
 
 def _path(rule: WeightRule, layer: int) -> tuple:

@@ -7,8 +7,8 @@ g query heads per kv head, h head dim, f MLP width, v vocabulary, l layers.
 Every parameter carries logical axis names in its `axes` metadata (`embed`, `heads`, `kv_heads`,
 `head_dim`, `mlp`, `vocab`); `jaxspec.parallel` maps them to mesh axes. Blocks are kept as separate
 modules and unrolled: decoding is bound by reading weights, and slicing one layer out of stacked
-weights under `lax.scan` costs a copy of that layer on CPU (about 3x slower matmuls measured here).
-The KV cache is a tuple of per-layer buffers; each block writes and reads its own.
+weights under `lax.scan` costs a copy of that layer on CPU. The KV cache is a tuple of per-layer
+buffers; each block writes and reads its own.
 
 Numerics: weights and activations in the compute dtype (float32 or bfloat16); RMSNorm statistics,
 rotary angles, attention softmax and logits in float32. With `quantized`, the matrices are int8
@@ -51,14 +51,15 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def _matrix(module, name: str, shape, fan_in: int, axes, dtype, rngs, quantized: bool) -> None:
-    """Adds the weight `name` (random, std 1/sqrt(fan_in)) to `module`, with its `<name>_scale`
-    (None unless `quantized`: then an int8 weight and scales over its output axes, as structure
-    only: the values come from `quant.quantize_params` or the loaders)."""
-    w = _normal(rngs.params(), shape, fan_in ** -0.5, dtype)
+def _matrix(module, name: str, shape, axes, dtype, rngs, quantized: bool) -> None:
+    """Adds the weight `name` (random, std 1/sqrt(fan_in), fan_in the size of its input axes) to
+    `module`, with its `<name>_scale` (None unless `quantized`: then an int8 weight and scales
+    over its output axes, as structure only: the values come from `quant.quantize_params` or the
+    loaders)."""
+    in_axes = quant.BLOCK_MATRICES.get(name, 1)
+    w = _normal(rngs.params(), shape, math.prod(shape[:in_axes]) ** -0.5, dtype)
     scale = None
     if quantized:
-        in_axes = quant.BLOCK_MATRICES.get(name, 1)
         w = jnp.zeros(shape, jnp.int8)
         scale = nnx.Param(jnp.ones(shape[in_axes:], jnp.float32), axes=axes[in_axes:])
     setattr(module, name, nnx.Param(w, axes=axes))
@@ -118,29 +119,24 @@ class Block(nnx.Module):
         self.head_dim = h
         norm = functools.partial(RMSNorm, eps=config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
         self.attn_norm = norm(d)
-        attention = {"q_dnh": ((d, n, h), d, ("embed", "heads", "head_dim")),
-                     "k_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim")),
-                     "v_dkh": ((d, k, h), d, ("embed", "kv_heads", "head_dim"))}
-        for name, (shape, fan_in, axes) in attention.items():
-            _matrix(self, name, shape, fan_in, axes, dtype, rngs, quantized)
-        if config.attention_bias:
-            self.q_bias_nh = nnx.Param(_normal(rngs.params(), (n, h), 0.1, dtype),
-                                       axes=("heads", "head_dim"))
-            self.k_bias_kh = nnx.Param(_normal(rngs.params(), (k, h), 0.1, dtype),
-                                       axes=("kv_heads", "head_dim"))
-            self.v_bias_kh = nnx.Param(_normal(rngs.params(), (k, h), 0.1, dtype),
-                                       axes=("kv_heads", "head_dim"))
-        else:
-            self.q_bias_nh = self.k_bias_kh = self.v_bias_kh = None
+        for name, shape, axes in (("q_dnh", (d, n, h), ("embed", "heads", "head_dim")),
+                                  ("k_dkh", (d, k, h), ("embed", "kv_heads", "head_dim")),
+                                  ("v_dkh", (d, k, h), ("embed", "kv_heads", "head_dim"))):
+            _matrix(self, name, shape, axes, dtype, rngs, quantized)
+        biases = {"q_bias_nh": ((n, h), ("heads", "head_dim")), "k_bias_kh": ((k, h), ("kv_heads", "head_dim")),
+                  "v_bias_kh": ((k, h), ("kv_heads", "head_dim"))}
+        for name, (shape, axes) in biases.items():
+            bias = nnx.Param(_normal(rngs.params(), shape, 0.1, dtype), axes=axes) if config.attention_bias else None
+            setattr(self, name, bias)
         self.q_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
         self.k_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
-        _matrix(self, "o_nhd", (n, h, d), n * h, ("heads", "head_dim", "embed"), dtype, rngs, quantized)
+        _matrix(self, "o_nhd", (n, h, d), ("heads", "head_dim", "embed"), dtype, rngs, quantized)
         self.mlp_norm = norm(d)
         self.post_attn_norm = norm(d) if config.post_norms else None
         self.post_mlp_norm = norm(d) if config.post_norms else None
         for name, shape, axes in (("gate_df", (d, f), ("embed", "mlp")), ("up_df", (d, f), ("embed", "mlp")),
                                   ("down_fd", (f, d), ("mlp", "embed"))):
-            _matrix(self, name, shape, shape[0], axes, dtype, rngs, quantized)
+            _matrix(self, name, shape, axes, dtype, rngs, quantized)
 
     def _mm(self, x_mi, name: str):
         """x [m, i] through the matrix `name` (int8 or float) -> [m, o]."""
@@ -153,7 +149,7 @@ class Block(nnx.Module):
         """Queries, keys and values (rotated) of m tokens at positions pos_m.
 
         Token-wise work runs on a flat [m, d] buffer with 2-D weight views: XLA's CPU dot is
-        several times slower on the equivalent multi-axis einsums (measured in bench notes).
+        slower on the equivalent multi-axis einsums.
         """
         m = x_md.shape[0]
         y = self.attn_norm(x_md)
@@ -195,7 +191,7 @@ class Decoder(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head_dv = self.lm_head_dv_scale = None
         else:
-            _matrix(self, "lm_head_dv", (d, v), d, ("embed", "vocab"), dtype, rngs, quantized)
+            _matrix(self, "lm_head_dv", (d, v), ("embed", "vocab"), dtype, rngs, quantized)
 
     def embed(self, tokens):
         x = jnp.take(self.embed_vd[...], tokens, axis=0)
@@ -206,35 +202,34 @@ class Decoder(nnx.Module):
     def head(self, x_md, ids=None):
         """Final norm and LM head of flat tokens [m, d] (any leading axes); logits in float32, of
         the vocabulary or of the token ids `ids` only."""
-        with jax.named_scope("lm_head"):
-            return self._head(x_md, ids)
-
-    def _head(self, x_md, ids):
         lead, d = x_md.shape[:-1], x_md.shape[-1]
-        y = self.final_norm(x_md.reshape(-1, d))
-        if self.lm_head_dv is None:
-            w_vd = self.embed_vd[...] if ids is None else jnp.take(self.embed_vd[...], ids, axis=0)
-            logits = jnp.einsum("md,vd->mv", y, w_vd, preferred_element_type=_F32)
-        else:
-            w_dv = self.lm_head_dv[...] if ids is None else jnp.take(self.lm_head_dv[...], ids, axis=1)
-            logits = jnp.dot(y, w_dv.astype(y.dtype), preferred_element_type=_F32)
-            if self.lm_head_dv_scale is not None:
-                scale_v = self.lm_head_dv_scale[...]
-                logits = logits * (scale_v if ids is None else jnp.take(scale_v, ids))
-        cap = self.config.final_softcap
-        if cap is not None:
-            logits = cap * jnp.tanh(logits / cap)
-        return logits.reshape(*lead, -1)
+        with jax.named_scope("lm_head"):
+            y = self.final_norm(x_md.reshape(-1, d))
+            if self.lm_head_dv is None:
+                w_vd = self.embed_vd[...] if ids is None else jnp.take(self.embed_vd[...], ids, axis=0)
+                logits = jnp.einsum("md,vd->mv", y, w_vd, preferred_element_type=_F32)
+            else:
+                w_dv = self.lm_head_dv[...] if ids is None else jnp.take(self.lm_head_dv[...], ids, axis=1)
+                logits = jnp.dot(y, w_dv.astype(y.dtype), preferred_element_type=_F32)
+                if self.lm_head_dv_scale is not None:
+                    scale_v = self.lm_head_dv_scale[...]
+                    logits = logits * (scale_v if ids is None else jnp.take(scale_v, ids))
+            cap = self.config.final_softcap
+            if cap is not None:
+                logits = cap * jnp.tanh(logits / cap)
+            return logits.reshape(*lead, -1)
 
-    def _run_blocks(self, x_md, carry, body, features=()):
-        """Runs the blocks; with `features` (static layer indices), also the residual stream
-        entering each of those layers, concatenated in the given order along the last axis
-        ([m, len(features) * d]; the inputs of EAGLE-3 heads), else None."""
-        captured = []
+    def _run_blocks(self, x_md, body, features=()):
+        """Runs the blocks, `body(block, x_md, i)` -> (x_md, anything: this layer's keys and values);
+        returns the last x_md, the list of the bodies' second outputs, and with `features` (static
+        layer indices) the residual stream entering each of those layers, concatenated in the given
+        order along the last axis ([m, len(features) * d]; the inputs of EAGLE-3 heads), else None."""
+        captured, outputs = [], []
         for i, block in enumerate(self.layers):
             captured += [x_md] * features.count(i)
-            x_md, carry = body(block, x_md, carry, i)
-        return x_md, carry, (jnp.concatenate(captured, axis=-1) if features else None)
+            x_md, out = body(block, x_md, i)
+            outputs.append(out)
+        return x_md, outputs, (jnp.concatenate(captured, axis=-1) if features else None)
 
     def hidden_uncached(self, tokens_bt, features=()):
         """Final hidden states of whole sequences starting at position 0, with no cache (and the
@@ -243,12 +238,12 @@ class Decoder(nnx.Module):
         pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         pos_m = pos_bt.reshape(-1)
 
-        def body(block, x_md, extra, i):
+        def body(block, x_md, i):
             q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in block.qkv(x_md, pos_m))
             attn = attend(q, k, v, pos_bt, pos_bt, block.attention)
-            return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), extra
+            return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), None
 
-        x_md, _, feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), None, body, features)
+        x_md, _, feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), body, features)
         return x_md.reshape(b, t, -1), _rows(feats, b)
 
     def hidden_cached(self, tokens_bt, cache: KVCache, empty: bool = False, features=()):
@@ -257,31 +252,28 @@ class Decoder(nnx.Module):
         Returns the hidden states and the cache with the new keys/values written; `lengths` is
         unchanged (the caller commits how many tokens to keep). `empty` (static): the cache holds
         nothing yet (every length 0, a prefill), so the tokens attend to each other only, not to
-        the whole buffer: a prefill then costs the same whatever the cache's size (attending over
-        a 200-slot cache took 7% longer than over 192 at batch 16 with a 64-token prompt).
-        Also returns the `features` layers' inputs [b, t, f], or None (`_run_blocks`).
+        the whole buffer: a prefill then costs the same whatever the cache's size. Also returns
+        the `features` layers' inputs [b, t, f], or None (`_run_blocks`).
         """
         b, t = tokens_bt.shape
         pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
         rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
 
-        def body(block, x_md, kv, i):
-            ks, vs = kv
+        def body(block, x_md, i):
             q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in block.qkv(x_md, pos_bt.reshape(-1)))
             # mode="drop": a write past the buffer is discarded instead of clamped onto live slots.
-            k_layer = ks[i].at[rows_bt, pos_bt].set(k.astype(ks[i].dtype), mode="drop")
-            v_layer = vs[i].at[rows_bt, pos_bt].set(v.astype(vs[i].dtype), mode="drop")
+            k_layer = cache.k[i].at[rows_bt, pos_bt].set(k.astype(cache.k[i].dtype), mode="drop")
+            v_layer = cache.v[i].at[rows_bt, pos_bt].set(v.astype(cache.v[i].dtype), mode="drop")
             if empty:   # the slots at and past t hold nothing a query here may see
-                attn = attend(q, k.astype(ks[i].dtype).astype(q.dtype), v.astype(vs[i].dtype).astype(q.dtype),
+                attn = attend(q, k.astype(k_layer.dtype).astype(q.dtype), v.astype(v_layer.dtype).astype(q.dtype),
                               pos_bt, pos_bt, block.attention)
             else:
                 attn = attend_cache(q, k_layer, v_layer, pos_bt, jnp.minimum(cache.lengths + t, cache.max_len),
                                     block.attention)
-            kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
-            return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), kv
+            return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), (k_layer, v_layer)
 
-        x_md, (ks, vs), feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), (cache.k, cache.v), body,
-                                                 features)
+        x_md, kv, feats = self._run_blocks(self.embed(tokens_bt.reshape(-1)), body, features)
+        ks, vs = zip(*kv)
         return x_md.reshape(b, t, -1), cache.replace(k=ks, v=vs), _rows(feats, b)
 
     def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int, features=(), tree=None):
@@ -291,10 +283,8 @@ class Decoder(nnx.Module):
         a chain, at that position; a column of `width` marks an unused slot of the buffer.
         Token-wise work (projections, MLP) runs on the m packed tokens only; attention alone
         scatters the queries into a padded [b, width] layout and gathers its outputs back. Keys
-        and values of used slots are written to the cache; `lengths` is unchanged. `tree` =
-        (depth_bw, ancestor_bww): the window is a draft tree; column j sits at position
-        lengths + depth_bw[b, j] and sees the columns ancestor_bww[b, j] marks (`attend_cache`).
-        Also returns the `features` layers' inputs [m, f], or None.
+        and values of used slots are written to the cache; `lengths` is unchanged. `tree`: a draft
+        tree, as for `forward_packed`. Also returns the `features` layers' inputs [m, f], or None.
         """
         b = cache.batch
         used_m = col_m < width
@@ -306,17 +296,16 @@ class Decoder(nnx.Module):
         live_b = jnp.minimum(cache.lengths + width, cache.max_len)
         attend_tree = None if tree is None else (cache.lengths, tree[1])
 
-        def body(block, x_md, kv, i):
-            ks, vs = kv
+        def body(block, x_md, i):
             q_mnh, k_mkh, v_mkh = block.qkv(x_md, pos_m)
-            k_layer = ks[i].at[row_m, write_at_m].set(k_mkh.astype(ks[i].dtype), mode="drop")
-            v_layer = vs[i].at[row_m, write_at_m].set(v_mkh.astype(vs[i].dtype), mode="drop")
+            k_layer = cache.k[i].at[row_m, write_at_m].set(k_mkh.astype(cache.k[i].dtype), mode="drop")
+            v_layer = cache.v[i].at[row_m, write_at_m].set(v_mkh.astype(cache.v[i].dtype), mode="drop")
             q_bwnh = jnp.zeros((b, width) + q_mnh.shape[1:], q_mnh.dtype).at[row_m, col_m].set(q_mnh, mode="drop")
             attn_bwnh = attend_cache(q_bwnh, k_layer, v_layer, q_pos_bw, live_b, block.attention, attend_tree)
-            kv = (ks[:i] + (k_layer,) + ks[i + 1:], vs[:i] + (v_layer,) + vs[i + 1:])
-            return block.finish(x_md, attn_bwnh[row_m, read_col_m]), kv
+            return block.finish(x_md, attn_bwnh[row_m, read_col_m]), (k_layer, v_layer)
 
-        x_md, (ks, vs), feats = self._run_blocks(self.embed(tokens_m), (cache.k, cache.v), body, features)
+        x_md, kv, feats = self._run_blocks(self.embed(tokens_m), body, features)
+        ks, vs = zip(*kv)
         return x_md, cache.replace(k=ks, v=vs), feats
 
 

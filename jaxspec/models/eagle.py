@@ -32,11 +32,13 @@ from flax import nnx
 from jaxspec.models.attention import attend_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.convert import convert_tensors, params_to_hf
 from jaxspec.models.decoder import RMSNorm, _normal, rotary
 from jaxspec.models.hf_config import rope_scaling_from_hf
 from jaxspec.models.model import _logical_axes
 
 _F32 = jnp.float32
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"   # `architectures` in an EAGLE-3 folder's config.json
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -87,23 +89,23 @@ class EagleModule(nnx.Module):
         f = config.feature_size
         self.theta, self.rope_scaling, self.head_dim = c.rope_theta, c.rope_scaling, h
         self.norm_before_residual = config.norm_before_residual
-        self.fc_fd = nnx.Param(_normal(rngs.params(), (f, d), f ** -0.5, dtype), axes=("features", "embed"))
+
+        def param(shape, fan_in: int, axes):   # random, std 1 / sqrt(fan_in)
+            return nnx.Param(_normal(rngs.params(), shape, fan_in ** -0.5, dtype), axes=axes)
+
+        self.fc_fd = param((f, d), f, ("features", "embed"))
         self.input_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-        self.q_xnh = nnx.Param(_normal(rngs.params(), (2 * d, n, h), (2 * d) ** -0.5, dtype),
-                               axes=("embed", "heads", "head_dim"))
-        self.k_xkh = nnx.Param(_normal(rngs.params(), (2 * d, k, h), (2 * d) ** -0.5, dtype),
-                               axes=("embed", "kv_heads", "head_dim"))
-        self.v_xkh = nnx.Param(_normal(rngs.params(), (2 * d, k, h), (2 * d) ** -0.5, dtype),
-                               axes=("embed", "kv_heads", "head_dim"))
-        self.o_nhd = nnx.Param(_normal(rngs.params(), (n, h, d), (n * h) ** -0.5, dtype),
-                               axes=("heads", "head_dim", "embed"))
+        self.q_xnh = param((2 * d, n, h), 2 * d, ("embed", "heads", "head_dim"))
+        self.k_xkh = param((2 * d, k, h), 2 * d, ("embed", "kv_heads", "head_dim"))
+        self.v_xkh = param((2 * d, k, h), 2 * d, ("embed", "kv_heads", "head_dim"))
+        self.o_nhd = param((n, h, d), n * h, ("heads", "head_dim", "embed"))
         self.mlp_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-        self.gate_du = nnx.Param(_normal(rngs.params(), (d, u), d ** -0.5, dtype), axes=("embed", "mlp"))
-        self.up_du = nnx.Param(_normal(rngs.params(), (d, u), d ** -0.5, dtype), axes=("embed", "mlp"))
-        self.down_ud = nnx.Param(_normal(rngs.params(), (u, d), u ** -0.5, dtype), axes=("mlp", "embed"))
+        self.gate_du = param((d, u), d, ("embed", "mlp"))
+        self.up_du = param((d, u), d, ("embed", "mlp"))
+        self.down_ud = param((u, d), u, ("mlp", "embed"))
         self.final_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-        self.lm_head_dw = nnx.Param(_normal(rngs.params(), (d, w), d ** -0.5, dtype), axes=("embed", "vocab"))
+        self.lm_head_dw = param((d, w), d, ("embed", "vocab"))
 
     def fuse(self, features_mf):
         return features_mf @ self.fc_fd[...]
@@ -225,17 +227,12 @@ class EagleHead:
         else:
             draft_ids = np.arange(w)
         # The head's layer: a Llama layer of the target's shape, whatever the target's family.
-        layer = ModelConfig(vocab_size=w, hidden_size=tc.hidden_size, num_layers=1, num_heads=tc.num_heads,
-                            num_kv_heads=tc.num_kv_heads, intermediate_size=tc.intermediate_size,
-                            max_position_embeddings=tc.max_position_embeddings, rope_theta=tc.rope_theta,
-                            rms_norm_eps=tc.rms_norm_eps, head_dim=tc.head_dim, rope_scaling=tc.rope_scaling,
-                            name=f"{tc.name}-eagle3")
-        config = EagleConfig(layer=layer,
-                             target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
-                             feature_layers=tuple(sorted(int(i) for i in layers)))
+        config = _head_config(tc, layers, vocab_size=w, hidden_size=tc.hidden_size, num_heads=tc.num_heads,
+                              num_kv_heads=tc.num_kv_heads, intermediate_size=tc.intermediate_size,
+                              rope_theta=tc.rope_theta, rms_norm_eps=tc.rms_norm_eps, head_dim=tc.head_dim,
+                              rope_scaling=tc.rope_scaling)
         dtype = target.dtype if dtype is None else dtype
-        module = EagleModule(config, dtype=dtype, rngs=nnx.Rngs(seed))
-        graphdef, state = nnx.split(module)
+        graphdef, state = nnx.split(EagleModule(config, dtype=dtype, rngs=nnx.Rngs(seed)))
         params = nnx.to_pure_dict(state)
         head_vd = target.params["embed_vd"] if tc.tie_word_embeddings else target.params["lm_head_dv"].T
         params["lm_head_dw"] = jnp.asarray(head_vd)[draft_ids].T.astype(dtype)
@@ -247,73 +244,48 @@ class EagleHead:
     @property
     def logical_axes(self) -> dict:
         """Nested dict parallel to `params` of logical axis-name tuples (as `Model.logical_axes`)."""
-        abstract = nnx.eval_shape(lambda: EagleModule(self.config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-        return _logical_axes(nnx.split(abstract)[1])
+        return _logical_axes(nnx.state(_abstract_module(self.config, jnp.float32)))
 
     def save(self, path) -> None:
-        """Writes the head in the published EAGLE-3 folder layout (`save_head`)."""
-        save_head(self, path)
+        """Writes `config.json` and `model.safetensors` in the published EAGLE-3 layout
+        (`convert.EAGLE3_RULES`; float32 weights, d2t int64, t2d bool), which `jaxspec.load(path,
+        target=...)` and EAGLE-3 loaders elsewhere read."""
+        from safetensors.numpy import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        c, config = self.config.layer, self.config
+        hf = {"architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+              "num_key_value_heads": c.num_kv_heads, "head_dim": c.resolved_head_dim, "num_hidden_layers": 1,
+              "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+              **({"rope_scaling": c.rope} if c.rope else {}),
+              "max_position_embeddings": c.max_position_embeddings, "vocab_size": config.target_vocab_size,
+              "draft_vocab_size": c.vocab_size, "target_hidden_size": config.target_hidden_size,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+                               "use_aux_hidden_state": True}, "norm_before_residual": config.norm_before_residual}
+        (path / "config.json").write_text(json.dumps(hf, indent=2))
+        tensors = params_to_hf(c, self.params, source="eagle")
+        tensors["d2t"] = (self.draft_ids - np.arange(len(self.draft_ids))).astype(np.int64)
+        tensors["t2d"] = np.zeros(config.target_vocab_size, bool)
+        tensors["t2d"][self.draft_ids] = True
+        save_file(tensors, str(path / "model.safetensors"))
+
+
+def _head_config(target: ModelConfig, feature_layers, norm_before_residual: bool = False, **layer) -> EagleConfig:
+    """The config of a head for `target` whose one layer has the ModelConfig fields `layer`."""
+    layer = ModelConfig(num_layers=1, max_position_embeddings=target.max_position_embeddings,
+                        name=f"{target.name}-eagle3", **layer)
+    return EagleConfig(layer=layer, target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+                       feature_layers=tuple(sorted(int(i) for i in feature_layers)),
+                       norm_before_residual=norm_before_residual)
+
+
+def _abstract_module(config: EagleConfig, dtype) -> EagleModule:
+    return nnx.eval_shape(lambda: EagleModule(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
 # --- checkpoints in the published EAGLE-3 layout ---
-
-EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-
-def _layout(config: EagleConfig) -> dict:
-    """Checkpoint tensor name -> (our param path, to-checkpoint transform, checkpoint shape), in
-    the EAGLE-3 reference's layout (PyTorch [out, in] weights, as vLLM and SGLang read it)."""
-    c = config.layer
-    d, n, k, h, u, w = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim, c.intermediate_size,
-                        c.vocab_size)
-    f = config.feature_size
-    flat_t = lambda x: x.reshape(x.shape[0], -1).T   # noqa: E731  [in, heads, h] -> [heads * h, in]
-    return {
-        "fc.weight": (("fc_fd",), np.transpose, (d, f)),
-        "midlayer.self_attn.q_proj.weight": (("q_xnh",), flat_t, (n * h, 2 * d)),
-        "midlayer.self_attn.k_proj.weight": (("k_xkh",), flat_t, (k * h, 2 * d)),
-        "midlayer.self_attn.v_proj.weight": (("v_xkh",), flat_t, (k * h, 2 * d)),
-        "midlayer.self_attn.o_proj.weight": (("o_nhd",), lambda x: x.reshape(-1, d).T, (d, n * h)),
-        "midlayer.mlp.gate_proj.weight": (("gate_du",), np.transpose, (u, d)),
-        "midlayer.mlp.up_proj.weight": (("up_du",), np.transpose, (u, d)),
-        "midlayer.mlp.down_proj.weight": (("down_ud",), np.transpose, (d, u)),
-        "midlayer.input_layernorm.weight": (("input_norm", "scale"), np.asarray, (d,)),
-        "midlayer.hidden_norm.weight": (("hidden_norm", "scale"), np.asarray, (d,)),
-        "midlayer.post_attention_layernorm.weight": (("mlp_norm", "scale"), np.asarray, (d,)),
-        "norm.weight": (("final_norm", "scale"), np.asarray, (d,)),
-        "lm_head.weight": (("lm_head_dw",), np.transpose, (w, d)),
-    }
-
-
-def save_head(head: EagleHead, path) -> None:
-    """Writes `config.json` and `model.safetensors` in the EAGLE-3 layout (float32 weights, d2t
-    int64, t2d bool); `jaxspec.load(path, target=...)` and EAGLE-3 loaders elsewhere read it."""
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    c, config = head.config.layer, head.config
-    hf = {"architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": c.hidden_size,
-          "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
-          "num_key_value_heads": c.num_kv_heads, "head_dim": c.resolved_head_dim, "num_hidden_layers": 1,
-          "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, **({"rope_scaling": c.rope} if c.rope else {}),
-          "max_position_embeddings": c.max_position_embeddings, "vocab_size": config.target_vocab_size,
-          "draft_vocab_size": c.vocab_size, "target_hidden_size": config.target_hidden_size,
-          "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
-                           "use_aux_hidden_state": True}, "norm_before_residual": config.norm_before_residual}
-    (path / "config.json").write_text(json.dumps(hf, indent=2))
-    tensors = {}
-    for name, (keys, to_ckpt, _) in _layout(config).items():
-        value = head.params
-        for key in keys:
-            value = value[key]
-        tensors[name] = np.ascontiguousarray(to_ckpt(np.asarray(value, np.float32)))
-    tensors["d2t"] = (head.draft_ids - np.arange(len(head.draft_ids))).astype(np.int64)
-    t2d = np.zeros(config.target_vocab_size, bool)
-    t2d[head.draft_ids] = True
-    tensors["t2d"] = t2d
-    save_file(tensors, str(path / "model.safetensors"))
-
 
 def is_eagle_folder(path) -> bool:
     config = Path(path) / "config.json"
@@ -330,8 +302,9 @@ def _speculators(hf: dict, tensors: dict) -> tuple[dict, dict]:
     return layer, {name.replace("layers.0.", "midlayer.", 1): value for name, value in tensors.items()}
 
 
-def load_head(path, target, dtype=None) -> EagleHead:
-    """Reads an EAGLE-3 folder (`save_head`'s layout, the reference's) as a head bound to `target`.
+def load_head(path, target) -> EagleHead:
+    """Reads an EAGLE-3 folder (`EagleHead.save`'s layout, the reference's) as a head bound to `target`,
+    in the target's dtype.
 
     Raises ValueError naming the field or tensor when the folder does not fit the target or
     misses a tensor, or a tensor has the wrong shape.
@@ -352,40 +325,22 @@ def load_head(path, target, dtype=None) -> EagleHead:
     if any(not 0 <= i < tc.num_layers for i in layers):
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {layers} must lie in [0, {tc.num_layers})")
     w = int(hf.get("draft_vocab_size", tc.vocab_size))
-    layer = ModelConfig(vocab_size=w, hidden_size=hf["hidden_size"], num_layers=1,
-                        num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
-                        intermediate_size=hf["intermediate_size"], max_position_embeddings=tc.max_position_embeddings,
-                        rope_theta=float(
-                            (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 1e4))),
-                        rms_norm_eps=float(hf["rms_norm_eps"]),
-                        head_dim=hf.get("head_dim"), rope_scaling=rope_scaling_from_hf(hf), name=f"{tc.name}-eagle3")
-    config = EagleConfig(layer=layer, target_hidden_size=tc.hidden_size, target_vocab_size=tc.vocab_size,
-                         feature_layers=tuple(sorted(int(i) for i in layers)),
-                         norm_before_residual=bool(hf.get("norm_before_residual", False)))
-    dtype = target.dtype if dtype is None else dtype
-    module = nnx.eval_shape(lambda: EagleModule(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(module)
-    params = nnx.to_pure_dict(state)
-    for name, (keys, to_ckpt, shape) in _layout(config).items():
-        if name not in tensors:
-            raise ValueError(f"missing tensor {name!r} (expected shape {shape})")
-        value = np.asarray(tensors[name], np.float32)
-        if value.shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {value.shape}, but the config needs {shape}")
-        ours = _from_checkpoint(value, keys, config)
-        node = params
-        for key in keys[:-1]:
-            node = node[key]
-        node[keys[-1]] = jnp.asarray(ours, dtype)
+    rope_theta = float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 1e4)))
+    config = _head_config(tc, layers, bool(hf.get("norm_before_residual", False)), vocab_size=w,
+                          hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
+                          num_kv_heads=hf["num_key_value_heads"], intermediate_size=hf["intermediate_size"],
+                          rope_theta=rope_theta, rms_norm_eps=float(hf["rms_norm_eps"]), head_dim=hf.get("head_dim"),
+                          rope_scaling=rope_scaling_from_hf(hf))
+    graphdef, state = nnx.split(_abstract_module(config, target.dtype))
+    params = convert_tensors(config.layer, nnx.to_pure_dict(state), lambda name: np.asarray(tensors[name], np.float32),
+                             set(tensors) - {"d2t", "t2d", "embed_tokens.weight"}, source="eagle",
+                             convert_leaf=lambda value, path: jnp.asarray(value, target.dtype))
     if "d2t" in tensors:
         draft_ids = np.arange(w) + np.asarray(tensors["d2t"], np.int64)
     elif w == tc.vocab_size:
         draft_ids = np.arange(w)
     else:
         raise ValueError(f"missing tensor 'd2t' (expected shape ({w},)): a reduced draft vocabulary needs its map")
-    unexpected = sorted(set(tensors) - set(_layout(config)) - {"d2t", "t2d", "embed_tokens.weight"})
-    if unexpected:
-        raise ValueError(f"unexpected tensors in {str(path)!r}: {unexpected}")
     return EagleHead(config, graphdef, params, draft_ids, target.params["embed_vd"])
 
 
@@ -405,17 +360,3 @@ def _read_tensors(path: Path) -> dict:
                          "convert it to model.safetensors") from None
     state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     return {name: (t.float() if t.is_floating_point() else t).numpy() for name, t in state.items()}
-
-
-def _from_checkpoint(value, keys, config: EagleConfig):
-    """The inverse of `_layout`'s transforms."""
-    c = config.layer
-    h = c.resolved_head_dim
-    name = keys[0]
-    if name in ("q_xnh", "k_xkh", "v_xkh"):
-        return value.T.reshape(value.shape[1], -1, h)
-    if name == "o_nhd":
-        return value.T.reshape(c.num_heads, h, c.hidden_size)
-    if value.ndim == 2:
-        return value.T
-    return value

@@ -34,13 +34,8 @@ def byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable unicode characters."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
                  + list(range(ord("®"), ord("ÿ") + 1)))
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+    others = [b for b in range(256) if b not in printable]   # mapped past 255, in order
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
 
 
 def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], path: str | None = None):

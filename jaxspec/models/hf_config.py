@@ -18,6 +18,10 @@ ROPE_SCALING = {"linear": ("factor",),
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")   # the MLP's gate: SwiGLU, or GeGLU with tanh GELU
+# ModelConfig field -> config.json key, for the fields every family states plainly.
+_HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+            "num_heads": "num_attention_heads", "intermediate_size": "intermediate_size",
+            "max_position_embeddings": "max_position_embeddings"}
 
 
 def fields_from_hf(hf: Mapping[str, Any], name: str | None = None) -> dict[str, Any]:
@@ -34,13 +38,8 @@ def fields_from_hf(hf: Mapping[str, Any], name: str | None = None) -> dict[str, 
     if head_dim == hf["hidden_size"] // num_heads:
         head_dim = None  # the default; keep configs comparable
     fields = dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
+        **{ours: hf[key] for ours, key in _HF_KEYS.items()},
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -63,13 +62,8 @@ def to_hf(cfg) -> dict[str, Any]:
     hf = {
         "model_type": cfg.architecture,
         "architectures": [_HF_CLASSES[cfg.architecture]],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
+        **{key: getattr(cfg, ours) for ours, key in _HF_KEYS.items()},
         "num_key_value_heads": cfg.num_kv_heads,
-        "intermediate_size": cfg.intermediate_size,
-        "max_position_embeddings": cfg.max_position_embeddings,
         "rope_theta": cfg.rope_theta,
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
@@ -81,11 +75,9 @@ def to_hf(cfg) -> dict[str, Any]:
                   layer_types=list(cfg.layer_types or ()), attn_logit_softcapping=cfg.attn_softcap,
                   final_logit_softcapping=cfg.final_softcap, query_pre_attn_scalar=cfg.query_pre_attn_scalar)
         if cfg.architecture == "gemma3_text":
-            hf.pop("rope_scaling", None)
-            hf["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                                        **cfg.rope},
-                                     "sliding_attention": {"rope_type": "default",
-                                                           "rope_theta": cfg.rope_local_theta}}
+            full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **cfg.rope}
+            hf["rope_parameters"] = {"full_attention": full,
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}}
         return hf
     if cfg.rope.get("rope_type") == "freq_factors":
         raise ValueError("rope scaling read from a GGUF rope_freqs.weight tensor has no config.json form")
@@ -95,7 +87,7 @@ def to_hf(cfg) -> dict[str, Any]:
         hf["sliding_window"] = cfg.sliding_window
     elif cfg.sliding_window is not None:
         raise ValueError(f"jaxspec writes sliding windows for mistral models only, not {cfg.architecture}")
-    if (cfg.architecture in ("qwen3", "gemma3_text")) != cfg.qk_norm:
+    if (cfg.architecture == "qwen3") != cfg.qk_norm:
         raise ValueError(f"transformers has q/k norms in qwen3 models only, not in {cfg.architecture} "
                          f"(qk_norm={cfg.qk_norm})")
     if cfg.architecture != "qwen2":

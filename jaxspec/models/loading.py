@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxspec.models import quant
 from jaxspec.models.config import ModelConfig
@@ -68,20 +69,22 @@ def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool 
 
 
 def _our_shapes(config: ModelConfig, dtype, quantize: str | None = None) -> dict:
-    from flax import nnx
     return nnx.to_pure_dict(nnx.state(_abstract_decoder(config, dtype, quantize)))
 
 
-def _to_device(dtype, quantize: str | None):
-    """Converts one finished float weight to what the params store: an array in `dtype`, or for
-    a matrix that int8 quantizes, its (int8 values, scales) pair (`quant.split_pairs`)."""
+def _from_tensors(config: ModelConfig, get, names, source: str, dtype, quantize: str | None) -> Model:
+    """A Model, without a tokenizer, from named checkpoint tensors (`convert_tensors`): each finished
+    float weight becomes an array in `dtype`, or for a matrix that int8 quantizes, its (int8
+    values, scales) pair (`quant.split_pairs`)."""
     def convert(value: np.ndarray, path: tuple):
         value = value.astype(np.float32, copy=False)
         in_axes = quant.quantized_leaf(path) if quantize else None
         if in_axes is not None:
             return tuple(jnp.asarray(a) for a in quant.quantize_array(value, in_axes))
         return jnp.asarray(value, dtype=dtype)
-    return convert
+
+    params = convert_tensors(config, _our_shapes(config, dtype), get, names, source=source, convert_leaf=convert)
+    return Model(config, quant.split_pairs(params), dtype=dtype, quantization=quantize)
 
 
 # --- GGUF ---
@@ -112,12 +115,10 @@ def _load_gguf(path: Path, dtype, want_tokenizer: bool, quantize: str | None) ->
     metadata, tensors = read_gguf(path)
     rope_freqs = _dequantize(tensors.pop("rope_freqs.weight")) if "rope_freqs.weight" in tensors else None
     config = ModelConfig.from_gguf_metadata(metadata, tensors.keys(), name=path.stem, rope_freqs=rope_freqs)
-    params = convert_tensors(config, _our_shapes(config, dtype), lambda n: _dequantize(tensors[n]),
-                             tensors.keys(), source="gguf", convert_leaf=_to_device(dtype, quantize))
-    tok = None
+    model = _from_tensors(config, lambda n: _dequantize(tensors[n]), tensors.keys(), "gguf", dtype, quantize)
     if want_tokenizer and "tokenizer.ggml.tokens" in metadata:
-        tok = tokenizer_from_gguf_metadata(metadata, str(path))
-    return Model(config, quant.split_pairs(params), dtype=dtype, tokenizer=tok, quantization=quantize)
+        model.tokenizer = tokenizer_from_gguf_metadata(metadata, str(path))
+    return model
 
 
 # --- HF folders ---
@@ -150,10 +151,9 @@ def _load_hf(folder: Path, dtype, want_tokenizer: bool, quantize: str | None) ->
     def get(name):
         return np.asarray(handles[name].get_tensor(name), np.float32)
 
-    params = convert_tensors(config, _our_shapes(config, dtype), get, handles.keys(), source="hf",
-                             convert_leaf=_to_device(dtype, quantize))
-    tok = _hf_tokenizer(folder) if want_tokenizer else None
-    return Model(config, quant.split_pairs(params), dtype=dtype, tokenizer=tok, quantization=quantize)
+    model = _from_tensors(config, get, handles.keys(), "hf", dtype, quantize)
+    model.tokenizer = _hf_tokenizer(folder) if want_tokenizer else None
+    return model
 
 
 def _hf_tokenizer(folder: Path):

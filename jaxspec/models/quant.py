@@ -57,19 +57,10 @@ def quantized_leaf(path: tuple) -> int | None:
 def quantize_params(params: dict) -> dict:
     """A float decoder's params with every quantizable matrix replaced by int8 values and its
     `<name>_scale` entry added (`Model.quantize`)."""
-    def walk(node, path):
-        out = {}
-        for key, child in node.items():
-            here = path + (key,)
-            in_axes = quantized_leaf(here)
-            if isinstance(child, dict):
-                out[key] = walk(child, here)
-            elif in_axes is not None:
-                out[key], out[scale_name(key)] = (jnp.asarray(a) for a in quantize_array(child, in_axes))
-            else:
-                out[key] = child
-        return out
-    return walk(params, ())
+    def pair(path, x):
+        in_axes = quantized_leaf(tuple(key.key for key in path))
+        return x if in_axes is None else tuple(jnp.asarray(a) for a in quantize_array(x, in_axes))
+    return split_pairs(jax.tree_util.tree_map_with_path(pair, params))
 
 
 def split_pairs(params: dict) -> dict:
@@ -77,12 +68,10 @@ def split_pairs(params: dict) -> dict:
     entries (the loaders quantize leaf by leaf, so no float copy of the model exists)."""
     out = {}
     for key, child in params.items():
-        if isinstance(child, dict):
-            out[key] = split_pairs(child)
-        elif isinstance(child, tuple):
+        if isinstance(child, tuple):
             out[key], out[scale_name(key)] = child
         else:
-            out[key] = child
+            out[key] = split_pairs(child) if isinstance(child, dict) else child
     return out
 
 
