@@ -29,9 +29,8 @@ from checkout import add_out_argument, code_prompts, out_dir, qwen_files, sonnet
 
 import jaxspec
 from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
-from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.models.model import forward, init_cache
-from jaxspec.tools.benchmarking import round_robin, table, write_results
+from jaxspec.tools.benchmarking import round_robin, smollm2_gguf_path, table, write_results
 
 COLUMNS = ["batch", "draft", "k", "tok_s", "vs_target", "acceptance", "mean_accepted", "same_output"]
 

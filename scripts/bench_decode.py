@@ -18,8 +18,7 @@ from checkout import add_out_argument, out_dir
 from transformers import AutoModelForCausalLM
 
 import jaxspec
-from jaxspec.models.loading import smollm2_gguf_path
-from jaxspec.tools.benchmarking import machine, table, timed, write_results
+from jaxspec.tools.benchmarking import machine, smollm2_gguf_path, table, timed, write_results
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",

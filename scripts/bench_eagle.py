@@ -36,8 +36,7 @@ from distill_smollm2 import prompt_split
 import jaxspec
 from jaxspec.cli.eagle import source_texts
 from jaxspec.models import eagle
-from jaxspec.models.loading import smollm2_gguf_path
-from jaxspec.tools.benchmarking import machine, table, write_results
+from jaxspec.tools.benchmarking import machine, smollm2_gguf_path, table, write_results
 from jaxspec.training.distill import answered
 
 

@@ -23,8 +23,7 @@ import numpy as np
 from checkout import QWEN, add_out_argument, out_dir
 
 import jaxspec
-from jaxspec.models.loading import smollm2_gguf_path
-from jaxspec.tools.benchmarking import machine, round_robin, table, write_results
+from jaxspec.tools.benchmarking import machine, round_robin, smollm2_gguf_path, table, write_results
 
 PROMPTS = ["Write a short story about a robot who learns to paint.",
            "Explain how a bicycle stays upright while it is moving.",

@@ -32,9 +32,8 @@ import numpy as np
 from checkout import QWEN, QWEN_DRAFT, add_out_argument, code_prompts, out_dir, pyplot, qwen_files, sonnet
 
 import jaxspec
-from jaxspec.models.loading import smollm2_gguf_path
 from jaxspec.prompts import bucket_batch, bucket_length
-from jaxspec.tools.benchmarking import machine, round_robin, table, write_results
+from jaxspec.tools.benchmarking import machine, round_robin, smollm2_gguf_path, table, write_results
 
 METHODS = ("speculative", "tetris", "goodput", "pipelined")
 COLUMNS = ["task", "batch", "method", "k", "extra", "tok_s", "vs_ar", "latency_p50_s", "latency_p90_s",

