@@ -81,7 +81,7 @@ def step_profile(target, s, out: dict, before_deadline) -> None:
         # Every configuration's programs compile side by side first (about 18 s each at this shape).
         drafter = NgramDrafter().bind_vocab(model.config.vocab_size)
         timing.side_by_side([functools.partial(timing.step_timer, model, drafter, k, b,
-                                               timing.cache_len_for(s["context"], k, STEPS), STEPS, 0)
+                                               timing.cache_len_for(s["context"], k, STEPS), iterations=STEPS, seed=0)
                              for b, k in configs])
         for batch, k in configs:
             if not before_deadline():
