@@ -53,3 +53,86 @@ def test_per_slot_rates_keep_windows_short_when_acceptance_falls_along_them():
     per_slot, geometric = policy_sim.compare(s, PLANS, (policy_sim.Rules(), policy_sim.Rules(per_slot=False)),
                                              seeds=2)
     assert per_slot["vs_best"] > 0.97 and per_slot["vs_best"] > geometric["vs_best"] + 0.03
+
+
+# Runs of the simulator before it knew segments (commit ef53638), seed 1: scenario, draft_chunk, tokens, seconds,
+# trace (the plan of each step).
+BEFORE_SEGMENTS = [
+    (dict(batch=4, tokens=48, alphas=(0.9, 0.3), cost=("gpu", 0.1)), 1, 192, 44.696875000000006,
+     "533333333333322211111111111111111110"),
+    (dict(batch=4, tokens=48, alphas=(0.9, 0.3), cost=("gpu", 0.1)), 4, 192, 44.2625,
+     "555522222222222211111111111111111111"),
+    (dict(batch=1, tokens=64, alphas=(0.3,), drift=(0.5, (0.9,)), cost=("cpu", 0.5)), 1, 64, 86.4333333333333,
+     "1" + "0" * 63),
+    (dict(batch=1, tokens=64, alphas=(0.3,), drift=(0.5, (0.9,)), cost=("cpu", 0.5)), 4, 64, 88.09999999999995,
+     "1111" + "0" * 59),
+    (dict(batch=16, tokens=32, alphas=(0.95,), falloff=0.85, cost=("gpu", 0.02)), 1, 512, 14.410000000000004,
+     "6644444444"),
+]
+
+
+def _scenario(cost, **kwargs):
+    return policy_sim.Scenario(name="t", cost=policy_sim.machine_cost(*cost), round_trip=0.1, **kwargs)
+
+
+@pytest.mark.parametrize("scenario,chunk,tokens,seconds,trace", BEFORE_SEGMENTS)
+def test_segment_0_decodes_as_before_segments_existed(scenario, chunk, tokens, seconds, trace):
+    run = policy_sim.simulate(_scenario(**scenario), PLANS, rules=policy_sim.Rules(draft_chunk=chunk, segment=0),
+                              seed=1)
+    assert (run["tokens"], run["seconds"], "".join(map(str, run["trace"]))) == (tokens, seconds, trace)
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_a_fixed_plan_in_segments_pays_for_the_masked_tail(k):
+    s = _scenario(("gpu", 0.1), batch=4, tokens=61, alphas=(0.9, 0.3))
+    whole = policy_sim.simulate(s, PLANS, fixed=k)
+    step = s.cost.step_seconds(4, k)
+    assert whole["seconds"] == pytest.approx(whole["steps"] * step)
+    for segment in (1, 2, 4, 8):
+        run = policy_sim.simulate(s, PLANS, fixed=k, rules=policy_sim.Rules(segment=segment))
+        assert run["tokens"] == whole["tokens"] == 4 * 61
+        assert run["steps"] == -(-whole["steps"] // segment) * segment
+        assert run["seconds"] == pytest.approx(-(-whole["steps"] // segment) * segment * step)
+
+
+class _Scripted:
+    """Stands in for the compiled choice: returns `plans` in turn and records the plan it was told runs."""
+
+    def __init__(self, plans):
+        self.plans, self.told = list(plans), []
+
+    def __call__(self, state, inputs, static):
+        self.told.append(int(inputs[2]) if static.has_current else None)
+        return self.plans[len(self.told) - 1]
+
+
+@pytest.mark.parametrize("segment", [1, 2, 4])
+def test_the_policy_chooses_once_a_segment_and_switches_only_at_its_end(segment, monkeypatch):
+    s = _scenario(("gpu", 0.1), batch=4, tokens=64, alphas=(0.9, 0.3))
+    real = policy_sim._choose
+    calls = []
+    monkeypatch.setattr(policy_sim, "_choose", lambda *args: calls.append(1) or real(*args))
+    run = policy_sim.simulate(s, PLANS, rules=policy_sim.Rules(segment=segment))
+    assert run["steps"] % segment == 0
+    assert len(calls) == run["steps"] // segment   # the opening choice and one at every segment's end but the last
+    switches = [i for i in range(1, run["steps"]) if run["trace"][i] != run["trace"][i - 1]]
+    assert switches and all(i % segment == 0 for i in switches)
+
+
+@pytest.mark.parametrize("segment,lag", [(1, 0), (2, 1), (3, 2)])
+def test_a_choice_runs_lag_segments_after_the_next(segment, lag, monkeypatch):
+    """Segment i runs the choice made at the end of segment i - 1 - lag (the opening one before that);
+    every change of plan costs the round trip once, when the new plan starts."""
+    script = [1, 3, 5, 3, 1, 5, 5, 3] * 20
+    scripted = _Scripted(script)
+    monkeypatch.setattr(policy_sim, "_choose", scripted)
+    s = _scenario(("gpu", 0.1), batch=2, tokens=64, alphas=(0.8,))
+    run = policy_sim.simulate(s, PLANS, rules=policy_sim.Rules(segment=segment, lag=lag))
+    ran = run["trace"][::segment]
+    assert ran == [script[max(0, i - lag)] for i in range(len(ran))]
+    assert run["trace"] == [plan for plan in ran for _ in range(segment)]
+    # Each choice is made against the latest plan chosen (the one the host dispatched last).
+    assert scripted.told == [None] + script[:len(scripted.told) - 1]
+    true_j = policy_sim.plan_seconds(s.cost, s.batch, PLANS)
+    changes = sum(a != b for a, b in zip(ran, ran[1:]))
+    assert run["seconds"] == pytest.approx(sum(true_j[j] for j in run["trace"]) + changes * s.round_trip)

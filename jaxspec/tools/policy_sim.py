@@ -2,7 +2,8 @@
 
 The policy (`jaxspec.policy.goodput`) runs as the engine runs it (`jaxspec.engine.loop.run_on_device`):
 it opens with a choice, observes each verified window and chooses again after every drafting step,
-and after every `CHOOSE_EVERY` plain steps (aging its evidence first); a change of plan
+and after every `CHOOSE_EVERY` plain steps (aging its evidence first), or, decoding in segments of S
+steps (`Rules.segment`, `Rules.lag`), at each segment's end only; a change of plan
 costs a host round trip, and drafting after plain steps first feeds the drafter the tokens it
 missed. Nothing is timed: a step of plan (k, budget) at batch b takes `CostModel.step_seconds` of the scenario's
 true cost model, which may differ from the one the policy believes.
@@ -68,7 +69,15 @@ class Scenario:
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """Which of the policy's rules run (each can be switched off to measure its worth)."""
+    """Which of the policy's rules run (each can be switched off to measure its worth), and when it chooses.
+
+    `segment` = 0: the policy chooses after every `draft_chunk` drafting steps and every `CHOOSE_EVERY` plain
+    steps, and decoding stops at the step that finishes the batch. `segment` = S >= 1: decoding runs in
+    segments of exactly S steps of one plan (drafting or plain alike); steps after the batch is done are masked
+    but cost their step's seconds until the segment ends; the policy observes every verified window, ages over
+    a segment's plain steps, and chooses once at each segment's end, and its choice runs from the segment
+    `lag` segments after the next one (the host dispatched those with the plans chosen before).
+    """
 
     margin: float = policy.MARGIN        # hysteresis
     off_decay: float = policy.OFF_DECAY  # probing after plain steps (1.0: never)
@@ -78,6 +87,8 @@ class Rules:
     drain: bool = True                   # a draining batch is judged by its slowest row
     catch_up: bool = True                # a drafting plan pays for the drafter's catch-up
     prior: float = policy.PRIOR_ALPHA    # acceptance assumed before any is observed
+    segment: int = 0                     # S >= 1: decode in segments of exactly S steps of one plan (0: off)
+    lag: int = 0                         # segments between a choice at a segment's end and the plan it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +122,9 @@ def plan_seconds(cost: CostModel, batch: int, plans, cache_len: int = 0) -> np.n
 def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(), seed: int = 0) -> dict:
     """Decodes the scenario's batch with the policy over `plans` (or plan `fixed` throughout).
 
-    Returns tokens, seconds, tokens_per_second, steps and the plan of each step.
+    Returns tokens, seconds, tokens_per_second, steps and the plan of each step (masked steps included).
+    With `rules.lag`, a choice is made against the latest plan chosen, and a change of plan costs its round
+    trip and catch-up when the new plan starts running.
     """
     text = _Text(u_rp=np.random.default_rng(seed).random((s.batch, s.tokens)), alpha_rp=s.alpha_rp(),
                  slot_factor=s.falloff ** np.arange(max(k for k, _ in plans) + 1))
@@ -128,20 +141,22 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
         return int(_choose(state, inputs, _Static(plans, rules.margin, current is not None)))
 
     current = fixed if fixed is not None else choose(state, None)
+    queued = [current] * rules.lag   # plans of the segments dispatched after the running one
     seconds, trace, backlog = 0.0, [], 0
     while live.any():
         k, budget = plans[current]
         steps_before = len(trace)
-        for _ in range(policy.CHOOSE_EVERY if k == 0 else rules.draft_chunk):
-            accepted_r, verified_r = _one_step(s, text, n_r, live, plans[current], state)
-            n_r = np.minimum(n_r + np.where(live, accepted_r + 1, 0), s.tokens)
-            if k:
-                state = _observe(state, jnp.asarray(verified_r, jnp.int32), jnp.asarray(accepted_r, jnp.int32),
-                                 jnp.asarray(live))
+        for _ in range(rules.segment or (policy.CHOOSE_EVERY if k == 0 else rules.draft_chunk)):
+            if live.any():   # else a masked step of a segment: it costs its seconds and decodes nothing
+                accepted_r, verified_r = _one_step(s, text, n_r, live, plans[current], state)
+                n_r = np.minimum(n_r + np.where(live, accepted_r + 1, 0), s.tokens)
+                if k:
+                    state = _observe(state, jnp.asarray(verified_r, jnp.int32), jnp.asarray(accepted_r, jnp.int32),
+                                     jnp.asarray(live))
             seconds += true_j[current]
             trace.append(current)
             live = n_r < s.tokens
-            if not live.any():
+            if not live.any() and not rules.segment:
                 break
         backlog = backlog + len(trace) - steps_before if k == 0 else 0
         if fixed is not None or not live.any():
@@ -151,7 +166,8 @@ def simulate(s: Scenario, plans, fixed: int | None = None, rules: Rules = Rules(
         seen = state if rules.per_row else _pooled(state, live)
         if not rules.per_slot:
             seen = seen.replace(accepted_k=jnp.zeros_like(seen.accepted_k), tried_k=jnp.zeros_like(seen.tried_k))
-        choice = choose(seen, current)
+        queued.append(choose(seen, queued[-1] if queued else current))
+        choice = queued.pop(0)
         if choice != current:
             # The segment ends: the host reads the choice, times the segment, dispatches the next.
             switch = s.round_trip
