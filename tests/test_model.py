@@ -90,6 +90,60 @@ def test_attention_over_the_cache_matches_brute_force(impl, block, window, monke
     np.testing.assert_allclose(np.asarray(got), brute_attention(q, k, v, q_pos, window), rtol=0, atol=1.5e-6)
 
 
+def _blocked_case(window, tree):
+    """attend_cache's arguments: ragged rows (junk past the live slots, the longest row filling all 50) with 4
+    queries each, a chain of new tokens or a draft tree (root, two children, a grandchild) at slots base + j."""
+    from jaxspec.models import attention
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in ((3, 4, 6, 8), (3, 50, 2, 8), (3, 50, 2, 8)))
+    base = np.array([40, 30, 46])
+    ancestor = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], bool)
+    q_pos = base[:, None] + (np.array([0, 1, 1, 2]) if tree else np.arange(4))
+    tree = (jnp.asarray(base), jnp.asarray(np.stack([ancestor] * 3))) if tree else None
+    return [jnp.asarray(x) for x in (q, k, v, q_pos, base + 4)], dict(opts=attention.Options(window=window), tree=tree)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block", [16, 7])
+def test_blocked_attention_under_live_slot_bounds_equals_plain(block, window, tree, monkeypatch):
+    """The blocked path's static block count, bounded by exactly the longest live row, by a bucket past the
+    buffer or not at all (every block; with a window, from its first block on, so blocks past the buffer's end,
+    which must add nothing), equals the plain path. The bound is per thread: another thread's traces see none."""
+    import concurrent.futures
+
+    from jaxspec.models import attention
+    args, kwargs = _blocked_case(window, tree)
+    monkeypatch.setattr(attention, "ATTENTION", "plain")
+    want = np.asarray(attention.attend_cache(*args, **kwargs))
+    monkeypatch.setattr(attention, "ATTENTION", "blocked")
+    monkeypatch.setattr(attention, "BLOCK", block)
+    for bound in (50, 64, None):
+        with attention.live_slots(bound):
+            got = attention.attend_cache(*args, **kwargs)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                assert pool.submit(attention._LIVE_SLOTS.get).result() is None
+        # Float32 sums in another order: measured at most 3.6e-7 apart on outputs <= 2.5 (a few ulps).
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1.5e-6)
+    assert attention._LIVE_SLOTS.get() is None
+
+
+@pytest.mark.parametrize("window, tree", [(None, False), (5, True)])
+def test_blocked_attention_compiles_to_loops_of_known_trip_count(window, tree, monkeypatch):
+    """No loop whose trip count depends on data (XLA's GPU runtime reads such a loop's condition back to the
+    host every iteration): one while of ceil(min(bound, 50) / 16) blocks, and no conditional."""
+    from jaxspec.models import attention
+    monkeypatch.setattr(attention, "ATTENTION", "blocked")
+    monkeypatch.setattr(attention, "BLOCK", 16)
+    args, kwargs = _blocked_case(window, tree)
+    for bound, trips in ((40, 3), (64, 4), (None, 4)):
+        with attention.live_slots(bound):
+            hlo = jax.jit(lambda *a: attention.attend_cache(*a, **kwargs)).lower(*args).compile().as_text()
+        whiles = [line for line in hlo.splitlines() if " while(" in line]
+        assert "conditional(" not in hlo and len(whiles) == 1
+        assert f'"known_trip_count":{{"n":"{trips}"}}' in whiles[0]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_into_an_empty_cache_attends_to_the_prompt_only(tiny_model, dtype, monkeypatch):
     """`empty=True` (prefills) attends over the t new tokens instead of the whole buffer: the same

@@ -1,6 +1,6 @@
 """Attention of new tokens against keys and values at explicit positions, in several
-implementations (`ATTENTION`): the reference batched dots, blocks up to the live length, and
-`jax.nn.dot_product_attention` (XLA's or cuDNN's).
+implementations (`ATTENTION`): the reference batched dots, blocks up to a bound on the live length
+(`live_slots`), and `jax.nn.dot_product_attention` (XLA's or cuDNN's).
 
 Shape key: b batch, t queries per row, s key slots, n query heads, k kv heads, g query heads per kv
 head, h head dim, m = t * g query rows per kv head.
@@ -8,6 +8,8 @@ head, h head dim, m = t * g query rows per kv head.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -15,17 +17,28 @@ import jax.numpy as jnp
 
 _F32 = jnp.float32
 
-# How attention over the cache runs: "plain" (batched dots over the whole buffer, the reference),
-# "blocked" (the same over blocks of `BLOCK` slots, up to the longest live row only, merged with
-# an online softmax), "xla" / "cudnn" (`jax.nn.dot_product_attention` with that implementation;
-# cuDNN's flash attention skips the key blocks past each row's live length), or "auto": on a GPU,
-# cuDNN in bfloat16 / float16 where its head sizes allow, else plain (XLA's GPU runtime reads a
-# traced loop condition back to the host every iteration); elsewhere blocked, which reads only the
-# live slots (docs/results/bench_attention.md). Attention without a cache (prefill, `Model.logits`)
-# runs plain unless an SDPA implementation is chosen. Read when a program is traced: set it before
-# the first compile (or `jax.clear_caches()`).
+# How attention over the cache runs: "plain" (batched dots over the whole buffer, the reference), "blocked" (the
+# same over a static count of `BLOCK`-slot blocks up to the `live_slots` bound, merged with an online softmax),
+# "xla" / "cudnn" (`jax.nn.dot_product_attention`; cuDNN's flash attention skips the key blocks past each row's
+# live length), or "auto": cuDNN on a GPU in bfloat16 / float16 where its head sizes allow, else blocked
+# (docs/results/bench_attention.md). Attention without a cache (prefill, `Model.logits`) runs plain unless an
+# SDPA implementation is chosen. Read when a program is traced: set it before the first compile (or clear caches).
 ATTENTION = "auto"
 BLOCK = 128
+_LIVE_SLOTS = contextvars.ContextVar("live_slots", default=None)   # per thread: parallel traces
+
+
+@contextlib.contextmanager
+def live_slots(n: int | None):
+    """Trace under the contract that no row of any cache attended has more than n live slots (a Python int;
+    None: no bound), so the blocked path reads ceil(n / BLOCK) blocks, a static trip count (a traced one blocks
+    a GPU's host every iteration). A row past n silently loses keys: the engine guarantees n, and keys its
+    programs on n (a jitted function's cache does not see it)."""
+    token = _LIVE_SLOTS.set(n)
+    try:
+        yield
+    finally:
+        _LIVE_SLOTS.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +49,6 @@ class Options:
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
-
-
-_PLAIN = Options()
 
 
 def _scores(scores, opts: Options, head_dim: int):
@@ -53,37 +63,30 @@ def visible(k_pos, q_pos, window: int | None):
     return seen if window is None else seen & (k_pos > q_pos - window)
 
 
-def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, opts: Options = _PLAIN):
-    """Causal grouped-query attention of t queries against s keys at explicit positions: a key is
-    visible to a query iff `visible` (at or before it, within the sliding window if any).
-
-    The plain path is written as batched 2-D dots with (batch, kv head) leading, which XLA's CPU
-    backend runs faster than the equivalent multi-axis einsum.
-    """
+def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, opts: Options = Options()):
+    """Causal grouped-query attention of t queries against s keys at explicit positions: a key is visible to a
+    query iff `visible`. The plain path is batched 2-D dots with (batch, kv head) leading, which XLA's CPU
+    backend runs faster than the equivalent multi-axis einsum."""
     impl = attention_impl(q_btnh.dtype, q_btnh.shape[-1])
     with jax.named_scope("attention"):
         return _dense(q_btnh, k_bskh, v_bskh, visible(k_pos_bs[:, None, :], q_pos_bt[:, :, None], opts.window),
                       opts, impl)
 
 
-def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = _PLAIN, tree=None):
-    """`attend` against a cache buffer, whose slot j holds the token at position j; no key past
-    `live_b[b]` slots can be visible to row b, so only those need reading (the blocked and cuDNN
-    paths read up to the longest live row, the blocked one from the window's first block; the
-    plain path reads the whole buffer).
+def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = Options(), tree=None):
+    """`attend` against a cache buffer, whose slot j holds the token at position j; no key past `live_b[b]`
+    slots can be visible to row b, so only those need reading (cuDNN reads up to the longest live row, the
+    blocked path up to `live_slots` from the window's first block, the plain path the whole buffer).
 
-    `tree` = (base_b, ancestor_btt): the t queries are the nodes of a draft tree written at slots
-    base_b + j (their positions q_pos_bt need not be their slots); query i sees the committed
-    slots below base_b (within the window) and tree slot j iff ancestor_btt[b, i, j] (its
-    ancestors and itself).
-    """
+    `tree` = (base_b, ancestor_btt): the t queries are the nodes of a draft tree written at slots base_b + j
+    (their positions q_pos_bt need not be their slots); query i sees the committed slots below base_b (within
+    the window) and tree slot j iff ancestor_btt[b, i, j] (its ancestors and itself)."""
     impl = attention_impl(q_btnh.dtype, q_btnh.shape[-1])
-    s = k_bskh.shape[1]
     with jax.named_scope("attention"):
         if impl == "blocked":
-            return _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts, tree)
+            return _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, opts, tree)
         k_bskh, v_bskh = k_bskh.astype(q_btnh.dtype), v_bskh.astype(q_btnh.dtype)
-        visible_bts = _cache_visible(jnp.arange(s, dtype=jnp.int32), q_pos_bt, opts.window, tree)
+        visible_bts = _cache_visible(jnp.arange(k_bskh.shape[1], dtype=jnp.int32), q_pos_bt, opts.window, tree)
         return _dense(q_btnh, k_bskh, v_bskh, visible_bts, opts, impl, live_b)
 
 
@@ -112,14 +115,11 @@ def _cache_visible(slot_s, q_pos_bt, window: int | None, tree):
 def attention_impl(dtype, head_dim: int) -> str:
     """The attention path `ATTENTION` selects for this dtype and head size."""
     if ATTENTION not in ("auto", "plain", "blocked", "xla", "cudnn"):
-        raise ValueError(f"jaxspec.models.attention.ATTENTION must be auto, plain, blocked, xla or cudnn, "
-                         f"got {ATTENTION!r}")
+        raise ValueError(f"attention.ATTENTION must be auto, plain, blocked, xla or cudnn, got {ATTENTION!r}")
     if ATTENTION != "auto":
         return ATTENTION
-    if jax.default_backend() != "gpu":
-        return "blocked"
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and head_dim % 8 == 0 and head_dim <= 128 else "plain"
+    return "cudnn" if jax.default_backend() == "gpu" and half and head_dim % 8 == 0 and head_dim <= 128 else "blocked"
 
 
 def _grouped(q_btnh, kv_heads: int):
@@ -140,8 +140,7 @@ _BATCH = ((0, 1), (0, 1))
 def _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts: Options):
     b, t, _, h = q_btnh.shape
     q_bkmh = _grouped(q_btnh, k_bskh.shape[2])
-    k_bksh = k_bskh.transpose(0, 2, 1, 3)
-    v_bksh = v_bskh.transpose(0, 2, 1, 3)
+    k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
     scores = jax.lax.dot_general(q_bkmh, k_bksh, (((3,), (3,)), _BATCH), preferred_element_type=_F32)
     scores = _scores(scores.reshape(b, k_bksh.shape[1], t, -1, k_bksh.shape[2]), opts, h)
     scores = jnp.where(visible_bts[:, None, :, None, :], scores, jnp.finfo(_F32).min)
@@ -150,11 +149,10 @@ def _attend(q_btnh, k_bskh, v_bskh, visible_bts, opts: Options):
     return _ungrouped(out, t).astype(q_btnh.dtype)
 
 
-def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options, tree=None):
-    """Attention over the cache in blocks of `BLOCK` slots, from the first block a query's window
-    reaches to the last the longest live row needs (a loop with traced bounds), merged with an
-    online softmax in float32. Hidden keys get no weight even in a block where a query sees
-    nothing yet (its running maximum is still the initial one)."""
+def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, opts: Options, tree=None):
+    """Attention over the cache in blocks of `BLOCK` slots merged with an online softmax in float32: a static
+    count, ceil(min(live_slots, s) / block), from the first block a query's window reaches (blocks past the
+    buffer add nothing). Hidden keys get no weight even where a query sees nothing yet (its maximum still initial)."""
     b, t, _, h = q_btnh.shape
     s = k_bskh.shape[1]
     block = min(BLOCK, s)
@@ -163,8 +161,9 @@ def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options, tree
     q_pos_bm = jnp.repeat(q_pos_bt, g, axis=1)
     tree_m = None if tree is None else (tree[0], jnp.repeat(tree[1], g, axis=1))
 
-    def step(j, carry):
+    def step(i, carry):
         max_bkm, sum_bkm, acc_bkmh = carry
+        j = first + i
         start = jnp.minimum(j * block, s - block)      # the last block may overlap the one before
         k_bksh, v_bksh = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1).transpose(0, 2, 1, 3)
                           .astype(q_btnh.dtype) for x in (k_bskh, v_bskh))
@@ -183,5 +182,6 @@ def _attend_blocks(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options, tree
     shape = q_bkmh.shape[:3]
     init = (jnp.full(shape, jnp.finfo(_F32).min, _F32), jnp.zeros(shape, _F32), jnp.zeros(q_bkmh.shape, _F32))
     first = 0 if opts.window is None else jnp.maximum(jnp.min(q_pos_bt) - opts.window + 1, 0) // block
-    _, sum_bkm, acc_bkmh = jax.lax.fori_loop(first, (jnp.max(live_b) + block - 1) // block, step, init)
+    count = -(-min(_LIVE_SLOTS.get() or s, s) // block)     # static: XLA knows the loop's trip count
+    _, sum_bkm, acc_bkmh = jax.lax.fori_loop(0, count, step, init)
     return _ungrouped(acc_bkmh / sum_bkm[..., None], t).astype(q_btnh.dtype)
