@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+
 from jaxspec.drafting.trees import TreeShape
 from jaxspec.policy.cost import CostModel
 from jaxspec.prompts import check_int
@@ -48,6 +50,7 @@ class SpecConfig:
     greedy_draft: bool = False
     threshold: float | None = None
     tree: tuple[int, int] | None = None
+    segment: int | None = None
 
     def __post_init__(self):
         check_int("k", self.k, 0)
@@ -61,6 +64,8 @@ class SpecConfig:
         if self.capacity is not None and (isinstance(self.capacity, bool) or not isinstance(self.capacity, int)
                                           or self.capacity < 0):
             raise ValueError(f"capacity must be None or an int >= 0, got {self.capacity!r}")
+        if self.segment is not None:
+            check_int("segment", self.segment, 1)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         threshold = self.threshold
@@ -90,6 +95,10 @@ class SpecConfig:
         if self.threshold is not None or self.extra > 0:   # a tree's k already counts its verified nodes
             raise ValueError(f"tree drafting takes neither threshold nor extra, got threshold={self.threshold!r}, "
                              f"extra={self.extra}")
+
+    def segment_steps(self) -> int:
+        """The segment length S (`segment`, or the default for the default backend)."""
+        return self.segment if self.segment is not None else (1 if jax.default_backend() == "cpu" else 4)
 
     @property
     def draft_len(self) -> int:

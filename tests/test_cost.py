@@ -83,13 +83,14 @@ def test_a_step_timing_is_never_far_below_the_loops_average_step(tiny_model, mon
 
     step, stall, now = 1e-3, 1e-2, [0.0]
 
-    def timed_loop(params, state, control):   # the compiled loop's traced arguments
-        steps = int(control.max_steps)
-        now[0] += steps * step + (stall if steps == 1 else 0.0)
-        return state
+    def compiled(steps):   # a segment of `steps` steps, called with its traced arguments
+        def timed_loop(params, state, control):
+            now[0] += steps * step + (stall if steps == 1 else 0.0)
+            return state, None
+        return types.SimpleNamespace(compile=lambda options=None: timed_loop)
 
-    lowered = types.SimpleNamespace(compile=lambda options=None: timed_loop)
-    monkeypatch.setattr(timing, "run_on_device", types.SimpleNamespace(lower=lambda *a, **k: lowered))
+    monkeypatch.setattr(timing, "run_on_device", types.SimpleNamespace(
+        lower=lambda program, params, state, control, segment: compiled(segment.steps)))
     monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     drafter = NgramDrafter().bind_vocab(tiny_model.config.vocab_size)
     seconds = timing.time_steps(tiny_model, drafter, 0, 1, 64, repeats=2)

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxspec import prompts as prompts_lib
 from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, crossvocab
-from jaxspec.engine import batching, loop, sliced, timing
+from jaxspec.engine import batching, loop, segments, sliced, timing
 from jaxspec.engine import plans as plans_lib
 from jaxspec.engine.chain import ChainDrafter
 from jaxspec.engine.loop import Control
@@ -179,43 +179,32 @@ class SpeculativeDecoder:
         put = (functools.partial(sharding_lib.put, sharding=sharding_lib.replicated(self._target_mesh))
                if self._target_mesh is not None else (lambda tree: tree))
 
-        def control(**fields):
-            return put(Control.of(draining=not len(queue), **clock, **fields))
+        def control(plan=0):
+            return put(Control.of(budget=budgets[plan], draining=not len(queue), **clock))
 
         start = time.perf_counter()
-        state = loop.start_on_device(dataclasses.replace(program, schedule=schedule.for_prefill()), params,
-                                     put(_requests(first, seed, eos)), control())
+        state, report = loop.start_on_device(dataclasses.replace(program, schedule=schedule.for_prefill()), params,
+                                             put(_requests(first, seed, eos)), control())
+        host = segments.Host(program, table, jax.device_get(report), self.spec.segment_steps())
         if schedule.goodput:
-            self._compile_plans(program, params, state, control())
-        plan_index = int(jax.device_get(state.policy.choice)) if schedule.goodput else 0
-        step_ks, segments = [], []
-        while True:
-            # With requests waiting (or a caller waiting for each result), stop as soon as one
-            # more row is done, to refill it or hand it over.
-            stop = 1 if len(queue) or (on_finish is not None and table.active > 1) else 0
-            segment_start = time.perf_counter()
-            state = loop.run_on_device(program, params, state, control(budget=budgets[plan_index],
-                                                                       stop_on_finish=stop), plan_index)
-            done_b, out_bo, n_out_b, counters, steps, choice = loop.segment_outputs(state)
-            ran = int(steps) - len(step_ks)
-            step_ks += [schedule.plans[plan_index].k] * ran
-            if schedule.goodput:
-                segments.append((plan_index, ran, time.perf_counter() - segment_start))
-                plan_index = int(choice)
-            table.harvest(done_b, out_bo, n_out_b, counters)
-            refill = table.refill()
-            if refill is None:
-                if table.active == 0 and not len(queue):
-                    break
-                continue
-            state = loop.refill_on_device(program, params, state, put(refill[0]), put(_requests(refill[1], seed, eos)),
-                                          control())
-            if schedule.goodput and bool(np.all(done_b)):   # no row was running: the new rows' opening choice
-                plan_index = int(jax.device_get(state.policy.choice))
-        extra = dict(slots=slots)
-        if schedule.goodput:   # (plan, steps, wall seconds) of each segment, and each plan's predicted step seconds
-            extra.update(segments=segments, plan_seconds=clock["seconds_j"].tolist())
-        return self._result(queue, int(steps), time.perf_counter() - start, step_ks, extra)
+            self._compile_plans(program, params, state, control(), host)
+        while host.plan is not None:
+            if host.synced:   # the host may change the state: refill finished rows, catch the drafter up
+                refill = table.refill()
+                if refill is not None:
+                    state, report = loop.refill_on_device(program, params, state, put(refill[0]),
+                                                          put(_requests(refill[1], seed, eos)), control())
+                    host.refilled(jax.device_get(report))
+                width = host.catch_up_width()
+                if width:
+                    state, _ = loop.catch_up_on_device(program, params, state, width)
+            segment = host.next_segment()
+            state, report = loop.run_on_device(program, params, state, control(segment.plan), segment)
+            host.dispatched(report, segment)
+        extra = dict(slots=slots, **host.extra())
+        if schedule.goodput:   # each plan's predicted step seconds
+            extra.update(plan_seconds=clock["seconds_j"].tolist())
+        return self._result(queue, host.steps, time.perf_counter() - start, host.step_ks, extra)
 
     def _result(self, queue, steps: int, seconds: float, step_ks: list[int], extra: dict) -> GenerationResult:
         tokens = queue.results()
@@ -223,16 +212,16 @@ class SpeculativeDecoder:
         stats.extra.update(extra)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
 
-    def _compile_plans(self, program: Program, params, state, control) -> None:
-        """Every plan's program at this batch shape, compiled side by side once: the policy may
-        switch to any of them mid-call, and a compilation there would stall the batch for seconds."""
-        key = (program, state.seq_bl.shape[0])
+    def _compile_plans(self, program: Program, params, state, control, host) -> None:
+        """Every plan's first segment at this batch shape, compiled side by side once: the policy
+        may switch to any of them mid-call, and a compilation there would stall the batch for seconds."""
+        segments_j = [host.next_segment(plan=j) for j in range(len(program.schedule.plans))]
+        key = (program, state.seq_bl.shape[0], segments_j[0].live)
         if key in self._compiled:
             return
         self._compiled.add(key)
         timing.side_by_side([functools.partial(
-            lambda j: loop.run_on_device.lower(program, params, state, control, j).compile(), j)
-            for j in range(len(program.schedule.plans))])
+            lambda s: loop.run_on_device.lower(program, params, state, control, s).compile(), s) for s in segments_j])
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.engine import loop, step
+from jaxspec.engine import loop, segments, step
 from jaxspec.engine.loop import Control, choose_plan
 from jaxspec.engine.plans import TARGET_ONLY, Program
 from jaxspec.engine.step import Requests
@@ -66,6 +66,11 @@ def _draft(program: Program, draft_params, draft_state, view: step.DraftView, pl
         # Greedy acceptance never reads q: do not ship [b, k, v] floats across slices.
         proposal = proposal.replace(q_bkv=jnp.zeros(proposal.q_bkv.shape[:2] + (0,), jnp.float32))
     return proposal, draft_state
+
+
+@functools.partial(jax.jit, static_argnames=("program", "width"), donate_argnums=(2,))
+def _draft_catch_up(program: Program, draft_params, draft_state, view: step.DraftView, width: int):
+    return program.drafter.catch_up(draft_params, draft_state, view.seq_bl, view.pending_b, width)
 
 
 @functools.partial(jax.jit, static_argnames=("program",), donate_argnums=(2,))
@@ -103,6 +108,7 @@ class Lane:
     plan: int = 0                  # the plan (index into the runner's plans) of the lane's next drafting
     proposal_plan: int = 0         # the plan `proposal` was drafted for
     verifying_plan: int | None = None  # the plan of the verification in flight
+    behind: int = 0                # plain steps queued since the drafter last drafted (`Drafter.catch_up`)
 
 
 class SlicedRunner:
@@ -171,6 +177,10 @@ class SlicedRunner:
             jax.block_until_ready(s)
         start = time.perf_counter()
         view = step.DraftView(*self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b)), keys_b=lane.keys_d)
+        if lane.behind:   # each plain step emitted at most one token per row
+            width = segments.catch_up_width(lane.behind, self.program.cache_len)
+            lane.draft_state, lane.behind = _draft_catch_up(self.program, self.drafter.params, lane.draft_state, view,
+                                                            width), 0
         proposal, lane.draft_state = _draft(self.program, self.drafter.params, lane.draft_state, view, lane.plan)
         lane.proposal = jax.device_put(proposal, self._t_rep)
         self._timed("draft", start, lane.proposal)
@@ -208,6 +218,7 @@ class SlicedRunner:
         if self.goodput:
             lane.state.policy.choice.copy_to_host_async()
         lane.verifying_plan = j
+        lane.behind += 0 if self.plans[j].k else 1
         self._timed("verify", start, lane.state)
         lane.state.done_b.copy_to_host_async()
 
@@ -228,7 +239,7 @@ class SlicedRunner:
                                            (self.target.params, ()), lane.state,
                                            sharding_lib.put(slots_r, self._t_rep),
                                            self._requests(sub, lane.seed, lane.eos, self._t_rep),
-                                           self._control(lane.table.queue))
+                                           self._control(lane.table.queue))[0]
         lane.state.done_b.copy_to_host_async()
         if self.program.schedule.drafts:
             d_slots, d_requests = sharding_lib.put(slots_r, self._d_rep), self._requests(sub, lane.seed, lane.eos,

@@ -1,6 +1,6 @@
 """Timing of real decode steps, for the cost model's profiler (`CostModel.profile`).
 
-A step is timed as the decode loop runs it (`loop.run_on_device` with a step cap): over `batch`
+A step is timed as the decode loop runs it (`loop.run_on_device`, a segment of that many steps): over `batch`
 rows with a cache of `cache_len` slots, after warm-up, with `block_until_ready`, as the
 difference between a loop of 1 + `iterations` steps and one of 1 step, so that a call's own cost
 besides its steps (dispatch, the round trip) is not counted as a step's. `time_points` times a
@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxspec import prompts as prompts_lib
 from jaxspec.drafting import Drafter, ModelDrafter, NgramDrafter
-from jaxspec.engine.loop import Control, run_on_device, start_on_device
+from jaxspec.engine.loop import Control, Segment, run_on_device, start_on_device
 from jaxspec.engine.plans import Program, Schedule, StepPlan
 from jaxspec.engine.step import Requests
 from jaxspec.models.model import Model
@@ -34,8 +34,11 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     """Median seconds of one step with k drafts per row (k = 0: a plain decoding step). Where a
     stall makes the difference of the two loops implausibly small, a tenth of the long loop's
     average step stands in."""
-    run = step_timer(target, drafter, k, batch, cache_len, iterations=iterations, seed=seed)
+    return _step_seconds(step_timer(target, drafter, k, batch, cache_len, iterations=iterations, seed=seed),
+                         iterations, repeats)
 
+
+def _step_seconds(run, iterations: int, repeats: int) -> float:
     def step() -> tuple[float, float]:
         long = run(1 + iterations)
         return (long - run(1)) / iterations, long / (1 + iterations)
@@ -74,23 +77,23 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     params = (target.params, drafter.params)
     # One prefill serves every timed run: each run gets a copy, as the loop donates its state.
     prefilled = start_on_device(dataclasses.replace(program, schedule=schedule.for_prefill()), params, requests,
-                                Control.of())
-    compiled = []
+                                Control.of())[0]
+    compiled = {}
 
-    def step_loop():
-        if not compiled:   # `max_steps` is traced: one program serves every step count
-            compiled.append(run_on_device.lower(program, params, prefilled, Control.of(max_steps=1), 0)
-                            .compile(compiler_options or None))
-        return compiled[0]
+    def step_loop(steps: int):
+        if steps not in compiled:   # a segment's length is static: one program per step count
+            compiled[steps] = (run_on_device.lower(program, params, prefilled, Control.of(), Segment(0, steps))
+                               .compile(compiler_options or None))
+        return compiled[steps]
 
     def run(steps: int) -> float:
-        loop = step_loop()
+        loop = step_loop(steps)
         state = jax.block_until_ready(jax.tree.map(jnp.copy, prefilled))
         start = time.perf_counter()
-        jax.block_until_ready(loop(params, state, Control.of(max_steps=steps)))
+        jax.block_until_ready(loop(params, state, Control.of()))
         return time.perf_counter() - start
 
-    run.hlo_text = lambda: step_loop().as_text()
+    run.hlo_text = lambda: step_loop(1).as_text()
     return run
 
 
@@ -109,15 +112,14 @@ def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0)
     shapes = [tuple(int(v) for v in shape) for shape in shapes]
     # Every shape's programs are compiled (and run once) side by side first, a thread per core:
     # at the qwen2.5 shapes a program takes about 18 s to compile on an H200's host.
-    side_by_side([functools.partial(lambda b, k, s: step_timer(target, drafter, k, b, s, iterations=6, seed=seed)(1),
-                                    *shape)
-                  for shape in shapes])
+    timers = side_by_side([functools.partial(lambda b, k, s: step_timer(target, drafter, k, b, s, iterations=6,
+                                                                        seed=seed), *shape) for shape in shapes])
+    side_by_side([functools.partial(run, steps) for run in timers for steps in (1, 7)])
     rng = np.random.default_rng(seed)
     seconds = [[] for _ in shapes]
     for _ in range(passes):
         for i in rng.permutation(len(shapes)):
-            batch, k, cache_len = shapes[i]
-            seconds[i].append(time_steps(target, drafter, k, batch, cache_len, repeats=1))
+            seconds[i].append(_step_seconds(timers[i], 6, repeats=1))
     return [(*shape, float(np.median(times))) for shape, times in zip(shapes, seconds, strict=True)]
 
 
