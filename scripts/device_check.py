@@ -3,6 +3,11 @@ end before the deadline, results written after every section (`scripts/device_ch
 
 Sections, in this order, at the qwen2.5-1.5b shape in bfloat16 with random weights (`--cpu-smoke`:
 a tiny shape):
+  engine        the segment engine (S decode steps per device program) under each XLA flag set of
+                ENGINE_FLAGS, each in its own process (`--engine-worker`: XLA_FLAGS is read once):
+                plain, the speculative section's pair at k = 1, 2, 4 with S = 4 (and S = 1 at k = 2,
+                batch 1) and a random EAGLE-3 head at k = 2 (its step cost), batch 1 and 16; under 4
+                minutes in all (the previous loop, the baseline, is no longer in the code).
   step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.tools.profiling`) at batch
                 1 / 8 / 32, bfloat16 and int8 weights; a 4-token verification against one token.
   attention     the attention paths (`attention.ATTENTION`: plain, blocked, XLA's SDPA, cuDNN) in a
@@ -29,7 +34,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +57,7 @@ from jaxspec.tools import profiling
 from jaxspec.tools.benchmarking import machine, prompt_sets, round_robin, skeleton_pair, table, write_results
 
 # In order of importance: a short lease runs the first ones.
-SECTIONS = ("step_profile", "attention", "speculative", "trees", "xla_options", "eagle_head", "tetris")
+SECTIONS = ("engine", "step_profile", "attention", "speculative", "trees", "xla_options", "eagle_head", "tetris")
 STEPS = 8   # decode steps per timed / traced loop
 _GRAPHS = "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,DYNAMIC_SLICE_FUSION"   # XLA's default set
 OPTIONS = {"gpu": {"default": {},
@@ -56,6 +66,11 @@ OPTIONS = {"gpu": {"default": {},
                    "no_dot_merger": {"xla_gpu_dot_merger_threshold_mb": 0},
                    "autotune_0": {"xla_gpu_autotune_level": 0}},
            "cpu": {"default": {}, "opt_level_1": {"xla_backend_optimization_level": 1}}}
+# The engine section's XLA_FLAGS sets (added to the environment's). The CPU jaxlib accepts these
+# GPU flags (an unknown one would abort at import), so the smoke run uses the same three.
+_WHILE_GRAPHS = "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_graph_min_graph_size=1"
+ENGINE_FLAGS = {"default": "", "graphs": _WHILE_GRAPHS,
+                "graphs_unrolled": _WHILE_GRAPHS + " --xla_gpu_command_buffer_unroll_loops=true"}
 
 
 def shapes(smoke: bool) -> dict:
@@ -64,12 +79,14 @@ def shapes(smoke: bool) -> dict:
         return {"target": tiny, "draft": tiny.replace(num_layers=1, name="tiny-1L"), "batches": [2],
                 "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
                 "trees": [(2, 2, 2)], "tree_chains": False, "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24,
-                "int8_verify": False, "attention": (2, 2, 128, [16, 96])}
+                "int8_verify": False, "attention": (2, 2, 128, [16, 96]), "smoke": True, "engine_s": 600,
+                "engine_all_rows": ("default",)}   # the other flag sets: plain and k = 2 (S = 4) alone
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
             "ks": [1, 2, 4], "trees": [(4, 2, 4), (6, 2, 8)], "tree_chains": True, "new_tokens": 64, "rounds": 3,
             "bandwidth_bytes": 1 << 30, "int8_verify": True,
-            "attention": (4, 8, 4096, [256, 3800])}   # layers, batch, slots, live
+            "attention": (4, 8, 4096, [256, 3800]),   # layers, batch, slots, live
+            "smoke": False, "engine_s": 210, "engine_all_rows": tuple(ENGINE_FLAGS)}   # (seconds: all flag sets)
 
 
 def step_profile(target, s, out: dict, before_deadline) -> None:
@@ -190,20 +207,117 @@ def speculative(target, s, out: dict, before_deadline, trees: bool = False) -> N
         jax.clear_caches()
 
 
+def engine(target, s, out: dict, before_deadline, ends_at: float = float("inf")) -> None:
+    """Each flag set of ENGINE_FLAGS in a worker process of this script, given an equal share of
+    the time left; its rows (or why it has none) merged here."""
+    out["note"] = "The previous loop (a data-dependent while) is gone from this engine: no baseline."
+    rows, skipped = out.setdefault("rows", []), out.setdefault("skipped", [])
+    ends_at = min(ends_at, time.time() + s["engine_s"])
+    for i, (name, flags) in enumerate(ENGINE_FLAGS.items()):
+        share = (ends_at - time.time()) / (len(ENGINE_FLAGS) - i)
+        if share < 10:
+            skipped.append(f"{name}: past the deadline")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "engine.json"   # written after compiling and after timing
+            env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(),
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.2"}   # this process holds 75% of a GPU's memory
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--engine-worker", name, "--out", str(path),
+                   "--deadline", str(share)] + ["--cpu-smoke"] * s["smoke"]
+            try:   # the worker's stdout goes to this one's
+                proc = subprocess.run(cmd, env=env, timeout=share + 20, stderr=subprocess.PIPE, text=True)
+                last_line = (proc.stderr.strip() or "?").splitlines()[-1][:300]
+                error = proc.returncode and f"exit {proc.returncode}: {last_line}"
+            except subprocess.TimeoutExpired:
+                error = f"killed after {share + 20:.0f} s"
+            got = json.loads(path.read_text()) if path.exists() else {}
+        rows += got.get("rows", [])
+        skipped += got.get("skipped", [])
+        if error:
+            print(f"engine {name}: {error}", flush=True)
+            rows.append({"flags": name, "error": error})
+
+
+def _engine_fns(target, draft, s, all_rows: bool) -> dict:
+    """(batch, method, S) -> fn(on_finish), the most telling first (a deadline cuts the tail): plain
+    and k = 2 with S = 4 at each batch; then (`all_rows`) k = 2 with S = 1 at the first batch, the
+    EAGLE head at k = 2 and the other k. Plain's S is the default; decoders are built on first use."""
+    batches, n = s["spec_batches"], s["new_tokens"]
+    prompts = {b: prompt_sets(s["target"].vocab_size, b, 1)[0] for b in batches}
+    head = functools.cache(lambda: jaxspec.EagleHead.init(target, seed=0))   # random: acceptance ~0
+
+    def spec(k, steps, eagle=False):
+        return lambda: jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(head()) if eagle else draft,
+                                                  jaxspec.SpecConfig(k=k, segment=steps))
+    plan = [(b, "k=2", 4, spec(2, 4)) for b in batches]
+    if all_rows:
+        plan += [(batches[0], "k=2", 1, spec(2, 1))] + [(b, "eagle k=2", 4, spec(2, 4, True)) for b in batches]
+        plan += [(b, f"k={k}", 4, spec(k, 4)) for k in s["ks"] if k != 2 for b in batches]
+    fns = {(b, "autoregressive", jaxspec.SpecConfig().segment_steps()):
+           lambda on_finish, b=b: jaxspec.generate(target, prompts[b], max_new_tokens=n) for b in batches}
+    for b, method, steps, make in plan:
+        def fn(on_finish, b=b, make=make, built={}):
+            if not built:   # built when first run, so that an error there is the row's
+                built["decoder"] = make()
+            return built["decoder"].generate(prompts[b], max_new_tokens=n, on_finish=on_finish)
+        fns[b, method, steps] = fn
+    return fns
+
+
+def engine_worker(name: str, s, seconds: float, path: str) -> None:
+    """One flag set's rows (this process's XLA_FLAGS) into `path`: each configuration compiled (run
+    once) while twice the last one's time still fits in `seconds`, then all timed round-robin."""
+    ends_at, last, errors, skipped = time.time() + seconds, [0.0], {}, []
+    target, draft = skeleton_pair(s["target"], s["draft"], damping=7e-4, sharpness=6.0, dtype="bfloat16")
+    fns = _engine_fns(target, draft, s, all_rows=name in s["engine_all_rows"])
+
+    def warm(key):
+        if time.time() + 2 * last[0] > ends_at:
+            return skipped.append(key)
+        began = time.time()
+        try:
+            fns[key](None)
+        except Exception as e:   # an engine mid-rewrite, or a flag set's failure: a row, not fatal
+            errors[key] = f"{type(e).__name__}: {str(e)[:200]}"
+        last[0] = time.time() - began
+    timing.side_by_side([functools.partial(warm, key) for key in fns])   # in turn on a GPU
+    out = {"rows": [{"flags": name, "batch": b, "method": m, "S": st, "error": e} for (b, m, st), e in errors.items()],
+           "skipped": [f"{name}: batch {b} {m} S={st}" for b, m, st in skipped]}
+    Path(path).write_text(json.dumps(out))
+    fns = {key: fn for key, fn in fns.items() if key not in errors and key not in skipped}
+    results, seconds_by, _ = round_robin(fns, s["rounds"]) if fns else ({}, {}, None)
+    for (b, method, steps), res in sorted(results.items(), key=lambda kv: kv[0][0]):
+        plain = next((key for key in results if key[:2] == (b, "autoregressive")), None)
+        spec = method != "autoregressive"
+        out["rows"].append({"flags": name, "batch": b, "method": method, "S": steps,
+                            "tok_s": b * s["new_tokens"] / float(np.median(seconds_by[b, method, steps])),
+                            "vs_ar": plain and float(np.median(seconds_by[plain] / seconds_by[b, method, steps])),
+                            "tokens_per_pass": res.stats.mean_accepted_length if spec else None,
+                            "acceptance": res.stats.acceptance_rate if spec else None,
+                            "masked": res.stats.extra.get("masked"),
+                            "same_output": plain and res.tokens == results[plain].tokens})
+    Path(path).write_text(json.dumps(out))
+    if out["rows"]:
+        print(table(out["rows"], list({k: 0 for r in out["rows"] for k in r})), flush=True)
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes: the whole script in about a minute on CPU")
     p.add_argument("--out", default=str(RESULTS / "gpu"))
     p.add_argument("--deadline", type=float, default=420.0, help="seconds: start nothing after this")
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+    p.add_argument("--engine-worker", metavar="FLAGS", help="(the engine section's worker: --out is its JSON file)")
     args = p.parse_args()
     start = time.time()
     s = shapes(args.cpu_smoke)
+    if args.engine_worker:
+        return engine_worker(args.engine_worker, s, args.deadline, args.out)
     device = re.sub(r"\W+", "_", jax.devices()[0].device_kind.lower()).strip("_")
     name = str(Path(args.out).resolve() / f"device_check_{device}")
     target = jaxspec.Model.random(s["target"], seed=0, dtype="bfloat16")
     report = {"args": vars(args), "shapes": {k: str(v) for k, v in s.items()}, "sections": {}, "seconds": {}}
-    runs = {"step_profile": step_profile, "attention": attention, "xla_options": xla_options,
+    runs = {"engine": functools.partial(engine, ends_at=start + args.deadline), "step_profile": step_profile,
+            "attention": attention, "xla_options": xla_options,
             "eagle_head": eagle_head, "tetris": tetris_section,
             "speculative": speculative, "trees": functools.partial(speculative, trees=True)}
     for section in args.sections:
@@ -224,6 +338,11 @@ def markdown(report: dict) -> str:
     parts = [f"Device check on {m['device_kind']} ({m['platform']}, jax {m['jax']}), shapes "
              f"{report['shapes']['target']}; random weights, bfloat16 (`scripts/device_check.py`). Section times (s): "
              + ", ".join(f"{k} {v:.0f}" for k, v in report["seconds"].items()) + "."]
+    eng = sec.get("engine")
+    if isinstance(eng, dict) and eng.get("rows"):
+        parts += ["", f"Segment engine under each XLA flag set ({ENGINE_FLAGS}; skeleton pair and a random EAGLE-3 "
+                  f"head, greedy; vs_ar within a flag set). {eng['note']}", "",
+                  table(eng["rows"], list({k: 0 for r in eng["rows"] for k in r}))]
     prof = sec.get("step_profile")
     if isinstance(prof, dict) and prof.get("rows"):
         parts += ["", f"Step anatomy (copy / matvec bandwidth {prof['bandwidth_gb_s']}):", "", table([

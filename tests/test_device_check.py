@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow   # 60-80 s (suite time); run it before every GPU lease
+@pytest.mark.slow   # 120-150 s (suite time); run it before every GPU lease
 def test_device_check_cpu_smoke(tmp_path):
     # The persistent compilation cache lets the step profile's second compile of a program (for
     # its text) load the first one's result.
@@ -24,9 +24,17 @@ def test_device_check_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check_cpu.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"step_profile", "attention", "speculative", "trees", "xla_options", "eagle_head",
+    assert set(sections) == {"engine", "step_profile", "attention", "speculative", "trees", "xla_options", "eagle_head",
                              "tetris"}
     assert (tmp_path / "device_check_cpu.md").read_text().startswith("Device check on cpu")
+
+    engine = sections["engine"]["rows"]   # one worker process per flag set; the first one runs every mode
+    assert {(r["flags"], r["method"], r["S"]) for r in engine} == {
+        ("default", "autoregressive", 1), ("default", "k=2", 4), ("default", "k=2", 1), ("default", "eagle k=2", 4),
+        ("graphs", "autoregressive", 1), ("graphs", "k=2", 4),
+        ("graphs_unrolled", "autoregressive", 1), ("graphs_unrolled", "k=2", 4)}
+    assert all(r["same_output"] and r["batch"] == 2 for r in engine) and not sections["engine"]["skipped"]
+    assert all(0 <= r["masked"] < 1 for r in engine if r["S"] == 4) and engine[1]["tokens_per_pass"] > 1
 
     rows = sections["step_profile"]["rows"]
     assert {(r["quantization"], r["batch"], r["k"]) for r in rows} == {
