@@ -2,12 +2,16 @@
 brute-force reading of the two vocabularies; greedy output equal to the target's own and sampled
 output following the target's exact distribution, for drafts that share most, or few, tokens."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from catching_up import assert_static, check_catch_up
 from exactness import assert_matches_distribution, exact_joint
 
 import jaxspec
 from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
+from jaxspec.drafting.trees import TreeShape
 from jaxspec.models.model import Model
 from jaxspec.sampling import SamplingConfig
 
@@ -137,6 +141,33 @@ def test_mismatched_vocabularies_without_tokenizers_are_refused(pair):
     with pytest.raises(ValueError, match="share no token"):
         VocabMap([b"x", b"y"], TARGET_PIECES)
 
+
+
+@pytest.mark.parametrize("kind", ["twin", "other"])
+def test_a_deferred_bridge_catches_up_to_what_a_prefilled_one_proposes(pair, kind):
+    """Started without its prefill and behind by plain steps, the bridge catches up (partially,
+    `width` a call, or at once) and then proposes what one prefilled with the same text proposes."""
+    drafter = pair[1][kind]
+    seq_bl = jnp.asarray(np.random.default_rng(3).integers(0, 7, (3, 48)), jnp.int32)
+    prompt_len_b, pending_b = jnp.asarray([4, 9, 6], jnp.int32), jnp.asarray([25, 11, 37], jnp.int32)
+    reference = drafter.init(drafter.params, seq_bl[:, :37], pending_b, 48)
+    deferred = drafter.init_deferred(drafter.params, seq_bl[:, :9], prompt_len_b, 48)
+    assert int(jnp.max(deferred.cache.lengths)) == 0
+    for width in (5, int(jnp.max(drafter.lag(deferred, seq_bl, pending_b)))):
+        check_catch_up(drafter, deferred, reference, seq_bl, pending_b, width)
+
+
+def test_bridge_programs_are_static(pair, monkeypatch):
+    drafter = pair[1]["twin"]
+    seq_bl = jnp.asarray(np.random.default_rng(3).integers(0, 7, (3, 48)), jnp.int32)
+    prompt_len_b, pending_b = jnp.asarray([4, 9, 6], jnp.int32), jnp.asarray([25, 11, 37], jnp.int32)
+    state = drafter.init(drafter.params, seq_bl[:, :9], prompt_len_b, 48)
+    keys_b = jax.random.split(jax.random.key(0), 3)
+    assert_static(monkeypatch, drafter.propose, drafter.params, state, seq_bl, pending_b, 3, keys_b, SamplingConfig(),
+                  static_argnums=(4, 6))
+    assert_static(monkeypatch, drafter.catch_up, drafter.params, state, seq_bl, pending_b, 8, static_argnums=4)
+    assert_static(monkeypatch, drafter.propose_tree, drafter.params, state, seq_bl, pending_b, TreeShape(2, 2),
+                  SamplingConfig(), static_argnums=(4, 5))
 
 CORPUS = ["the cat sat on the mat", "a dog ate the cat's food", "def add(a, b): return a + b",
           "the mat is on the floor; the dog is on the mat", "return the sum of a and b"] * 4

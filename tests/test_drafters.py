@@ -4,8 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from catching_up import assert_static, check_catch_up
 
 import jaxspec
+from jaxspec.drafting import ModelDrafter
+from jaxspec.engine.chain import ChainDrafter
 from jaxspec.sampling import SamplingConfig
 
 
@@ -44,24 +47,55 @@ def test_ngram_config_is_checked():
         jaxspec.NgramDrafter(max_ngram=1, min_ngram=2)
 
 
+def model_drafter_and_rows(layers=1, seed=2):
+    """A tiny ModelDrafter, a sequence buffer of 3 rows, their prompt lengths and where they are
+    after plain steps."""
+    cfg = jaxspec.ModelConfig.preset("tiny")
+    drafter = ModelDrafter(jaxspec.Model.random(cfg.replace(num_layers=layers, name=f"tiny-{layers}L"), seed=seed))
+    seq_bl = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (3, 64)), jnp.int32)
+    return drafter, seq_bl, jnp.asarray([5, 12, 9], jnp.int32), jnp.asarray([30, 13, 41], jnp.int32)
+
+
 def test_deferred_draft_state_catches_up_to_the_same_proposals_as_a_prefilled_one():
     """A ModelDrafter started without its prefill (`init_deferred`, for rows that begin with plain
-    decoding) proposes what a prefilled one proposes, after any number of tokens it never saw."""
-    from jaxspec.drafting import ModelDrafter
-
-    cfg = jaxspec.ModelConfig.preset("tiny")
-    drafter = ModelDrafter(jaxspec.Model.random(cfg.replace(num_layers=1, name="tiny-1L"), seed=2))
-    rng = np.random.default_rng(4)
-    seq_bl = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 64)), jnp.int32)
-    prompt_len_b = jnp.asarray([5, 12, 9], jnp.int32)
+    decoding) proposes, after one catch-up as wide as its lag, what a drafter prefilled with the
+    same tokens proposes; partial catch-ups get there too, `width` tokens at a time."""
+    drafter, seq_bl, prompt_len_b, later_b = model_drafter_and_rows()
     p = int(prompt_len_b.max())
-    for pending_b in ([5, 12, 9], [30, 13, 41]):     # right after the prompt, and after plain steps
-        pending_b = jnp.asarray(pending_b, jnp.int32)
-        keys_b = jax.random.split(jax.random.key(0), 3)
-        eager = drafter.init(drafter.params, seq_bl[:, :p], prompt_len_b, 64)
+    for pending_b in (prompt_len_b, later_b):     # right after the prompt, and after plain steps
         deferred = drafter.init_deferred(drafter.params, seq_bl[:, :p], prompt_len_b, 64)
         assert int(jnp.max(deferred.cache.lengths)) == 0
-        want, _ = drafter.propose(drafter.params, eager, seq_bl, pending_b, 3, keys_b, SamplingConfig())
-        got, _ = drafter.propose(drafter.params, deferred, seq_bl, pending_b, 3, keys_b, SamplingConfig())
-        np.testing.assert_array_equal(got.tokens_bk, want.tokens_bk)
-        np.testing.assert_allclose(got.logprob_bk, want.logprob_bk, rtol=1e-5, atol=1e-5)
+        prefilled = drafter.init(drafter.params, seq_bl[:, :int(pending_b.max())], pending_b, 64)
+        width = int(jnp.max(drafter.lag(deferred, seq_bl, pending_b)))
+        check_catch_up(drafter, deferred, prefilled, seq_bl, pending_b, width)
+    check_catch_up(drafter, deferred, prefilled, seq_bl, pending_b, 7)
+
+
+def chain_drafter(inner_k=2):
+    """A chain level: a 2-layer middle model drafted for by a 1-layer one."""
+    cfg = jaxspec.ModelConfig.preset("tiny")
+    middle = jaxspec.Model.random(cfg.replace(num_layers=2, name="tiny-2L"), seed=5)
+    smallest = ModelDrafter(jaxspec.Model.random(cfg.replace(num_layers=1, name="tiny-1L"), seed=2))
+    return ChainDrafter(jaxspec.SpeculativeDecoder(middle, smallest, spec=jaxspec.SpecConfig(k=inner_k)))
+
+
+def test_a_chain_level_catches_up_after_plain_steps():
+    """A chain level that missed plain steps above it (its middle model and that model's drafter
+    both behind) catches up `width` tokens a call, then proposes what a level prefilled with the
+    same tokens proposes."""
+    chain = chain_drafter()
+    _, seq_bl, prompt_len_b, pending_b = model_drafter_and_rows()
+    state = chain.init(chain.params, seq_bl[:, :int(prompt_len_b.max())], prompt_len_b, 64)
+    reference = chain.init(chain.params, seq_bl[:, :int(pending_b.max())], pending_b, 64)
+    np.testing.assert_array_equal(chain.lag(state, seq_bl, pending_b), pending_b - prompt_len_b)
+    check_catch_up(chain, state, reference, seq_bl, pending_b, 8)
+
+
+def test_propose_and_catch_up_compile_without_conditionals_or_data_dependent_loops(monkeypatch):
+    drafter, seq_bl, prompt_len_b, pending_b = model_drafter_and_rows()
+    keys_b = jax.random.split(jax.random.key(0), 3)
+    for d in (drafter, chain_drafter()):
+        state = d.init(d.params, seq_bl[:, :12], prompt_len_b, 64)
+        assert_static(monkeypatch, d.propose, d.params, state, seq_bl, pending_b, 3, keys_b, SamplingConfig(),
+                      static_argnums=(4, 6))
+        assert_static(monkeypatch, d.catch_up, d.params, state, seq_bl, pending_b, 8, static_argnums=4)

@@ -8,9 +8,9 @@ Every drafter answers the same two calls inside the compiled step:
 - `init(params, tokens_bp, prompt_len_b, cache_len)` -> state, once after the prompts are known;
 - `propose(params, state, seq_bl, pending_b, k, key_b, sampling)` -> (Proposal, state);
 
-and `init_deferred`, the state for rows that may not draft for a while (plain decoding first);
-`propose_tree` drafts a tree instead of a chain (`trees.py`), and a drafter with `feature_layers`
-`absorb`s the target's features of the tokens it keeps.
+and `init_deferred`, the state for rows that may not draft for a while (plain decoding first), which
+`catch_up` fills where `lag` says so (as after plain steps); `propose_tree` drafts a tree instead
+of a chain (`trees.py`); a drafter with `feature_layers` `absorb`s the target's features.
 
 `seq_bl` holds each row's whole sequence so far; `pending_b` is the position of the last emitted
 token (the one the target has not processed yet), so the committed sequence of row b is
@@ -32,7 +32,6 @@ from flax import struct
 
 from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward, init_cache
-from jaxspec.policy.goodput import CATCH_UP_CHUNK
 from jaxspec.sampling import SamplingConfig, choose, probabilities
 
 _F32 = jnp.float32
@@ -136,9 +135,19 @@ class Drafter:
 
     def init_deferred(self, params, tokens_bp, prompt_len_b, cache_len: int):
         """The state for rows that may not draft for a while (the goodput policy starts them with
-        plain decoding): a drafter whose `propose` catches up on tokens it has not seen may skip
-        its prefill here; by default the same as `init`. Same structure and shapes as `init`."""
+        plain decoding): a drafter may skip its prefill here and take the prompt in through
+        `catch_up`; by default the same as `init`. Same structure and shapes as `init`."""
         return self.init(params, tokens_bp, prompt_len_b, cache_len)
+
+    def lag(self, state, seq_bl, pending_b):
+        """int32 [b]: each row's committed tokens (below pending_b - 1) the state has not taken in,
+        which `catch_up` must feed before `propose` (after plain steps); by default none."""
+        return jnp.zeros_like(pending_b)
+
+    def catch_up(self, params, state, seq_bl, pending_b, width: int):
+        """The state with up to `width` (static) of each row's missing tokens fed, in one forward;
+        a row missing more keeps the rest (`lag` drops by `width`), so another call continues."""
+        return state
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         raise NotImplementedError
@@ -166,7 +175,7 @@ def abstract(obj, fields=("params",)):
     return twin
 
 
-def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> KVCache:
+def prefilled(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> KVCache:
     """A drafter model's cache after the prompts, committed to all but the last prompt token
     (each propose re-feeds the last two committed tokens)."""
     cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
@@ -174,51 +183,36 @@ def prefill_cache(graphdef, params, tokens_bp, prompt_len_b, cache_len: int) -> 
     return cache.commit(prompt_len_b - 1)
 
 
-def feed_missing(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int = CATCH_UP_CHUNK, reader=None):
-    """Catch-up: makes a drafter model's cache hold every position below `upto_b`, committed to it.
-    Returns the cache and the reader's state.
-
-    The cache is trusted up to min(lengths, upto) (past that it may hold rejected drafts). Usually
-    nothing is missing and the loop does not run; after steps that skipped drafting (the goodput
-    policy's k = 0) each row feeds its missing tokens, `chunk` at a time, at its own position.
+def feed_missing(graphdef, params, cache: KVCache, seq_bl, upto_b, chunk: int, reader=None):
+    """Catch-up in one forward: feeds each row's next `chunk` (static) positions below `upto_b`, at
+    its own position (rows caught up write past their length: harmless); a row missing more keeps
+    the rest missing. The cache is trusted up to min(lengths, upto) (past that it may hold rejected
+    drafts). Returns the cache, `reader`'s state and the logits after each row's last token fed;
     `reader` = (drafter, params, state) of a drafter reading this model's features (an EAGLE head
-    under a chain level), which absorbs every token fed. Its state must hold exactly the rows of
-    the trusted cache (`EagleDrafter.truncate`).
-    """
+    under a chain level) absorbs every token fed, its state holding exactly the rows of the trusted
+    cache (`EagleDrafter.truncate`)."""
     cache = cache.commit(jnp.minimum(cache.lengths, upto_b))
-    offsets = jnp.arange(chunk, dtype=jnp.int32)
-    drafter, drafter_params, drafter_state = reader if reader is not None else (None, None, ())
-    features = drafter.feature_layers if reader is not None else ()
-
-    def feed(carry):
-        cache, drafter_state = carry
-        n_b = jnp.maximum(jnp.minimum(upto_b - cache.lengths, chunk), 0)
-        at_bc = jnp.minimum(cache.lengths[:, None] + offsets, seq_bl.shape[1] - 1)
-        tokens_bc = jnp.take_along_axis(seq_bl, at_bc, axis=1)
-        out = forward(graphdef, params, tokens_bc, cache, jnp.zeros_like(tokens_bc[:, :1]), features=features)
-        if features:
-            next_bc = jnp.take_along_axis(seq_bl, jnp.minimum(at_bc + 1, seq_bl.shape[1] - 1), axis=1)
-            drafter_state = drafter.absorb(drafter_params, drafter_state, out[2], next_bc, n_b)
-        # Rows already caught up wrote only past their committed length: harmless, never read.
-        return out[1].commit(cache.lengths + n_b), drafter_state
-
-    return jax.lax.while_loop(lambda c: jnp.any(c[0].lengths < upto_b), feed, (cache, drafter_state))
+    drafter, drafter_params, drafter_state = reader if reader is not None else (Drafter(), None, ())
+    n_b = jnp.maximum(jnp.minimum(upto_b - cache.lengths, chunk), 0)
+    at_bc = jnp.minimum(cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32), seq_bl.shape[1] - 1)
+    out = forward(graphdef, params, jnp.take_along_axis(seq_bl, at_bc, axis=1), cache,
+                  jnp.maximum(n_b - 1, 0)[:, None], features=drafter.feature_layers)
+    if drafter.feature_layers:
+        next_bc = jnp.take_along_axis(seq_bl, jnp.minimum(at_bc + 1, seq_bl.shape[1] - 1), axis=1)
+        drafter_state = drafter.absorb(drafter_params, drafter_state, out[2], next_bc, n_b)
+    return out[1].commit(cache.lengths + n_b), drafter_state, out[0][:, 0]
 
 
-def feed_last_two(graphdef, params, cache: KVCache, seq_bl, last_b):
-    """The draft model's logits after seq[b, last_b], and its cache committed to `last_b` (the
-    last token's keys and values written at that slot: commit last_b + 1 to keep them).
-
-    The catch-up rule of the model drafters: roll back to last_b - 1, feed what is missing below
-    (`feed_missing`), then feed the last two tokens. After a drafting step the cache holds every
-    token before them (after a partial accept its drafts up to the accepted one are there; after a
-    full accept only the last draft and the bonus token are missing), so two suffice and the
-    shapes stay static.
-    """
-    cache = feed_missing(graphdef, params, cache, seq_bl, last_b - 1)[0]
-    last_two_b2 = jnp.take_along_axis(seq_bl, last_b[:, None] + jnp.array([[-1, 0]]), axis=1)
-    logits_b1v, cache = forward(graphdef, params, last_two_b2, cache, jnp.ones_like(last_b)[:, None])
-    return logits_b1v[:, 0], cache.commit(last_b)
+def feed_last_two(graphdef, params, cache: KVCache, seq_bl, last_b, extra: int = 0):
+    """The draft model's logits after seq[b, last_b], its cache committed to `last_b` (commit
+    last_b + 1 to keep the last token's keys and values), and the rows for which that holds: those
+    missing at most 2 + `extra` (static) tokens from last_b - 1 on. After a drafting step the cache
+    holds every token before the last two (after a partial accept its drafts up to the accepted one;
+    after a full accept all but the last draft); `extra` covers a draft further behind (a tree's
+    accepted path, a token spelled in several)."""
+    cache = cache.commit(jnp.minimum(cache.lengths, last_b - 1))
+    cache, _, logits_bv = feed_missing(graphdef, params, cache, seq_bl, last_b + 1, 2 + extra)
+    return logits_bv, cache.commit(jnp.minimum(cache.lengths, last_b)), cache.lengths == last_b + 1
 
 
 def draw_token(logits_bv, keys_b, draw: SamplingConfig, sampling: SamplingConfig):

@@ -17,8 +17,8 @@ Two static tables, built once from the two vocabularies' byte strings (`VocabMap
   price is that a word split across target tokens reaches the draft split the same way.
 
 The draft keeps its own token sequence and cache. Each step it appends the expansions of the
-target tokens committed since the last step; where they differ from what its cache holds (a
-rejected draft) the cache is rolled back to the first difference.
+target tokens committed since the last step, rolls its cache back to the first that differs from
+what the cache holds (a rejected draft) and feeds what the cache lacks (`catch_up` after plain steps).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jaxspec.policy.goodput import CATCH_UP_CHUNK
 from jaxspec.sampling import SamplingConfig
 
 MAX_EXPANSION = 16   # draft tokens standing for one target token (longer spellings are cut)
-_PREFILL_CHUNK = 64  # draft tokens per forward of the prompt's catch-up
+_PREFILL_CHUNK = 64  # draft slots past twice the target's (room for the catch-up forwards)
 
 
 def token_bytes(tokenizer, size: int) -> list[bytes | str | None]:
@@ -180,11 +180,9 @@ class CrossVocabDrafter(Drafter):
         return len(self.map.to_draft_v)
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
-        state = self.init_deferred(params, tokens_bp, prompt_len_b, cache_len)
-        # The prompt's expansion, fed up to its last two tokens (each propose re-feeds those).
-        cache = feed_missing(self.model.graphdef, params["model"], state.cache, state.seq_bd,
-                             jnp.maximum(state.length_b - 2, 0), chunk=_PREFILL_CHUNK)[0]
-        return state.replace(cache=cache)
+        # The prompt's expansion in one forward: a row spelled in more draft tokens lags (`lag`).
+        return self.catch_up(params, self.init_deferred(params, tokens_bp, prompt_len_b, cache_len), tokens_bp,
+                             prompt_len_b, 2 * tokens_bp.shape[1])
 
     def init_deferred(self, params, tokens_bp, prompt_len_b, cache_len: int):
         b, slots = tokens_bp.shape[0], 2 * cache_len + 2 * _PREFILL_CHUNK
@@ -193,86 +191,86 @@ class CrossVocabDrafter(Drafter):
                              seq_bd=jnp.zeros((b, slots), jnp.int32), length_b=zeros_b, synced_b=zeros_b)
         return _sync(params["tables"], state, tokens_bp, prompt_len_b, tokens_bp.shape[1], slots - _PREFILL_CHUNK)
 
-    def _fed(self, params, state, seq_bl, pending_b, chunk: int, ahead: int):
-        """Syncs the draft sequence to the committed text (`chunk` target tokens per round, leaving
-        room for `ahead` slots of drafting) and feeds the draft through its last token
-        (`feed_last_two`). Returns the state (its cache's lengths: what is trusted), the rows that
-        may draft (those that took in all their text and have two draft tokens), the last draft
-        token's slot, the draft's logits after it, and the cache committed below it."""
-        state = _sync(params["tables"], state, seq_bl, pending_b + 1, chunk,
+    def lag(self, state, seq_bl, pending_b):
+        """Target tokens before the pending one not synced, plus draft tokens but the last two not in
+        the cache, less the drafts the cache holds past the synced text (each may be a kept token)."""
+        return jnp.maximum(pending_b - 2 - state.synced_b + state.length_b - state.cache.lengths, 0)
+
+    def catch_up(self, params, state, seq_bl, pending_b, width: int):
+        """Syncs the target tokens before the pending one and feeds as many draft tokens as lower
+        `lag` by `width` (a row spelled in many more draft tokens may stay further behind)."""
+        behind_b, chunk = jnp.maximum(self.lag(state, seq_bl, pending_b) - width, 0), width + CATCH_UP_CHUNK
+        state = _sync(params["tables"], state, seq_bl, pending_b, chunk, state.seq_bd.shape[1] - chunk - 2)
+        upto_b = jnp.maximum(state.length_b - 2 - jnp.maximum(behind_b - (pending_b - state.synced_b), 0), 0)
+        return state.replace(cache=feed_missing(self.model.graphdef, params["model"], state.cache, state.seq_bd,
+                                                upto_b, chunk)[0])
+
+    def _fed(self, params, state, seq_bl, pending_b, ahead: int, extra: int):
+        """Syncs the draft sequence to the committed text (room left for `ahead` drafts) and feeds it
+        through its last token (`feed_last_two`, `extra` wider). Returns the state, the rows that may
+        draft (all their text in, two draft tokens or more), the last token's slot, the logits after
+        it and the cache committed below it."""
+        state = _sync(params["tables"], state, seq_bl, pending_b + 1, ahead + 1 + CATCH_UP_CHUNK,
                       state.seq_bd.shape[1] - max(ahead, CATCH_UP_CHUNK) - 2)
-        live_b = (state.synced_b == pending_b + 1) & (state.length_b >= 2)
         last_b = jnp.maximum(state.length_b - 1, 1)
-        return (state, live_b, last_b,
-                *feed_last_two(self.model.graphdef, params["model"], state.cache, state.seq_bd, last_b))
+        logits_bw, cache, fed_b = feed_last_two(self.model.graphdef, params["model"], state.cache, state.seq_bd,
+                                                last_b, extra)
+        return state, (state.synced_b == pending_b + 1) & (state.length_b >= 2) & fed_b, last_b, logits_bw, cache
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         """k draws from the draft's distribution restricted to the shared tokens (q over the target
         vocabulary)."""
         tables, draw = params["tables"], SamplingConfig() if self.greedy else sampling
         shared_w = tables["to_target_w"] >= 0
-        state, live_b, last_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b, k + 1, k)
+        state, live_b, last_b, logits_bw, fed = self._fed(params, state, seq_bl, pending_b, k, CATCH_UP_CHUNK)
 
         def draw_one(logits_bw, keys_b):
             token_b, q_bw, score_b = draw_token(jnp.where(shared_w, logits_bw, -jnp.inf), keys_b, draw, sampling)
             return token_b, jnp.take(jnp.pad(q_bw, ((0, 0), (0, 1))), tables["to_draft_v"], axis=1), score_b
 
         drafted, cache = draft_chain(logits_bw, k, key_b, draw_one, model_feed(self.model.graphdef, params["model"]),
-                                     cache.commit(last_b + 1))
+                                     fed.commit(last_b + 1))
         # This step's drafts join the draft sequence tentatively: the next sync keeps the cache
         # up to the first one the target did not keep.
         at_bk = jnp.where(live_b[:, None], last_b[:, None] + 1 + jnp.arange(k), state.seq_bd.shape[1])
         seq_bd = state.seq_bd.at[jnp.arange(seq_bl.shape[0])[:, None], at_bk].set(drafted.tokens_bk, mode="drop")
-        cache = cache.commit(jnp.where(live_b, cache.lengths, jnp.minimum(state.cache.lengths, state.length_b)))
         proposal = drafted.replace(num_drafts_b=jnp.where(live_b, k, 0).astype(jnp.int32), tokens_bk=jnp.where(
             live_b[:, None], jnp.take(tables["to_target_w"], drafted.tokens_bk), 0))
-        return proposal, state.replace(cache=cache, seq_bd=seq_bd)
+        return proposal, state.replace(cache=cache.commit(jnp.where(live_b, cache.lengths, fed.lengths)), seq_bd=seq_bd)
 
     def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
         """A tree drafted over the shared tokens (each node one target token) after the same sync
         as `propose`. Its nodes do not join the draft sequence: the next sync feeds the tokens
         the target kept."""
         to_target_w = params["tables"]["to_target_w"]
-        state, live_b, last_b, logits_bw, cache = self._fed(params, state, seq_bl, pending_b, shape.depth + 1,
-                                                            shape.columns)
+        state, live_b, last_b, logits_bw, fed = self._fed(params, state, seq_bl, pending_b, shape.columns,
+                                                          CATCH_UP_CHUNK + shape.depth)
         root_w = jnp.take_along_axis(state.seq_bd, last_b[:, None], axis=1)[:, 0]
-        tree, cache = draft_tree(self.model.graphdef, params["model"], cache, root_w, logits_bw, shape,
+        tree, cache = draft_tree(self.model.graphdef, params["model"], fed, root_w, logits_bw, shape,
                                  SamplingConfig() if self.greedy else sampling, to_target_w >= 0)
         root_b = jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1)[:, 0]
         tree = tree.replace(tokens_bw=jnp.take(to_target_w, tree.tokens_bw).at[:, 0].set(root_b),
                             cum_bw=jnp.where(live_b[:, None], tree.cum_bw, tree.cum_bw.at[:, 1:].set(-jnp.inf)))
-        cache = cache.commit(jnp.where(live_b, last_b + 1, jnp.minimum(state.cache.lengths, state.length_b)))
-        return tree, state.replace(cache=cache)
+        return tree, state.replace(cache=cache.commit(jnp.where(live_b, last_b + 1, fed.lengths)))
 
 
 def _sync(tables, state: _BridgeState, seq_bl, upto_b, chunk: int, room: int) -> _BridgeState:
-    """Appends the expansions of target positions [synced_b, upto_b) to the draft sequence,
-    `chunk` target tokens per row at a time, as long as a row's draft tokens stay within `room`;
-    rolls the draft cache back to the first slot whose token changed."""
+    """Appends the expansions of each row's next `chunk` target positions below `upto_b` (from
+    `synced_b`) to the draft sequence, as far as its draft tokens stay within `room`; rolls the
+    draft cache back to the first slot whose token changed."""
     expand_vm, expand_len_v = tables["expand_vm"], tables["expand_len_v"]
-    m, b = expand_vm.shape[1], seq_bl.shape[0]
-    rows_b11 = jnp.arange(b)[:, None, None]
-
-    def plan(state):
-        at_bc = state.synced_b[:, None] + jnp.arange(chunk)
-        tokens_bc = jnp.take_along_axis(seq_bl, jnp.minimum(at_bc, seq_bl.shape[1] - 1), axis=1)
-        len_bc = jnp.where(at_bc < upto_b[:, None], expand_len_v[tokens_bc], 0)
-        end_bc = state.length_b[:, None] + jnp.cumsum(len_bc, axis=1)
-        fits_bc = (at_bc < upto_b[:, None]) & (end_bc <= room)   # a prefix of each row's chunk
-        return tokens_bc, jnp.where(fits_bc, len_bc, 0), end_bc, jnp.sum(fits_bc, axis=1)
-
-    def append(state):
-        tokens_bc, len_bc, end_bc, n_b = plan(state)
-        slot_bcm = (end_bc - len_bc)[:, :, None] + jnp.arange(m)
-        slot_bcm = jnp.where(jnp.arange(m) < len_bc[:, :, None], slot_bcm, state.seq_bd.shape[1])
-        new_bcm = expand_vm[tokens_bc]
-        old_bcm = jnp.take_along_axis(state.seq_bd, jnp.minimum(slot_bcm, state.seq_bd.shape[1] - 1).reshape(b, -1),
-                                      axis=1).reshape(slot_bcm.shape)
-        changed_bcm = (slot_bcm < state.seq_bd.shape[1]) & (old_bcm != new_bcm)
-        first_change_b = jnp.min(jnp.where(changed_bcm, slot_bcm, jnp.iinfo(jnp.int32).max), axis=(1, 2))
-        seq_bd = state.seq_bd.at[rows_b11, slot_bcm].set(new_bcm, mode="drop")
-        cache = state.cache.commit(jnp.minimum(state.cache.lengths, first_change_b))
-        return state.replace(cache=cache, seq_bd=seq_bd, length_b=state.length_b + jnp.sum(len_bc, axis=1),
-                             synced_b=state.synced_b + n_b)
-
-    return jax.lax.while_loop(lambda s: jnp.any(plan(s)[3] > 0), append, state)
+    m, slots, rows_b11 = expand_vm.shape[1], state.seq_bd.shape[1], jnp.arange(seq_bl.shape[0])[:, None, None]
+    at_bc = state.synced_b[:, None] + jnp.arange(chunk)
+    tokens_bc = jnp.take_along_axis(seq_bl, jnp.minimum(at_bc, seq_bl.shape[1] - 1), axis=1)
+    len_bc = jnp.where(at_bc < upto_b[:, None], expand_len_v[tokens_bc], 0)
+    end_bc = state.length_b[:, None] + jnp.cumsum(len_bc, axis=1)
+    fits_bc = (at_bc < upto_b[:, None]) & (end_bc <= room)   # a prefix of each row's chunk
+    len_bc = jnp.where(fits_bc, len_bc, 0)
+    slot_bcm = jnp.where(jnp.arange(m) < len_bc[:, :, None], (end_bc - len_bc)[:, :, None] + jnp.arange(m), slots)
+    new_bcm = expand_vm[tokens_bc]
+    changed_bcm = (slot_bcm < slots) & (state.seq_bd[rows_b11, jnp.minimum(slot_bcm, slots - 1)] != new_bcm)
+    first_change_b = jnp.min(jnp.where(changed_bcm, slot_bcm, jnp.iinfo(jnp.int32).max), axis=(1, 2))
+    seq_bd = state.seq_bd.at[rows_b11, slot_bcm].set(new_bcm, mode="drop")
+    cache = state.cache.commit(jnp.minimum(state.cache.lengths, first_change_b))
+    return state.replace(cache=cache, seq_bd=seq_bd, length_b=state.length_b + jnp.sum(len_bc, axis=1),
+                         synced_b=state.synced_b + jnp.sum(fits_bc, axis=1))

@@ -11,10 +11,9 @@ target's distribution exactly; only the acceptance rates depend on how close the
 
 Bookkeeping. The middle model's cache is trusted as far as the tokens it was fed agree with the
 row (it also holds this level's proposals, of which the level above keeps a prefix, and plain
-steps above may have emitted other tokens since). Each propose feeds what is missing (`feed_missing`),
-re-feeds the committed token before the pending one, then runs inner steps until every row has k
-tokens. The cache is never cleared: lowering its lengths rolls back. An EAGLE head as the middle
-model's drafter follows the same lengths and absorbs every token fed.
+steps above may have emitted others since: `catch_up` feeds those). Each propose rolls back to that
+prefix, re-feeds the token before the pending one, then runs k inner steps (each emits a token or
+more per row short of k). An EAGLE head as the middle model's drafter follows the same lengths.
 """
 
 from __future__ import annotations
@@ -23,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.drafting.base import Drafter, Proposal, feed_missing, prefill_cache
+from jaxspec.drafting.base import Drafter, Proposal, feed_missing, prefilled
 from jaxspec.engine.plans import Program, schedule_for
 from jaxspec.engine.step import Counters, DecodeState, speculative_step
 from jaxspec.models.cache import KVCache
-from jaxspec.models.model import forward, init_cache
+from jaxspec.models.model import init_cache
 from jaxspec.prompts import NO_EOS
 from jaxspec.sampling import SamplingConfig
 
@@ -69,42 +68,44 @@ class ChainDrafter(Drafter):
         return self.model.config.vocab_size
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
-        model_params, inner_params = params["model"], params["inner"]
-        inner_state = self.inner.init(inner_params, tokens_bp, prompt_len_b, cache_len)
-        if not self.inner.feature_layers:
-            cache = prefill_cache(self.model.graphdef, model_params, tokens_bp, prompt_len_b, cache_len)
-            return _ChainState(cache=cache, inner_state=inner_state, seen_bl=_fit(tokens_bp, cache_len))
-        # The head under this level reads its features: it takes in the prompt's as the cache does.
-        cache = init_cache(self.model.graphdef, model_params, tokens_bp.shape[0], cache_len)
-        cache, inner_state = feed_missing(self.model.graphdef, model_params, cache, tokens_bp, prompt_len_b - 1,
-                                          chunk=tokens_bp.shape[1], reader=(self.inner, inner_params, inner_state))
-        return _ChainState(cache=cache, inner_state=inner_state, seen_bl=_fit(tokens_bp, cache_len))
+        graphdef, model_params = self.model.graphdef, params["model"]
+        state = _ChainState(cache=init_cache(graphdef, model_params, tokens_bp.shape[0], cache_len),
+                            inner_state=self.inner.init(params["inner"], tokens_bp, prompt_len_b, cache_len),
+                            seen_bl=_fit(tokens_bp, cache_len))
+        if self.inner.feature_layers:   # a head reading this level's features takes in the prompt's too
+            return self.catch_up(params, state, tokens_bp, prompt_len_b, tokens_bp.shape[1])
+        return state.replace(cache=prefilled(graphdef, model_params, tokens_bp, prompt_len_b, cache_len))
 
-    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
-        model_params, inner_params = params["model"], params["inner"]
-        graphdef = self.model.graphdef
-        b = seq_bl.shape[0]
-        # Catch up. Position p of the cache is trusted while the tokens it was fed through p + 1 are this
-        # row's (an EAGLE head's row p reads token p + 1): the cache may hold this level's
-        # proposals past what the level above kept, and plain steps may have come since.
+    def _trusted(self, state, seq_bl, pending_b):
+        """The state rolled back to the trusted prefix: position p is while the tokens fed through
+        p + 1 are this row's (an EAGLE head's row p reads token p + 1) and p < pending_b - 1."""
         w = min(state.seen_bl.shape[1], seq_bl.shape[1])
         same_b = jnp.sum(jnp.cumprod(state.seen_bl[:, :w] == seq_bl[:, :w], axis=1), axis=1).astype(jnp.int32)
         cache = state.cache.commit(jnp.minimum(state.cache.lengths, jnp.minimum(same_b, pending_b) - 1))
-        inner_state = state.inner_state
         if self.inner.feature_layers:   # an EAGLE head: its rows follow this level's cache exactly
-            inner_state = self.inner.truncate(inner_state, cache.lengths)
-        cache, inner_state = feed_missing(graphdef, model_params, cache, seq_bl, pending_b - 1,
-                                          reader=(self.inner, inner_params, inner_state))
-        before_b1 = jnp.take_along_axis(seq_bl, pending_b[:, None] - 1, axis=1)
-        out = forward(graphdef, model_params, before_b1, cache, jnp.zeros_like(before_b1),
-                      features=self.inner.feature_layers)
-        if self.inner.feature_layers:
-            inner_state = self.inner.absorb(inner_params, inner_state, out[2],
-                                            jnp.take_along_axis(seq_bl, pending_b[:, None], axis=1),
-                                            jnp.ones_like(pending_b))
-        cache = out[1].commit(pending_b)
+            return state.replace(cache=cache, inner_state=self.inner.truncate(state.inner_state, cache.lengths))
+        return state.replace(cache=cache)
+
+    def lag(self, state, seq_bl, pending_b):
+        return jnp.maximum(pending_b - 1 - self._trusted(state, seq_bl, pending_b).cache.lengths,
+                           self.inner.lag(state.inner_state, seq_bl, pending_b) - 1)   # propose feeds it one
+
+    def catch_up(self, params, state, seq_bl, pending_b, width: int):
+        state = self._trusted(state, seq_bl, pending_b)
+        cache, inner_state, _ = feed_missing(self.model.graphdef, params["model"], state.cache, seq_bl, pending_b - 1,
+                                             width, reader=(self.inner, params["inner"], state.inner_state))
+        inner_state = self.inner.catch_up(params["inner"], inner_state, seq_bl, pending_b, width + 1)
+        return state.replace(cache=cache, inner_state=inner_state, seen_bl=_fit(seq_bl, state.seen_bl.shape[1]))
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        model_params, inner_params = params["model"], params["inner"]
+        graphdef, b = self.model.graphdef, seq_bl.shape[0]
+        state = self._trusted(state, seq_bl, pending_b)
+        inner_state = self.inner.catch_up(inner_params, state.inner_state, seq_bl, pending_b, 1)
+        cache, inner_state, _ = feed_missing(graphdef, model_params, state.cache, seq_bl, pending_b, 1,
+                                             reader=(self.inner, inner_params, inner_state))
         inner = DecodeState(
-            target_cache=cache, draft_state=inner_state, seq_bl=seq_bl,
+            target_cache=cache.commit(pending_b), draft_state=inner_state, seq_bl=seq_bl,
             out_bo=jnp.zeros((b, k), jnp.int32), n_out_b=jnp.zeros((b,), jnp.int32),
             done_b=jnp.zeros((b,), bool), counters=Counters.zeros(b), steps=jnp.int32(0),
             max_new_b=jnp.full((b,), k, jnp.int32), keys_b=key_b, eos_id=jnp.int32(NO_EOS),
@@ -113,7 +114,7 @@ class ChainDrafter(Drafter):
         # it emits for this level's verification.
         schedule, (budget,) = schedule_for(self.inner_spec, b, b)
         program = Program(target=graphdef, drafter=self.inner, schedule=schedule, sampling=sampling, record=True)
-        inner = jax.lax.while_loop(lambda s: ~jnp.all(s.done_b), lambda s: speculative_step(
+        inner = jax.lax.fori_loop(0, k, lambda _, s: speculative_step(
             program, schedule.plans[0], (model_params, inner_params), s, budget), inner)
         proposal = Proposal(tokens_bk=inner.out_bo, q_bkv=inner.probs_bov, logprob_bk=inner.logprob_bo,
                             num_drafts_b=jnp.full((b,), k, jnp.int32))
