@@ -8,6 +8,7 @@ from catching_up import assert_static, check_catch_up
 
 import jaxspec
 from jaxspec.drafting import ModelDrafter
+from jaxspec.drafting.trees import TreeShape
 from jaxspec.engine.chain import ChainDrafter
 from jaxspec.sampling import SamplingConfig
 
@@ -47,11 +48,11 @@ def test_ngram_config_is_checked():
         jaxspec.NgramDrafter(max_ngram=1, min_ngram=2)
 
 
-def model_drafter_and_rows(layers=1, seed=2):
+def model_drafter_and_rows():
     """A tiny ModelDrafter, a sequence buffer of 3 rows, their prompt lengths and where they are
     after plain steps."""
     cfg = jaxspec.ModelConfig.preset("tiny")
-    drafter = ModelDrafter(jaxspec.Model.random(cfg.replace(num_layers=layers, name=f"tiny-{layers}L"), seed=seed))
+    drafter = ModelDrafter(jaxspec.Model.random(cfg.replace(num_layers=1, name="tiny-1L"), seed=2))
     seq_bl = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (3, 64)), jnp.int32)
     return drafter, seq_bl, jnp.asarray([5, 12, 9], jnp.int32), jnp.asarray([30, 13, 41], jnp.int32)
 
@@ -99,3 +100,5 @@ def test_propose_and_catch_up_compile_without_conditionals_or_data_dependent_loo
         assert_static(monkeypatch, d.propose, d.params, state, seq_bl, pending_b, 3, keys_b, SamplingConfig(),
                       static_argnums=(4, 6))
         assert_static(monkeypatch, d.catch_up, d.params, state, seq_bl, pending_b, 8, static_argnums=4)
+    assert_static(monkeypatch, drafter.propose_tree, drafter.params, drafter.init(drafter.params, seq_bl[:, :12],
+                  prompt_len_b, 64), seq_bl, pending_b, TreeShape(2, 2), SamplingConfig(), static_argnums=(4, 5))

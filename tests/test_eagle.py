@@ -281,8 +281,8 @@ _head_forward = jax.jit(eagle.head_forward, static_argnums=0)
 def test_a_head_under_a_chain_level_follows_that_levels_model(vocab6_heads):
     """EAGLE as the lowest level of a chain (target <- middle model <- head on the middle model's
     features): after proposals followed by partial and full acceptance and by several plain outer
-    steps (the level catches up), the head's state equals a recomputation from scratch; and the
-    chain's greedy output is the target's own."""
+    steps (which the level's `catch_up` feeds), the head's state equals a recomputation from
+    scratch; and the chain's greedy output is the target's own."""
     from jaxspec.engine.chain import ChainDrafter
 
     target = vocab6_heads[0]
@@ -301,6 +301,9 @@ def test_a_head_under_a_chain_level_follows_that_levels_model(vocab6_heads):
     propose = jax.jit(chain.propose, static_argnums=(4, 6))
     pending = lengths.copy()
     for accepted in ([0, 3, 1], [3, 0, 2], [-6, 1, -4], [2, -5, 3]):   # negative: that many plain steps
+        lag = int(jnp.max(chain.lag(state, jnp.asarray(seq), jnp.asarray(pending))))
+        if lag:   # as the engine does before drafting (after plain steps)
+            state = chain.catch_up(chain.params, state, jnp.asarray(seq), jnp.asarray(pending), lag)
         proposal, state = propose(chain.params, state, jnp.asarray(seq), jnp.asarray(pending), k,
                                   jax.random.split(jax.random.key(0), 3), SamplingConfig())
         drafts = np.asarray(proposal.tokens_bk)

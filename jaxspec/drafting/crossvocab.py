@@ -180,9 +180,10 @@ class CrossVocabDrafter(Drafter):
         return len(self.map.to_draft_v)
 
     def init(self, params, tokens_bp, prompt_len_b, cache_len: int):
+        state = self.init_deferred(params, tokens_bp, prompt_len_b, cache_len)
         # The prompt's expansion in one forward: a row spelled in more draft tokens lags (`lag`).
-        return self.catch_up(params, self.init_deferred(params, tokens_bp, prompt_len_b, cache_len), tokens_bp,
-                             prompt_len_b, 2 * tokens_bp.shape[1])
+        return state.replace(cache=feed_missing(self.model.graphdef, params["model"], state.cache, state.seq_bd,
+                                                jnp.maximum(state.length_b - 2, 0), 2 * tokens_bp.shape[1])[0])
 
     def init_deferred(self, params, tokens_bp, prompt_len_b, cache_len: int):
         b, slots = tokens_bp.shape[0], 2 * cache_len + 2 * _PREFILL_CHUNK
@@ -197,9 +198,8 @@ class CrossVocabDrafter(Drafter):
         return jnp.maximum(pending_b - 2 - state.synced_b + state.length_b - state.cache.lengths, 0)
 
     def catch_up(self, params, state, seq_bl, pending_b, width: int):
-        """Syncs the target tokens before the pending one and feeds as many draft tokens as lower
-        `lag` by `width` (a row spelled in many more draft tokens may stay further behind)."""
-        behind_b, chunk = jnp.maximum(self.lag(state, seq_bl, pending_b) - width, 0), width + CATCH_UP_CHUNK
+        """Syncs the target tokens before the pending one, then feeds draft tokens till `lag` is `width` lower."""
+        behind_b, chunk = jnp.maximum(self.lag(state, seq_bl, pending_b) - width, 0), 2 * width + CATCH_UP_CHUNK
         state = _sync(params["tables"], state, seq_bl, pending_b, chunk, state.seq_bd.shape[1] - chunk - 2)
         upto_b = jnp.maximum(state.length_b - 2 - jnp.maximum(behind_b - (pending_b - state.synced_b), 0), 0)
         return state.replace(cache=feed_missing(self.model.graphdef, params["model"], state.cache, state.seq_bd,
