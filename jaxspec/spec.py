@@ -98,7 +98,7 @@ class SpecConfig:
 
     def segment_steps(self) -> int:
         """The segment length S (`segment`, or the default for the default backend)."""
-        return self.segment if self.segment is not None else (1 if jax.default_backend() == "cpu" else 4)
+        return self.segment if self.segment is not None else (1 if jax.default_backend() == "cpu" else 2)
 
     @property
     def draft_len(self) -> int:

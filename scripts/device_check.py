@@ -5,7 +5,7 @@ Sections, in this order, at the qwen2.5-1.5b shape in bfloat16 with random weigh
 a tiny shape):
   engine        the segment engine (S decode steps per device program) under each XLA flag set of
                 ENGINE_FLAGS, each in its own process (`--engine-worker`: XLA_FLAGS is read once):
-                plain, the speculative section's pair at k = 1, 2, 4 with S = 4 (and S = 1 at k = 2,
+                plain, the speculative section's pair at k = 1, 2, 4 with S = 2 (and S = 1, 4 at k = 2,
                 batch 1) and a random EAGLE-3 head at k = 2 (its step cost), batch 1 and 16; under 4
                 minutes in all (the previous loop, the baseline, is no longer in the code).
   step_profile  the decode step's anatomy and bandwidth fraction (`jaxspec.tools.profiling`) at batch
@@ -80,7 +80,7 @@ def shapes(smoke: bool) -> dict:
                 "context": 32, "select": (16, 8), "packed": [8], "spec_batches": [2], "ks": [2],
                 "trees": [(2, 2, 2)], "tree_chains": False, "new_tokens": 16, "rounds": 1, "bandwidth_bytes": 1 << 24,
                 "int8_verify": False, "attention": (2, 2, 128, [16, 96]), "smoke": True, "engine_s": 600,
-                "engine_all_rows": ("default",)}   # the other flag sets: plain and k = 2 (S = 4) alone
+                "engine_all_rows": ("default",)}   # the other flag sets: plain and k = 2 (S = 2) alone
     return {"target": jaxspec.ModelConfig.preset("qwen2.5-1.5b"), "draft": jaxspec.ModelConfig.preset("qwen2.5-0.5b"),
             "batches": [1, 8, 32], "context": 256, "select": (64, 8), "packed": [64], "spec_batches": [1, 16],
             "ks": [1, 2, 4], "trees": [(4, 2, 4), (6, 2, 8)], "tree_chains": True, "new_tokens": 64, "rounds": 3,
@@ -240,8 +240,9 @@ def engine(target, s, out: dict, before_deadline, ends_at: float = float("inf"))
 
 def _engine_fns(target, draft, s, all_rows: bool) -> dict:
     """(batch, method, S) -> fn(on_finish), the most telling first (a deadline cuts the tail): plain
-    and k = 2 with S = 4 at each batch; then (`all_rows`) k = 2 with S = 1 at the first batch, the
-    EAGLE head at k = 2 and the other k. Plain's S is the default; decoders are built on first use."""
+    and k = 2 with the GPU's default S = 2 at each batch; then (`all_rows`) k = 2 with S = 1 and 4 at
+    the first batch, the EAGLE head at k = 2 and the other k. Plain's S is the default; decoders are
+    built on first use."""
     batches, n = s["spec_batches"], s["new_tokens"]
     prompts = {b: prompt_sets(s["target"].vocab_size, b, 1)[0] for b in batches}
     head = functools.cache(lambda: jaxspec.EagleHead.init(target, seed=0))   # random: acceptance ~0
@@ -249,10 +250,11 @@ def _engine_fns(target, draft, s, all_rows: bool) -> dict:
     def spec(k, steps, eagle=False):
         return lambda: jaxspec.SpeculativeDecoder(target, jaxspec.EagleDrafter(head()) if eagle else draft,
                                                   jaxspec.SpecConfig(k=k, segment=steps))
-    plan = [(b, "k=2", 4, spec(2, 4)) for b in batches]
+    plan = [(b, "k=2", 2, spec(2, 2)) for b in batches]
     if all_rows:
-        plan += [(batches[0], "k=2", 1, spec(2, 1))] + [(b, "eagle k=2", 4, spec(2, 4, True)) for b in batches]
-        plan += [(b, f"k={k}", 4, spec(k, 4)) for k in s["ks"] if k != 2 for b in batches]
+        plan += [(batches[0], "k=2", steps, spec(2, steps)) for steps in (1, 4)]
+        plan += [(b, "eagle k=2", 2, spec(2, 2, True)) for b in batches]
+        plan += [(b, f"k={k}", 2, spec(k, 2)) for k in s["ks"] if k != 2 for b in batches]
     fns = {(b, "autoregressive", jaxspec.SpecConfig().segment_steps()):
            lambda on_finish, b=b: jaxspec.generate(target, prompts[b], max_new_tokens=n) for b in batches}
     for b, method, steps, make in plan:

@@ -34,11 +34,8 @@ def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
     """Median seconds of one step with k drafts per row (k = 0: a plain decoding step). Where a
     stall makes the difference of the two loops implausibly small, a tenth of the long loop's
     average step stands in."""
-    return _step_seconds(step_timer(target, drafter, k, batch, cache_len, iterations=iterations, seed=seed),
-                         iterations, repeats)
+    run = step_timer(target, drafter, k, batch, cache_len, iterations=iterations, seed=seed)
 
-
-def _step_seconds(run, iterations: int, repeats: int) -> float:
     def step() -> tuple[float, float]:
         long = run(1 + iterations)
         return (long - run(1)) / iterations, long / (1 + iterations)
@@ -119,7 +116,8 @@ def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0)
     seconds = [[] for _ in shapes]
     for _ in range(passes):
         for i in rng.permutation(len(shapes)):
-            seconds[i].append(_step_seconds(timers[i], 6, repeats=1))
+            batch, k, cache_len = shapes[i]
+            seconds[i].append(time_steps(target, drafter, k, batch, cache_len, repeats=1))
     return [(*shape, float(np.median(times))) for shape, times in zip(shapes, seconds, strict=True)]
 
 
