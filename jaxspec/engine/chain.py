@@ -12,8 +12,9 @@ target's distribution exactly; only the acceptance rates depend on how close the
 Bookkeeping. The middle model's cache is trusted as far as the tokens it was fed agree with the
 row (it also holds this level's proposals, of which the level above keeps a prefix, and plain
 steps above may have emitted others since: `catch_up` feeds those). Each propose rolls back to that
-prefix, re-feeds the token before the pending one, then runs k inner steps (each emits a token or
-more per row short of k). An EAGLE head as the middle model's drafter follows the same lengths.
+prefix, re-feeds the token before the pending one, then runs `inner_steps(k)` inner steps (a static
+count: each emits one to k_inner + 1 tokens per row, up to k); a row's proposal is what it
+emitted. An EAGLE head as the middle model's drafter follows the same lengths.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class _ChainState:
     cache: KVCache        # the middle model's cache
     inner_state: object   # the state of the middle model's own drafter
     seen_bl: jax.Array    # the tokens that cache was fed ([b, cache_len]; past its lengths: anything)
+
+
+def inner_steps(k: int) -> int:
+    """Inner steps per proposal of k: enough for k tokens where the inner level accepts at least
+    one draft a step (a loop of data-dependent length would stall a GPU's host every step)."""
+    return -(-k // 2)
 
 
 def _fit(x_bl, width: int):
@@ -114,9 +121,9 @@ class ChainDrafter(Drafter):
         # it emits for this level's verification.
         schedule, (budget,) = schedule_for(self.inner_spec, b, b)
         program = Program(target=graphdef, drafter=self.inner, schedule=schedule, sampling=sampling, record=True)
-        inner = jax.lax.fori_loop(0, k, lambda _, s: speculative_step(
+        inner = jax.lax.fori_loop(0, inner_steps(k), lambda _, s: speculative_step(
             program, schedule.plans[0], (model_params, inner_params), s, budget), inner)
         proposal = Proposal(tokens_bk=inner.out_bo, q_bkv=inner.probs_bov, logprob_bk=inner.logprob_bo,
-                            num_drafts_b=jnp.full((b,), k, jnp.int32))
+                            num_drafts_b=inner.n_out_b)
         return proposal, _ChainState(cache=inner.target_cache, inner_state=inner.draft_state,
                                      seen_bl=_fit(inner.seq_bl, state.seen_bl.shape[1]))
