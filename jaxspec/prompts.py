@@ -146,19 +146,12 @@ def subset(batch: PromptBatch, rows, multiple: int = 1, min_rows: int = 0) -> Pr
     e.g. the data-parallel degree); padding rows have budget 0.
     """
     rows = np.asarray(rows, np.int64)
-    n = max(bucket_batch(max(len(rows), 1)), min_rows)
-    n = -(-n // multiple) * multiple
-    tokens = np.zeros((n, batch.tokens_bp.shape[1]), np.int32)
-    lengths = np.ones((n,), np.int32)
-    budgets = np.zeros((n,), np.int32)
-    ids = np.zeros((n,), np.int32)
-    tokens[:len(rows)] = batch.tokens_bp[rows]
-    lengths[:len(rows)] = batch.lengths_b[rows]
-    budgets[:len(rows)] = batch.max_new_b[rows]
-    ids[:len(rows)] = batch.request_ids_b[rows]
+    pad = -(-max(bucket_batch(max(len(rows), 1)), min_rows) // multiple) * multiple - len(rows)
     # Padding rows get ids past every real one, so no two rows share an RNG stream.
-    ids[len(rows):] = batch.request_ids_b.max() + 1 + np.arange(n - len(rows))
-    return PromptBatch(tokens_bp=tokens, lengths_b=lengths, max_new_b=budgets, request_ids_b=ids,
+    ids = np.concatenate([batch.request_ids_b[rows], batch.request_ids_b.max() + 1 + np.arange(pad)])
+    return PromptBatch(tokens_bp=np.pad(batch.tokens_bp[rows], ((0, pad), (0, 0))),
+                       lengths_b=np.pad(batch.lengths_b[rows], (0, pad), constant_values=1),
+                       max_new_b=np.pad(batch.max_new_b[rows], (0, pad)), request_ids_b=ids.astype(np.int32),
                        num_prompts=len(rows), out_len=batch.out_len)
 
 

@@ -66,6 +66,4 @@ class GenerationResult:
 
 
 def decode_texts(tokenizer, tokens: list[list[int]]) -> list[str] | None:
-    if tokenizer is None:
-        return None
-    return [tokenizer.decode(t, skip_special_tokens=False) for t in tokens]
+    return None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=False) for t in tokens]

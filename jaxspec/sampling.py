@@ -76,8 +76,7 @@ def choose(keys_b: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig) ->
     """Next token of each row: argmax when greedy, else a draw with that row's own key."""
     if sampling.greedy:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    probs_bv = probabilities(logits_bv, sampling)
-    return jax.vmap(sample)(keys_b, probs_bv)
+    return jax.vmap(sample)(keys_b, probabilities(logits_bv, sampling))
 
 
 def row_keys(request_keys_b: jax.Array, token_index_b: jax.Array) -> jax.Array:

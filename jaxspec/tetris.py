@@ -54,22 +54,11 @@ def select(draft_logprobs, capacity: int, budget=None) -> jax.Array:
     Returns:
       int32 [n] window lengths; each row's selected slots are its first `counts[i]` drafts.
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ValueError(f"capacity must be a static int >= 0, got {capacity!r}")
     lp = jnp.asarray(draft_logprobs)
     if lp.ndim != 2:
         raise ValueError(f"draft_logprobs must have shape [rows, slots], got shape {lp.shape}")
-    n, k = lp.shape
-    cum_kn = cumulative_logprobs(lp).T
-    top = min(capacity, n * k)
-    if top == 0:
-        return jnp.zeros((n,), jnp.int32)
-    # Position-major flattening: index j * n + i, so ties prefer earlier positions.
-    values, index = jax.lax.top_k(cum_kn.reshape(-1), top)
-    chosen = values > _NEG_INF
-    if budget is not None:
-        chosen &= jnp.arange(top) < budget
-    return jnp.zeros((n,), jnp.int32).at[index % n].add(chosen.astype(jnp.int32))
+    # The slots are the nodes of chains: select_nodes' node-major order sends ties to earlier slots.
+    return jnp.sum(select_nodes(cumulative_logprobs(lp), capacity, budget), axis=1, dtype=jnp.int32)
 
 
 def select_nodes(cum_logprobs, capacity: int, budget=None, *, per_row: bool = False) -> jax.Array:
@@ -126,6 +115,4 @@ def acceptance_logprobs(proposal, usable_bk) -> jax.Array:
 
 def capacity_bucket(capacity: int, rows: int, slots: int) -> int:
     """The compiled size for a budget: a multiple of 8 (a few programs), never more than the grid."""
-    if capacity <= 0:
-        return 0
-    return min(-(-capacity // 8) * 8, rows * slots)
+    return max(0, min(-(-capacity // 8) * 8, rows * slots))

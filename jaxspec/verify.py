@@ -78,8 +78,7 @@ def rejection_accept(key_b, draft_bk, q_bkv, target_logits_bkv, num_drafts_b, sa
     mass_b = jnp.sum(residual_bv, axis=-1, keepdims=True)
     # A rejection implies p(x) < q(x), hence positive residual mass; guard rounding anyway.
     residual_bv = jnp.where(mass_b > 0, residual_bv / jnp.where(mass_b > 0, mass_b, 1.0), p_at_bv)
-    next_b = jax.vmap(sample)(resample_key_b, residual_bv)
-    return accepted_b, next_b
+    return accepted_b, jax.vmap(sample)(resample_key_b, residual_bv)
 
 
 def accept(key_b, draft_bk, q_bkv, target_logits_bkv, num_drafts_b, sampling: SamplingConfig):
@@ -135,12 +134,11 @@ def accept_tree(key_b, tokens_bw, parent_bw, used_bw, target_logits_bwv, samplin
             hit_bc, p_res_bv = _try_children(keys[:, d], token_bc, valid_bc, p_bwv[rows_b, cur_b])
             drawn_b = jax.vmap(sample)(keys[:, d, width], p_res_bv)   # used if the row stops here
             final_b = jnp.where(alive_b & ~hit_bc.any(1), drawn_b, final_b)
-        moved_b = hit_bc.any(1)
+        alive_b = hit_bc.any(1)   # the row moves on to a child
         next_b = jnp.take_along_axis(child_bc, jnp.argmax(hit_bc, axis=1)[:, None], axis=1)[:, 0]
-        path_bd = path_bd.at[:, d].set(jnp.where(moved_b, next_b, 0))
-        count_b = count_b + moved_b
-        cur_b = jnp.where(moved_b, next_b, cur_b)
-        alive_b = moved_b
+        path_bd = path_bd.at[:, d].set(jnp.where(alive_b, next_b, 0))
+        count_b = count_b + alive_b
+        cur_b = jnp.where(alive_b, next_b, cur_b)
     if sampling.greedy:
         return path_bd, count_b, choice_bw[rows_b, cur_b]
     # Rows that reached the depth bound draw their bonus token from p at their last node.

@@ -88,13 +88,11 @@ class ModelConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
-                f"({self.num_heads}) when head_dim is not given")
+            raise ValueError(f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                             f"({self.num_heads}) when head_dim is not given")
         if self.resolved_head_dim % 2:
             raise ValueError(f"ModelConfig head_dim must be even for rotary embeddings, "
                              f"got {self.resolved_head_dim}")
@@ -158,8 +156,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"ModelConfig.from_dict got unknown fields {unknown}")
         return cls(**data)
@@ -197,8 +194,7 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 PRESETS: dict[str, ModelConfig] = {
     # A toy model for unit tests: small enough to compile in seconds on a CPU.
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0,
-                        rms_norm_eps=1e-6, name="tiny"),
+                        intermediate_size=128, max_position_embeddings=1024, name="tiny"),
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
                                 num_kv_heads=3, intermediate_size=1536, max_position_embeddings=8192,
                                 rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,

@@ -70,17 +70,14 @@ class WeightRule:
         return dict(self.hf_by_arch).get(cfg.architecture, self.hf)
 
 
-def _untied(cfg):
-    return not cfg.tie_word_embeddings
-
-
 _has_bias, _post_norms, _qk_norm = (operator.attrgetter(f) for f in ("attention_bias", "post_norms", "qk_norm"))
 _q_heads, _kv_heads = operator.attrgetter("num_heads"), operator.attrgetter("num_kv_heads")
 _L = "model.layers.{i}."
 RULES: tuple[WeightRule, ...] = (
     WeightRule(("embed_vd",), "model.embed_tokens.weight", "token_embd.weight"),
     WeightRule(("final_norm", "scale"), "model.norm.weight", "output_norm.weight"),
-    WeightRule(("lm_head_dv",), "lm_head.weight", "output.weight", _transpose, _transpose, present=_untied),
+    WeightRule(("lm_head_dv",), "lm_head.weight", "output.weight", _transpose, _transpose,
+               present=lambda cfg: not cfg.tie_word_embeddings),
     WeightRule(("layers", "attn_norm", "scale"), _L + "input_layernorm.weight", "blk.{i}.attn_norm.weight",
                per_layer=True),
     WeightRule(("layers", "q_dnh"), _L + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight",
@@ -141,10 +138,6 @@ def _unpermute_gguf(x: np.ndarray, n_head: int) -> np.ndarray:
     return x.reshape(n_head, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _hf_shape(rule: WeightRule, cfg: ModelConfig, our_shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(rule.to_hf(np.empty(our_shape, np.int8), cfg).shape)
-
-
 def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.ndarray],
                     names: Collection[str], *, source: str, convert_leaf: Callable) -> dict:
     """Builds jaxspec params from named checkpoint tensors.
@@ -163,26 +156,19 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
     names = set(names)
     used: set[str] = set()
     params: dict = {}
-    for rule in EAGLE3_RULES if source == "eagle" else RULES:
-        if not rule.present(cfg):
-            continue
-        template = rule.gguf if source == "gguf" else rule.hf_name(cfg)
-        for i in range(cfg.num_layers if rule.per_layer else 1):
-            path = _path(rule, i)
-            expected = _hf_shape(rule, cfg, tuple(_lookup(our_shapes, path).shape))
-            name = template.format(i=i)
-            if name not in names:
-                raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {expected})")
-            tensor = np.asarray(get(name))
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but the config "
-                                 f"needs {expected}")
-            if source == "gguf" and rule.gguf_heads is not None and cfg.architecture == "llama":
-                tensor = _unpermute_gguf(tensor, rule.gguf_heads(cfg))
-            if source == "gguf" and cfg.norm_offset and name.endswith("norm.weight"):
-                tensor = tensor - np.float32(cfg.norm_offset)   # llama.cpp stores Gemma's norms as 1 + w
-            _assign(params, path, convert_leaf(rule.to_ours(tensor, cfg), path))
-            used.add(name)
+    for rule, name, path in _weights(cfg, source):
+        expected = tuple(rule.to_hf(np.empty(_lookup(our_shapes, path).shape, np.int8), cfg).shape)
+        if name not in names:
+            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {expected})")
+        tensor = np.asarray(get(name))
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but the config needs {expected}")
+        if source == "gguf" and rule.gguf_heads is not None and cfg.architecture == "llama":
+            tensor = _unpermute_gguf(tensor, rule.gguf_heads(cfg))
+        if source == "gguf" and cfg.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor - np.float32(cfg.norm_offset)   # llama.cpp stores Gemma's norms as 1 + w
+        _assign(params, path, convert_leaf(rule.to_ours(tensor, cfg), path))
+        used.add(name)
     leftover = sorted(n for n in names - used if not _harmless(n, cfg, source))
     if leftover:
         shown = ", ".join(repr(n) for n in leftover[:8])
@@ -194,14 +180,8 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
 def params_to_hf(cfg: ModelConfig, params: dict, source: str = "hf") -> dict[str, np.ndarray]:
     """jaxspec params -> HF-named float32 numpy tensors (for writing safetensors checkpoints; of an
     EAGLE-3 head with `source="eagle"`)."""
-    out = {}
-    for rule in EAGLE3_RULES if source == "eagle" else RULES:
-        if not rule.present(cfg):
-            continue
-        for i in range(cfg.num_layers if rule.per_layer else 1):
-            value = np.asarray(_lookup(params, _path(rule, i)), np.float32)
-            out[rule.hf_name(cfg).format(i=i)] = np.ascontiguousarray(rule.to_hf(value, cfg))
-    return out
+    return {name: np.ascontiguousarray(rule.to_hf(np.asarray(_lookup(params, path), np.float32), cfg))
+            for rule, name, path in _weights(cfg, source)}
 
 
 def _harmless(name: str, cfg: ModelConfig, source: str) -> bool:
@@ -211,9 +191,14 @@ def _harmless(name: str, cfg: ModelConfig, source: str) -> bool:
                                (name == "lm_head.weight" and cfg.tie_word_embeddings))
 
 
-def _path(rule: WeightRule, layer: int) -> tuple:
-    """Where the weight sits in the params: per-layer weights under params["layers"][i]."""
-    return (rule.ours[0], layer, *rule.ours[1:]) if rule.per_layer else rule.ours
+def _weights(cfg: ModelConfig, source: str):
+    """(rule, tensor name in `source`'s checkpoints, params path) of each weight `cfg` has; per-layer
+    weights sit under params["layers"][i]."""
+    for rule in EAGLE3_RULES if source == "eagle" else RULES:
+        if rule.present(cfg):
+            template = rule.gguf if source == "gguf" else rule.hf_name(cfg)
+            for i in range(cfg.num_layers if rule.per_layer else 1):
+                yield rule, template.format(i=i), (rule.ours[0], i, *rule.ours[1:]) if rule.per_layer else rule.ours
 
 
 def _lookup(tree, path):

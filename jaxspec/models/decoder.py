@@ -95,10 +95,8 @@ def rotary(x_mah, pos_m, theta: float, scaling: tuple | None = None):
     inv_freq = rope_frequencies(2 * half, theta, dict(scaling) if scaling else None)
     angles = pos_m.astype(_F32)[:, None, None] * inv_freq  # [m, 1, h/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1 = x_mah[..., :half].astype(_F32)
-    x2 = x_mah[..., half:].astype(_F32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_mah.dtype)
+    x1, x2 = x_mah[..., :half].astype(_F32), x_mah[..., half:].astype(_F32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_mah.dtype)
 
 
 class Block(nnx.Module):
@@ -132,8 +130,7 @@ class Block(nnx.Module):
         self.k_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
         _matrix(self, "o_nhd", (n, h, d), ("heads", "head_dim", "embed"), dtype, rngs, quantized)
         self.mlp_norm = norm(d)
-        self.post_attn_norm = norm(d) if config.post_norms else None
-        self.post_mlp_norm = norm(d) if config.post_norms else None
+        self.post_attn_norm, self.post_mlp_norm = (norm(d), norm(d)) if config.post_norms else (None, None)
         for name, shape, axes in (("gate_df", (d, f), ("embed", "mlp")), ("up_df", (d, f), ("embed", "mlp")),
                                   ("down_fd", (f, d), ("mlp", "embed"))):
             _matrix(self, name, shape, axes, dtype, rngs, quantized)
@@ -151,15 +148,10 @@ class Block(nnx.Module):
         Token-wise work runs on a flat [m, d] buffer with 2-D weight views: XLA's CPU dot is
         slower on the equivalent multi-axis einsums.
         """
-        m = x_md.shape[0]
         y = self.attn_norm(x_md)
-        q = self._mm(y, "q_dnh").reshape(m, -1, self.head_dim)
-        k = self._mm(y, "k_dkh").reshape(m, -1, self.head_dim)
-        v = self._mm(y, "v_dkh").reshape(m, -1, self.head_dim)
+        q, k, v = (self._mm(y, name).reshape(x_md.shape[0], -1, self.head_dim) for name in ("q_dnh", "k_dkh", "v_dkh"))
         if self.q_bias_nh is not None:
-            q = q + self.q_bias_nh[...]
-            k = k + self.k_bias_kh[...]
-            v = v + self.v_bias_kh[...]
+            q, k, v = q + self.q_bias_nh[...], k + self.k_bias_kh[...], v + self.v_bias_kh[...]
         if self.q_norm is not None:   # Qwen3: each head normalised before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         return rotary(q, pos_m, self.theta, self.rope_scaling), rotary(k, pos_m, self.theta, self.rope_scaling), v
@@ -236,10 +228,9 @@ class Decoder(nnx.Module):
         `features` layers' inputs [b, t, f], or None: `_run_blocks`)."""
         b, t = tokens_bt.shape
         pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        pos_m = pos_bt.reshape(-1)
 
         def body(block, x_md, i):
-            q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in block.qkv(x_md, pos_m))
+            q, k, v = (a.reshape(b, t, *a.shape[1:]) for a in block.qkv(x_md, pos_bt.reshape(-1)))
             attn = attend(q, k, v, pos_bt, pos_bt, block.attention)
             return block.finish(x_md, attn.reshape(b * t, *attn.shape[2:])), None
 

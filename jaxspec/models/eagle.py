@@ -114,9 +114,8 @@ class EagleModule(nnx.Module):
         """Queries, keys and values of the [embedding, hidden] input, rotated to positions pos_m."""
         m = hidden_md.shape[0]
         x = jnp.concatenate([self.input_norm(embedded_md), self.hidden_norm(hidden_md)], axis=-1)
-        q = (x @ self.q_xnh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
-        k = (x @ self.k_xkh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
-        v = (x @ self.v_xkh[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
+        q, k, v = ((x @ w[...].reshape(x.shape[-1], -1)).reshape(m, -1, self.head_dim)
+                   for w in (self.q_xnh, self.k_xkh, self.v_xkh))
         return rotary(q, pos_m, self.theta, self.rope_scaling), rotary(k, pos_m, self.theta, self.rope_scaling), v
 
     def finish(self, hidden_md, attn_mnh):

@@ -126,18 +126,15 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     vocab = metadata.get(f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(metadata["tokenizer.ggml.tokens"])
     names = set(tensor_names)
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", 0)) or None
-    if head_dim is None and f"{arch}.rope.dimension_count" in metadata:
-        head_dim = int(metadata[f"{arch}.rope.dimension_count"])
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", 0)
+                   or metadata.get(f"{arch}.rope.dimension_count", 0)) or None
     num_layers = int(key("block_count"))
     gemma = _gemma_from_gguf(metadata, arch, num_layers, hidden / num_heads, head_dim) if "gemma" in arch else {}
     if head_dim == hidden // num_heads:
         head_dim = None
     return dict(
-        vocab_size=int(vocab),
+        vocab_size=int(len(metadata["tokenizer.ggml.tokens"]) if vocab is None else vocab),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=num_heads,
@@ -166,11 +163,9 @@ def _gemma_from_gguf(metadata: Mapping[str, Any], arch: str, num_layers: int, wi
     holds (the query scale) follows llama.cpp's fixed rules per architecture and size."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-    if isinstance(pattern, (list, tuple)):   # per layer: true for a sliding layer
-        sliding = list(pattern)
-    else:                                    # every n-th layer is global
-        sliding = [(i + 1) % int(pattern) for i in range(num_layers)]
-    types = tuple("sliding_attention" if swa else "full_attention" for swa in sliding)
+    if not isinstance(pattern, (list, tuple)):   # a list: true for a sliding layer; n: every n-th layer is global
+        pattern = [(i + 1) % int(pattern) for i in range(num_layers)]
+    types = tuple("sliding_attention" if swa else "full_attention" for swa in pattern)
     largest = num_layers == (46 if arch == "gemma2" else 62)   # the 27B models scale queries by width / heads
     fields = dict(sliding_window=int(window) if window else None, layer_types=types if window else None,
                   norm_offset=1.0, embed_scale=True, post_norms=True, hidden_act="gelu_pytorch_tanh",

@@ -126,4 +126,3 @@ def _cast(model: Model, dtype) -> Model:
         return model
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), model.params)
     return Model(model.config, params, dtype=dtype, tokenizer=model.tokenizer)
-

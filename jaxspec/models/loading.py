@@ -76,7 +76,6 @@ def _from_tensors(config: ModelConfig, get, names, source: str, dtype, quantize:
     float weight becomes an array in `dtype`, or for a matrix that int8 quantizes, its (int8
     values, scales) pair (`quant.split_pairs`)."""
     def convert(value: np.ndarray, path: tuple):
-        value = value.astype(np.float32, copy=False)
         in_axes = quant.quantized_leaf(path) if quantize else None
         if in_axes is not None:
             return tuple(jnp.asarray(a) for a in quant.quantize_array(value, in_axes))
@@ -94,12 +93,11 @@ def read_gguf(path) -> tuple[dict, dict]:
     reader = gguf.GGUFReader(str(path))
     metadata = {}
     for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
         try:
-            metadata[key] = field.contents()
+            if not key.startswith("GGUF."):
+                metadata[key] = field.contents()
         except Exception:  # an exotic value type we do not need
-            continue
+            pass
     return metadata, {t.name: t for t in reader.tensors}
 
 
@@ -144,13 +142,9 @@ def _load_hf(folder: Path, dtype, want_tokenizer: bool, quantize: str | None) ->
             handle.keys()
         except Exception:
             handle = safe_open(str(file), framework="flax")  # bfloat16 files
-        for name in handle.keys():
-            handles[name] = handle
-
-    def get(name):
-        return np.asarray(handles[name].get_tensor(name), np.float32)
-
-    model = _from_tensors(config, get, handles.keys(), "hf", dtype, quantize)
+        handles.update(dict.fromkeys(handle.keys(), handle))
+    model = _from_tensors(config, lambda name: np.asarray(handles[name].get_tensor(name), np.float32),
+                          handles.keys(), "hf", dtype, quantize)
     model.tokenizer = _hf_tokenizer(folder) if want_tokenizer else None
     return model
 

@@ -46,11 +46,9 @@ class _GraphDef(graphlib.GraphDef):
     __slots__ = ("_hash",)
 
     def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
+        if not hasattr(self, "_hash"):
             object.__setattr__(self, "_hash", graphlib.GraphDef.__hash__(self))
-            return self._hash
+        return self._hash
 
 
 jax.tree_util.register_static(_GraphDef)
@@ -62,11 +60,9 @@ def _abstract_decoder(config: ModelConfig, dtype, quantize: str | None = None) -
 
 def _logical_axes(state) -> dict:
     """Pure dict, parallel to the params, of each weight's logical axis names."""
-    def walk(node):
-        if isinstance(node, nnx.Variable):
-            return tuple(node.get_metadata().get("axes", ()))
-        return {key: walk(child) for key, child in node.items()}
-    return walk(state)
+    if isinstance(state, nnx.Variable):
+        return tuple(state.get_metadata().get("axes", ()))
+    return {key: _logical_axes(child) for key, child in state.items()}
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -127,10 +123,9 @@ def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed
     col_w = jnp.arange(w, dtype=jnp.int32)
     used_bw = counts_b if tree is not None else col_w[None, :] < counts_b[:, None]
     index_bw = jnp.where(used_bw, jnp.cumsum(used_bw.reshape(-1)).reshape(b, w) - 1, packed_len)
-    rows_bw = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
     tokens_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(window_bw, mode="drop")
-    row_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(rows_bw, mode="drop")
-    col_m = jnp.full((packed_len,), w, jnp.int32).at[index_bw].set(jnp.broadcast_to(col_w, (b, w)), mode="drop")
+    row_m = jnp.zeros((packed_len,), jnp.int32).at[index_bw].set(jnp.arange(b, dtype=jnp.int32)[:, None], mode="drop")
+    col_m = jnp.full((packed_len,), w, jnp.int32).at[index_bw].set(col_w, mode="drop")
     decoder = nnx.merge(graphdef, params)
     hidden_md, cache, features_mf = decoder.hidden_packed(tokens_m, row_m, col_m, cache, w, features, tree)
     logits_mv = decoder.head(hidden_md)
@@ -164,12 +159,10 @@ class Model:
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.quantization = quant.check_method(quantization)
-        abstract = _abstract_decoder(config, self.dtype, self.quantization)
-        graphdef, abstract_state = nnx.split(abstract)
+        graphdef, abstract_state = nnx.split(_abstract_decoder(config, self.dtype, self.quantization))
         self.graphdef = _GraphDef(nodes=graphdef.nodes, attributes=graphdef.attributes, num_leaves=graphdef.num_leaves)
         self.logical_axes = _logical_axes(abstract_state)
-        expected = nnx.to_pure_dict(abstract_state)
-        _check_same_structure(expected, params)
+        _check_same_structure(nnx.to_pure_dict(abstract_state), params)
         self.params = params
         self.tokenizer = tokenizer
 

@@ -42,15 +42,13 @@ def quantize_array(w, in_axes: int) -> tuple[np.ndarray, np.ndarray]:
     w32 = np.asarray(w, np.float32)
     absmax = np.max(np.abs(w32), axis=tuple(range(in_axes)))
     scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(w32 / scale), -127, 127).astype(np.int8)
-    return q, scale
+    return np.clip(np.rint(w32 / scale), -127, 127).astype(np.int8), scale
 
 
 def quantized_leaf(path: tuple) -> int | None:
     """Input-axis count of the weight at this params path if int8 quantizes it, else None."""
-    name = path[-1]
     if len(path) == 3 and path[0] == "layers":
-        return BLOCK_MATRICES.get(name)
+        return BLOCK_MATRICES.get(path[-1])
     return HEAD_MATRIX[1] if path == (HEAD_MATRIX[0],) else None
 
 
@@ -88,8 +86,5 @@ def matmul(x_mi, w, scale, in_axes: int = 1):
 def cast_floats(params: dict, dtype) -> dict:
     """Params in another compute dtype: int8 values and float32 scales stay as they are."""
     def cast(path, x):
-        name = path[-1].key
-        if x.dtype == jnp.int8 or name.endswith("_scale"):
-            return x
-        return x.astype(dtype)
+        return x if x.dtype == jnp.int8 or path[-1].key.endswith("_scale") else x.astype(dtype)
     return jax.tree_util.tree_map_with_path(cast, params)

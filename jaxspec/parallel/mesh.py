@@ -63,17 +63,16 @@ class MeshConfig:
 
     def target_mesh(self) -> Mesh:
         """The target's (data, tensor) mesh over the first target_dp * target_tp devices."""
-        n = self.target_dp * self.target_tp
-        grid = np.asarray(self._devices()[:n], dtype=object).reshape(self.target_dp, self.target_tp)
-        return Mesh(grid, (DATA, TENSOR))
+        return self._mesh(0, self.target_dp, self.target_tp)
 
     def draft_mesh(self) -> Mesh:
         """The draft's (data=1, tensor=draft_tp) mesh over the next draft_tp devices (or the target's)."""
         if not self.separate_draft:
             return self.target_mesh()
-        start = self.target_dp * self.target_tp
-        grid = np.asarray(self._devices()[start:start + self.draft_tp], dtype=object).reshape(1, self.draft_tp)
-        return Mesh(grid, (DATA, TENSOR))
+        return self._mesh(self.target_dp * self.target_tp, 1, self.draft_tp)
+
+    def _mesh(self, start: int, dp: int, tp: int) -> Mesh:
+        return Mesh(np.asarray(self._devices()[start:start + dp * tp], dtype=object).reshape(dp, tp), (DATA, TENSOR))
 
     def check(self, target_config, draft_config=None) -> None:
         """Raises ValueError when the devices or the models' widths do not fit this mesh."""

@@ -20,14 +20,8 @@ from jaxspec.models.model import Model
 from jaxspec.parallel.mesh import DATA, TENSOR
 
 RULES: dict[str, str | None] = {
-    "batch": DATA,
-    "heads": TENSOR,
-    "kv_heads": TENSOR,
-    "mlp": TENSOR,
-    "vocab": TENSOR,
-    "embed": None,
-    "head_dim": None,
-    "cache_slots": None,
+    "batch": DATA, "heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR,
+    "embed": None, "head_dim": None, "cache_slots": None,
     "features": None,   # an EAGLE-3 head's fused target features (jaxspec.models.eagle)
 }
 
@@ -44,8 +38,7 @@ def partition_spec(axes: tuple[str, ...]) -> PartitionSpec:
 
 def param_shardings(model, mesh: Mesh) -> dict:
     """Pytree parallel to `model.params` (or to the logical axes of a config) of NamedShardings."""
-    axes = model.logical_axes
-    return jax.tree.map(lambda a: NamedSharding(mesh, partition_spec(a)), axes,
+    return jax.tree.map(lambda a: NamedSharding(mesh, partition_spec(a)), model.logical_axes,
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
@@ -113,6 +106,5 @@ def constrain_cache(cache, mesh: Mesh):
 
 def is_sharded(array) -> bool:
     """True if no single device holds the whole array."""
-    sharding = array.sharding
     largest = max(np.prod(s.data.shape) for s in array.addressable_shards)
-    return not sharding.is_fully_replicated and largest < array.size
+    return not array.sharding.is_fully_replicated and largest < array.size

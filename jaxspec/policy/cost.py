@@ -122,9 +122,7 @@ class CostModel:
     # --- persistence ---
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["mesh_shape"] = list(self.mesh_shape)
-        return d
+        return {**dataclasses.asdict(self), "mesh_shape": list(self.mesh_shape)}
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -208,11 +206,10 @@ def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: b
     minimise squared relative errors (each point weighted by 1 / y), not absolute ones.
 
     A relative fit is at the mercy of a timing that noise made near zero: weighted 1 / y, that one
-    point outweighs all others. (A profile on a loaded CI machine once had a plain step come out at
-    the 1e-7 s floor; the fit set every verification coefficient to 0 and timed plain steps free.)
-    So points that an absolute fit, which such a point cannot sway, predicts more than
-    OUTLIER_RATIO times off are left out of a relative fit (`fit["outliers"]` counts them), unless
-    that would leave fewer points than coefficients.
+    point outweighs all others (a loaded CI machine once timed a plain step at the 1e-7 s floor,
+    and the fit timed plain steps free). So points that an absolute fit, which such a point cannot
+    sway, predicts more than OUTLIER_RATIO times off are left out of a relative fit
+    (`fit["outliers"]` counts them), unless that would leave fewer points than coefficients.
     """
     x, y = np.asarray(x, float), np.asarray(y, float)
     kept = np.ones(len(y), bool)
@@ -221,12 +218,7 @@ def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: b
         outlier = (ratio > OUTLIER_RATIO) | (ratio * OUTLIER_RATIO < 1)
         if (~outlier).sum() >= x.shape[1]:
             kept = ~outlier
-    coef, fit = _fit_kept(x[kept], y[kept], holdout_every, relative)
-    fit.update(points=int(len(y)), outliers=int((~kept).sum()))
-    return coef, fit
-
-
-def _fit_kept(x, y, holdout_every, relative):
+    x, y = x[kept], y[kept]
     w = 1.0 / np.abs(y) if relative else np.ones_like(y)
     held = np.zeros(len(y), bool)
     if len(y) >= 2 * x.shape[1] and holdout_every > 1:
@@ -236,14 +228,14 @@ def _fit_kept(x, y, holdout_every, relative):
     coef = _nonnegative_lstsq(x * w[:, None], y * w)
     residual = y - x @ coef
     r2 = 1.0 - float(residual @ residual) / float(((y - y.mean()) ** 2).sum()) if len(y) > 1 and y.std() > 0 else 1.0
-    return coef, {"r2": r2, "worst_heldout_rel_error": worst, "points": int(len(y)), "heldout": int(held.sum())}
+    return coef, {"r2": r2, "worst_heldout_rel_error": worst, "points": int(len(kept)), "heldout": int(held.sum()),
+                  "outliers": int((~kept).sum())}
 
 
 def _nonnegative_lstsq(x, y):
-    """Least squares with every coefficient >= 0 (Lawson-Hanson's active set, scipy's `nnls`).
-    Dropping the most negative coefficient and refitting (the rule before) could cascade on noisy
-    sub-millisecond steps until only the draft's fixed cost was left: a fit that timed a plain
-    decoding step at 0."""
+    """Least squares with every coefficient >= 0 (Lawson-Hanson's active set, scipy's `nnls`), not
+    dropping the most negative coefficient and refitting: on noisy sub-millisecond steps that can
+    cascade until only the draft's fixed cost is left, timing a plain decoding step at 0."""
     scale = np.maximum(np.linalg.norm(x, axis=0), 1e-300)   # columns span ten orders of magnitude
     coef, _ = scipy.optimize.nnls(x / scale, y)
     return coef / scale

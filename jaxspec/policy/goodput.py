@@ -103,11 +103,9 @@ class PolicyState:
         return (self.accepted_b + PRIOR_WEIGHT * pooled) / (self.tried_b + PRIOR_WEIGHT)
 
     def reach_bk(self, live_b, k: int) -> jax.Array:
-        """Probability that row b's j-th draft (j = 1..k) is accepted, its predecessors included:
-        the cumulative product of per-slot acceptances alpha_b * slot_j / overall, where slot_j
-        is the batch's rate at slot j (shrunk toward its overall rate) and overall the batch's
-        rate over every slot; so acceptance may fall along the window (deeper drafts are
-        harder), and with flat acceptance this is alpha_b^j, the geometric model."""
+        """Probability that row b's j-th draft (j = 1..k) is accepted, its predecessors included
+        (module docstring): the cumulative product of alpha_b * slot_j / overall, slot_j the batch's
+        rate at slot j (shrunk toward overall) and overall its rate over every slot."""
         overall = ((jnp.sum(self.accepted_k) + PRIOR_WEIGHT * self.prior)
                    / (jnp.sum(self.tried_k) + PRIOR_WEIGHT))
         slot_k = (self.accepted_k + PRIOR_WEIGHT * overall) / (self.tried_k + PRIOR_WEIGHT)
@@ -194,8 +192,7 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
     entry_j = jnp.where(jnp.asarray([k > 0 for k, _ in plans]),
                         jnp.ceil(state.behind / CATCH_UP_CHUNK) * catch_up_seconds, 0.0)
     per_plan = [tokens_and_steps(reach_bk, live_b, plan, remaining_b) for plan in plans]
-    tokens_j = jnp.stack([tokens for tokens, _ in per_plan])
-    refilled_j = tokens_j / (seconds_j + entry_j / HORIZON)
+    refilled_j = jnp.stack([tokens for tokens, _ in per_plan]) / (seconds_j + entry_j / HORIZON)
     if remaining_b is None:
         return refilled_j
     left = jnp.sum(jnp.where(live_b, remaining_b, 0).astype(jnp.float32))

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from jaxspec import prompts as prompts_lib
 from jaxspec.engine.generate import generate
-from jaxspec.models.model import Model
+from jaxspec.models.model import Model, _logits_uncached
 from jaxspec.sampling import SamplingConfig
 from jaxspec.training import loop as training
 
@@ -65,11 +65,6 @@ def _check_loss(loss: str) -> None:
         raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
 
 
-def _logits(graphdef, params, tokens_bt):
-    decoder = nnx.merge(graphdef, params)
-    return decoder.head(decoder.hidden_uncached(tokens_bt)[0])
-
-
 @dataclasses.dataclass(frozen=True)
 class _Distill(training.Trainer):
     """The jitted step's static argument: hyper-parameters, loss and both graphs."""
@@ -80,31 +75,14 @@ class _Distill(training.Trainer):
     def loss(self, params, target_params, batch):
         """The mean divergence over the batch's continuation positions (its "mask"); no metrics."""
         tokens_bt, mask_bt = batch["tokens"], batch["mask"]
-        target_logits_btv = jax.lax.stop_gradient(_logits(self.target_graphdef, target_params, tokens_bt))
-        draft_logits_btv = _logits(self.graphdef, params, tokens_bt)
+        target_logits_btv = jax.lax.stop_gradient(_logits_uncached(self.target_graphdef, target_params, tokens_bt))
+        draft_logits_btv = _logits_uncached(self.graphdef, params, tokens_bt)
         per_position_bt = distribution_loss(target_logits_btv, draft_logits_btv, self.loss_name)
         # max(.., 1) keeps an all-padding batch finite.
         return jnp.sum(per_position_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0), {}
 
 
 # --- data: the target's continuations ---
-
-def _continuations(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
-                   max_len, generate_batch_size, progress):
-    """Generates (sequences, prompt lengths) with the target; one set per temperature."""
-    sequences, prompt_lens = [], []
-    chunks = [(temperature, start) for temperature in temperatures
-              for start in range(0, len(prompt_ids), generate_batch_size)]
-    for temperature, start in tqdm(chunks, desc="target continuations", disable=not progress, leave=False):
-        chunk = prompt_ids[start:start + generate_batch_size]
-        budgets = [max(1, min(max_new_tokens, max_len - len(p))) for p in chunk]
-        result = generate(target, chunk, max_new_tokens=budgets, sampling=SamplingConfig(temperature=temperature),
-                          seed=seed + start, eos_token_id=eos_token_id)
-        for prompt, new in zip(chunk, result.tokens):
-            sequences.append(list(prompt) + list(new))
-            prompt_lens.append(len(prompt))
-    return sequences, prompt_lens
-
 
 def _pack(sequences, prompt_lens):
     """Right-pads sequences into int32 [n, t] plus the loss mask of positions predicting a new token.
@@ -122,7 +100,9 @@ def _pack(sequences, prompt_lens):
 
 def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
                           max_len, data_cache=None, generate_batch_size=64, progress=True):
-    """The packed training data, read from `data_cache` when it holds data made the same way.
+    """The packed training data: the target's continuations of `prompt_ids`, one set per temperature,
+    generated `generate_batch_size` prompts at a time; read from `data_cache` when it holds data made
+    the same way.
 
     Returns:
       (tokens int32 [n, t], mask float32 [n, t], digest str of the data).
@@ -139,9 +119,17 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
             with np.load(data_path) as data:
                 tokens_nt, mask_nt = data["tokens"], data["mask"]
             return tokens_nt, mask_nt, training.digest(tokens_nt, mask_nt)
-    sequences, prompt_lens = _continuations(
-        target, prompt_ids, max_new_tokens=max_new_tokens, temperatures=temperatures, seed=seed,
-        eos_token_id=eos_token_id, max_len=max_len, generate_batch_size=generate_batch_size, progress=progress)
+    sequences, prompt_lens = [], []
+    chunks = [(temperature, start) for temperature in temperatures
+              for start in range(0, len(prompt_ids), generate_batch_size)]
+    for temperature, start in tqdm(chunks, desc="target continuations", disable=not progress, leave=False):
+        chunk = prompt_ids[start:start + generate_batch_size]
+        budgets = [max(1, min(max_new_tokens, max_len - len(p))) for p in chunk]
+        result = generate(target, chunk, max_new_tokens=budgets, sampling=SamplingConfig(temperature=temperature),
+                          seed=seed + start, eos_token_id=eos_token_id)
+        for prompt, new in zip(chunk, result.tokens):
+            sequences.append(list(prompt) + list(new))
+            prompt_lens.append(len(prompt))
     tokens_nt, mask_nt = _pack(sequences, prompt_lens)
     if data_cache is not None:
         folder.mkdir(parents=True, exist_ok=True)

@@ -137,10 +137,8 @@ def sequences(target: Model, data, seq_len: int) -> tuple[np.ndarray, np.ndarray
         rows += [item[i:i + seq_len] for i in range(0, len(item), seq_len) if len(item) - i >= 3]
     if not rows:
         raise ValueError("data must hold at least one sequence of 3 or more tokens")
-    tokens = np.zeros((len(rows), seq_len), np.int32)
-    for i, row in enumerate(rows):
-        tokens[i, :len(row)] = row
-    return tokens, np.array([len(row) for row in rows], np.int32)
+    return (np.stack([np.pad(row, (0, seq_len - len(row))) for row in rows]).astype(np.int32),
+            np.array([len(row) for row in rows], np.int32))
 
 
 def heldout_loss(target: Model, head: EagleHead, data, *, seq_len: int = 128, ttt_steps: int = 3,
