@@ -29,7 +29,8 @@ class Host:
     queue) holds its rows, `view` is the prefill's `Report` (read), `steps` the segment length S."""
 
     def __init__(self, program: Program, table, view: Report, steps: int):
-        self.schedule, self.cache_len, self.table, self.segment_steps = program.schedule, program.cache_len, table, steps
+        self.schedule, self.cache_len, self.table = program.schedule, program.cache_len, table
+        self.segment_steps = steps
         self.prompt_width = table.queue.batch.tokens_bp.shape[1]
         self.inflight: list[tuple[Report, Segment]] = []   # queued, not read yet
         self.step_ks: list[int] = []                        # the draft length of every step that ran
