@@ -2,13 +2,14 @@
 
   step.py      one draft -> select -> verify -> accept -> commit step, a pure function of the
                loop state (`speculative_step` = `draft_phase` + `verify_phase`; `plain_step`)
-  loop.py      the compiled programs around the step (`start_on_device`, `run_on_device`,
-               `refill_on_device`)
+  loop.py      the compiled programs around the step (`start_on_device`, `run_on_device`: a
+               segment of S steps, `catch_up_on_device`, `refill_on_device`)
+  segments.py  the host's side of the segments: what runs next, read one segment behind
   chain.py     a SpeculativeDecoder as the drafter of a larger target (multi-level)
   sliced.py    the two-slice engine: draft and target on separate devices, sequential or pipelined
   batching.py  host bookkeeping of continuous batching: request queue, slot table
   decoder.py   `SpeculativeDecoder`: prompts, slots and refills, and which programs a call runs
-  generate.py  the autoregressive baseline `jaxspec.generate`
+  generate.py  the autoregressive baseline `jaxspec.generate` (the engine without a drafter)
   timing.py    timing of real steps, for `CostModel.profile`
 """
 
