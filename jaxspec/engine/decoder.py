@@ -1,9 +1,9 @@
 """`SpeculativeDecoder`: batched speculative decoding of a target model with a drafter.
 
 A call validates and buckets the prompts, fills a fixed number of slots (continuous batching
-refills a finished row from the queue) and runs the programs of `jaxspec.engine.loop` a segment
-at a time: under a fixed policy a segment ends only to refill or hand over a finished request;
-under the goodput policy also where the policy, on device, chooses another plan.
+refills a finished row from the queue) and runs the programs of `jaxspec.engine.loop` in
+segments of S steps, queued and read by `jaxspec.engine.segments.Host`; under the goodput policy
+the plan of each segment is the one the policy chose, on device, at the end of the one before.
 When draft and target live on separate device slices the two-slice engine of
 `jaxspec.engine.sliced` runs instead.
 """

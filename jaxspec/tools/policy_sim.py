@@ -1,9 +1,9 @@
 """A deterministic testbed for the goodput policy: the clock is a cost model, acceptance is set.
 
-The policy (`jaxspec.policy.goodput`) runs as the engine runs it (`jaxspec.engine.loop.run_on_device`):
-it opens with a choice, observes each verified window and chooses again after every drafting step,
-and after every `CHOOSE_EVERY` plain steps (aging its evidence first), or, decoding in segments of S
-steps (`Rules.segment`, `Rules.lag`), at each segment's end only; a change of plan
+The policy (`jaxspec.policy.goodput`) runs as the engine ran it before segments: it opens with a
+choice, observes each verified window and chooses again after every drafting step and after every
+`CHOOSE_EVERY` plain steps (aging its evidence first); or as it runs now (`Rules.segment`,
+`Rules.lag`: `jaxspec.engine.loop.run_on_device`) at each segment's end only; a change of plan
 costs a host round trip, and drafting after plain steps first feeds the drafter the tokens it
 missed. Nothing is timed: a step of plan (k, budget) at batch b takes `CostModel.step_seconds` of the scenario's
 true cost model, which may differ from the one the policy believes.
