@@ -184,8 +184,8 @@ def test_slot_table_bookkeeping():
 def test_refill_batches_come_in_few_sizes_and_fit_the_slots(slots, multiple):
     """Whatever the number of free slots, a refill batch holds every request it takes, in the
     fewest rows of a few sizes: each size is a refill program to compile. A refill of n requests
-    has the smallest power of two rows >= n, or `slots` rows where that is smaller (found here by
-    search over the sizes, not by the formula), so a table has at most ceil(log2(slots)) + 1
+    has the smallest power of four rows >= n, or `slots` rows where that is smaller (found here by
+    search over the sizes, not by the formula), so a table has at most ceil(log4(slots)) + 1
     sizes (bucketed like a fresh batch, 1000 slots had 128). Its padding rows aim past the last
     slot (their writes are dropped) and carry budget 0."""
     lengths = np.random.default_rng(0).integers(1, 9, slots)
@@ -198,12 +198,12 @@ def test_refill_batches_come_in_few_sizes_and_fit_the_slots(slots, multiple):
         queue.pop(slots - n)
         slots_r, sub = table.refill()
         rows = sub.tokens_bp.shape[0]
-        want = min(next(2 ** j for j in range(slots.bit_length() + 1) if 2 ** j >= n), slots)
+        want = min(next(4 ** j for j in range(slots.bit_length() + 1) if 4 ** j >= n), slots)
         assert rows == -(-want // multiple) * multiple <= slots, (n, rows)
         assert slots_r[:n].tolist() == list(range(n)) and np.all(slots_r[n:] == slots)
         assert sub.num_prompts == n and np.all(sub.max_new_b[n:] == 0) and np.all(sub.max_new_b[:n] == 4)
         sizes.add(rows)
-    assert len(sizes) <= int(np.ceil(np.log2(slots))) + 1, sorted(sizes)
+    assert len(sizes) <= int(np.ceil(np.log2(slots) / 2)) + 1, sorted(sizes)
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.5, True])

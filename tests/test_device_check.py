@@ -30,11 +30,11 @@ def test_device_check_cpu_smoke(tmp_path):
 
     engine = sections["engine"]["rows"]   # one worker process per flag set; the first one runs every mode
     assert {(r["flags"], r["method"], r["S"]) for r in engine} == {
-        ("default", "autoregressive", 1), ("default", "k=2", 4), ("default", "k=2", 1), ("default", "eagle k=2", 4),
-        ("graphs", "autoregressive", 1), ("graphs", "k=2", 4),
-        ("graphs_unrolled", "autoregressive", 1), ("graphs_unrolled", "k=2", 4)}
+        ("default", "autoregressive", 1), ("default", "k=2", 2), ("default", "k=2", 1), ("default", "k=2", 4),
+        ("default", "eagle k=2", 2), ("graphs", "autoregressive", 1), ("graphs", "k=2", 2),
+        ("graphs_unrolled", "autoregressive", 1), ("graphs_unrolled", "k=2", 2)}
     assert all(r["same_output"] and r["batch"] == 2 for r in engine) and not sections["engine"]["skipped"]
-    assert all(0 <= r["masked"] < 1 for r in engine if r["S"] == 4) and engine[1]["tokens_per_pass"] > 1
+    assert all(0 <= r["masked"] < 1 for r in engine if r["S"] > 1) and engine[1]["tokens_per_pass"] > 1
 
     rows = sections["step_profile"]["rows"]
     assert {(r["quantization"], r["batch"], r["k"]) for r in rows} == {

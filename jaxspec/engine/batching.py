@@ -68,11 +68,12 @@ class RequestQueue:
 
 
 def refill_rows(n: int, slots: int) -> int:
-    """Rows of a refill batch of `n` requests into a table of `slots`: the next power of two, at
+    """Rows of a refill batch of `n` requests into a table of `slots`: the next power of four, at
     most `slots`. Each refill size is a program of its own (`loop.refill_on_device`) and refills
-    come in every size: powers of two bound the programs to ceil(log2(slots)) + 1, for at most
-    twice the rows of a refill's prefill."""
-    return min(1 << max(n - 1, 0).bit_length(), slots)
+    come in every size (rows freed while a segment was in flight add up): powers of four bound the
+    programs to about log4(slots) + 1, so a warm-up meets them all, for at most four times the rows
+    of a refill's prefill."""
+    return min(1 << 2 * -(-max(n - 1, 0).bit_length() // 2), slots)
 
 
 class SlotTable:
