@@ -10,6 +10,10 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+# Kernel probing (`jaxspec.engine.kernels`) is tested in test_kernels; elsewhere programs compile
+# with XLA's defaults, so the suite's hundreds of tiny shapes are not each timed.
+os.environ.setdefault("JAXSPEC_KERNELS", "xla")
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -14,6 +14,7 @@ import jax
 
 import jaxspec
 from jaxspec.cli import jobs as jobs_lib
+from jaxspec.engine import kernels
 from jaxspec.policy.cost import COEFFICIENTS, CostModel
 from jaxspec.tools.benchmarking import table
 
@@ -108,12 +109,15 @@ def profile(args) -> int:
           f"on {jax.devices()[0].device_kind} ...", flush=True)
     cost = CostModel.profile(target, draft, batches=args.batches, ks=args.ks,
                              cache_lens=args.cache_lens, passes=args.passes)
+    cost.fit["kernels"] = kernels.summary()   # the XLA:CPU kernels each timed program compiled with
     cost.save(args.output)
     rows = [{"part": part, **{k: v for k, v in fit.items() if k != "points_seconds"}}
-            for part, fit in cost.fit.items() if fit]
+            for part, fit in cost.fit.items() if fit and part != "kernels"]
     coefficients = [{"coefficient": name, "seconds": getattr(cost, name)} for name in COEFFICIENTS]
     print(table(coefficients))
     print(table(rows))
+    if cost.fit["kernels"]["programs"]:
+        print(table(cost.fit["kernels"]["programs"]))
     print(f"wrote {args.output}")
     return 0
 

@@ -220,8 +220,8 @@ class SpeculativeDecoder:
         if key in self._compiled:
             return
         self._compiled.add(key)
-        timing.side_by_side([functools.partial(
-            lambda s: loop.run_on_device.lower(program, params, state, control, s).compile(), s) for s in segments_j])
+        lowered = [loop.run_on_device.lower(program, params, state, control, s) for s in segments_j]
+        timing.side_by_side([lower.compile for lower in lowered])
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:

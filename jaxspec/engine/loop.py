@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxspec.engine import kernels
 from jaxspec.engine.plans import Program
 from jaxspec.engine.step import DecodeState, Requests, initial_state, speculative_step
 from jaxspec.models import attention
@@ -121,14 +122,14 @@ def _fresh_rows(program: Program, params, requests: Requests, control: Control,
     return state
 
 
-@functools.partial(jax.jit, static_argnames=("program",))
+@functools.partial(kernels.Probed, static_argnames=("program",))
 def start_on_device(program: Program, params, requests: Requests, control: Control):
     """Prefills a batch: target and drafter, and under the goodput policy the opening choice."""
     state = _fresh_rows(program, params, requests, control)
     return state, _report(program, state)
 
 
-@functools.partial(jax.jit, static_argnames=("program", "segment"), donate_argnums=(2,))
+@functools.partial(kernels.Probed, static_argnames=("program", "segment"), donate_argnums=(2,))
 def run_on_device(program: Program, params, state: DecodeState, control: Control, segment: Segment):
     """`segment.steps` steps of plan `program.schedule.plans[segment.plan]` (a static trip count:
     steps over rows already done change nothing but the time they take). Under the goodput
@@ -145,7 +146,7 @@ def run_on_device(program: Program, params, state: DecodeState, control: Control
     return state, _report(program, state)
 
 
-@functools.partial(jax.jit, static_argnames=("program", "width"), donate_argnums=(2,))
+@functools.partial(kernels.Probed, static_argnames=("program", "width"), donate_argnums=(2,))
 def catch_up_on_device(program: Program, params, state: DecodeState, width: int):
     """The drafter takes in up to `width` tokens per row that it has not seen (`Drafter.catch_up`):
     after plain steps, or a deferred prefill."""
@@ -155,7 +156,7 @@ def catch_up_on_device(program: Program, params, state: DecodeState, width: int)
     return state, _report(program, state)
 
 
-@functools.partial(jax.jit, static_argnames=("program",), donate_argnums=(2,))
+@functools.partial(kernels.Probed, static_argnames=("program",), donate_argnums=(2,))
 def refill_on_device(program: Program, params, state: DecodeState, slots_r, requests: Requests, control: Control):
     """Prefills new requests into rows `slots_r` of a running state (an out-of-range slot drops
     its row). Everything per row is replaced; new rows start from the prior acceptance, and the

@@ -1,0 +1,214 @@
+"""XLA:CPU matrix kernels chosen per compiled program, by measurement on the machine that decodes.
+
+XLA:CPU runs a product of a few rows (a verification of k + 1 tokens per row, a batch of rows)
+with one of several kernels (YNN's dot fusion, its own dot emitter, a library call), and the
+fastest depends on the machine and the shape. So before an engine program compiles on a CPU,
+`Probed` reads its matrix products (`dot_general`s and their shapes) from the lowered program,
+times each distinct product under every candidate option set in `CANDIDATES` (each compiled
+alone, the best of interleaved runs), and compiles the program with the candidate whose products
+take least in all, when that beats XLA's default by more than `MARGIN` (the machines' noise).
+The options reach that program alone, as its `compiler_options`; nothing process-wide changes.
+Timings are kept in `kernels.json` under `$JAXSPEC_CACHE_DIR` (default `~/.cache/jaxspec`) per
+machine (CPU model, cores, jaxlib, XLA_FLAGS) and product, so a shape is timed once per machine.
+
+`JAXSPEC_KERNELS`: unset or "probe", the above on a CPU; "xla", XLA's defaults and no probe; a
+candidate's name, that candidate for every program. Other backends always get XLA's defaults.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import jax
+import jaxlib
+import numpy as np
+
+# Name -> compiler options, sorted (jit's in-memory cache keys on their order). oneDNN's dot
+# fusion (`xla_cpu_use_onednn`) is left out: on an AMD EPYC it compiled a decode step to an
+# instruction that CPU lacks, and the process died of SIGILL, which no probe can catch.
+CANDIDATES: dict[str, tuple] = {
+    "xla": (),
+    "dot": (("xla_cpu_experimental_ynn_fusion_type",   # XLA's own dot instead of YNN's dot fusion
+             "LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION,LIBRARY_FUSION_TYPE_REDUCE"),),
+}
+MARGIN = 0.15
+ROUNDS = 5
+_DOT = re.compile(r"stablehlo\.dot_general [^,]+, [^,]+, (.*?)precision.*?: \(tensor<([^>]+)>, tensor<([^>]+)>\)")
+_CHOICES: dict[tuple, tuple] = {}   # (Probed, static arguments and shapes) -> options
+DECISIONS: list[dict] = []   # each probed program: its name, product rows, candidate totals, choice
+
+
+def mode() -> str:
+    """The `JAXSPEC_KERNELS` setting, checked."""
+    value = os.environ.get("JAXSPEC_KERNELS", "probe")
+    if value != "probe" and value not in CANDIDATES:
+        raise ValueError(f"JAXSPEC_KERNELS must be 'probe' or one of {list(CANDIDATES)}, got {value!r}")
+    return value
+
+
+class Probed:
+    """`jax.jit(fn, **jit_args)` whose programs, on a CPU, compile with the options `choose` picks
+    for them (once per static arguments and shapes)."""
+
+    def __init__(self, fn, **jit_args):
+        self._fn, self._jit_args = fn, jit_args
+        self._jits: dict[tuple, object] = {}
+        functools.update_wrapper(self, fn)
+
+    def _jitted(self, options: tuple):
+        if options not in self._jits:
+            self._jits[options] = jax.jit(self._fn, compiler_options=dict(options) or None, **self._jit_args)
+        return self._jits[options]
+
+    def options(self, *args) -> tuple:
+        """The compiler options of the program these arguments call."""
+        setting = mode()
+        if setting != "probe" or jax.default_backend() != "cpu":
+            return CANDIDATES[setting] if setting != "probe" and jax.default_backend() == "cpu" else ()
+        # The static arguments and the shapes of all but the params (argument 1), which the
+        # program implies: a key that is cheap per call, and at worst less exact than jit's own.
+        key = tuple(getattr(x, "shape", x) for x in jax.tree.leaves((args[0], *args[2:])))
+        if (self, key) not in _CHOICES:
+            _CHOICES[self, key] = choose(self._jitted(()).lower(*args).as_text(), self.__name__)
+        return _CHOICES[self, key]
+
+    def __call__(self, *args):
+        return self._jitted(self.options(*args))(*args)
+
+    def lower(self, *args):
+        return self._jitted(self.options(*args)).lower(*args)
+
+
+def summary() -> dict:
+    """This process's choices so far, for a record (`jaxspec profile` keeps it in the cost model):
+    the machine, the setting, and per probed program its product rows, each candidate's total
+    milliseconds and the choice."""
+    programs = [dict(program=d["program"], rows=" ".join(map(str, d["rows"])), kernels=d["kernels"],
+                     **{f"{name}_ms": round(1e3 * sec, 3) for name, sec in d["seconds"].items()}) for d in DECISIONS]
+    return dict(machine=machine_key(), setting=mode(), programs=programs)
+
+
+def products(program_text: str) -> collections.Counter:
+    """How often each matrix product (dimension numbers, lhs type, rhs type) occurs in a lowered
+    program's text."""
+    return collections.Counter((dims.strip(" ,"), lhs, rhs) for dims, lhs, rhs in _DOT.findall(program_text))
+
+
+def choose(program_text: str, name: str = "") -> tuple:
+    """The options of the candidate whose products, timed on this machine, take least in all;
+    XLA's defaults unless that saves more than `MARGIN`."""
+    found = products(program_text)
+    totals = collections.Counter()
+    for product, count in found.items():
+        for candidate, seconds in _timings(product).items():
+            totals[candidate] += count * seconds
+    best = min(totals, key=totals.get, default="xla")
+    if best != "xla" and totals[best] >= (1 - MARGIN) * totals["xla"]:
+        best = "xla"
+    rows = sorted({_parse(product)[2] for product in found})
+    DECISIONS.append(dict(program=name, rows=rows, seconds=dict(totals), kernels=best))
+    return CANDIDATES[best]
+
+
+def _parse(product: tuple):
+    """(dimension numbers, the two operands' (shape, dtype), the lhs's free size: its rows)."""
+    dims, *types = product
+    groups = [[int(a) for a in part.split(",") if a.strip()] for part in re.findall(r"\[([^\]]*)\]", dims)]
+    batch = (groups[0], groups[1]) if len(groups) == 4 else ([], [])
+    operands = [((*map(int, t.split("x")[:-1]),), t.split("x")[-1]) for t in types]
+    lhs = operands[0][0]
+    rows = int(np.prod([n for i, n in enumerate(lhs) if i not in groups[-2] + batch[0]]))
+    return ((groups[-2], groups[-1]), batch), operands, rows
+
+
+_DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16, "f16": np.float16, "i32": np.int32, "i8": np.int8}
+
+
+def _timings(product: tuple) -> dict[str, float]:
+    """Seconds of one product under each candidate that compiles on this jaxlib, from the cache
+    file or measured now (candidates compiling to the same program share one timing)."""
+    key = " ".join(product)
+    store = _store()
+    if key in store:
+        return store[key]
+    numbers, types, _ = _parse(product)
+    operands = [jax.numpy.full(shape, 0.5, _DTYPES[dtype]) for shape, dtype in types]   # speed ignores values
+
+    def fn(a, b):
+        return jax.lax.dot_general(a, b, numbers)
+    programs, texts = {}, {}
+    for name, options in CANDIDATES.items():
+        try:
+            compiled = jax.jit(fn).lower(*operands).compile(dict(options) or None)
+        except Exception:   # an option this jaxlib lacks
+            continue
+        text = compiled.as_text().split("\n", 1)[-1]
+        texts[name] = next((other for other, seen in texts.items() if programs[other][1] == text), name)
+        programs[name] = (compiled, text)
+    best = {name: np.inf for name in programs if texts[name] == name}
+    for _ in range(ROUNDS):
+        for name in best:
+            best[name] = min(best[name], _seconds(programs[name][0], operands))
+    store[key] = {name: float(best[texts[name]]) for name in programs}
+    _save()
+    return store[key]
+
+
+def _seconds(compiled, operands) -> float:
+    """Seconds per call, from enough calls to last a few milliseconds."""
+    jax.block_until_ready(compiled(*operands))
+    calls, start = 1, time.perf_counter()
+    while True:
+        for _ in range(calls):
+            out = compiled(*operands)
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - start
+        if elapsed > 0.005:
+            return elapsed / calls
+        calls, start = calls * 4, time.perf_counter()
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("JAXSPEC_CACHE_DIR", Path.home() / ".cache" / "jaxspec")) / "kernels.json"
+
+
+def machine_key() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "cpu")
+    return f"{model} | {os.cpu_count()} cores | jaxlib {jaxlib.__version__} | {os.environ.get('XLA_FLAGS', '')}"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+_FILE: dict = {}   # the cache file's contents, every machine's, once read
+
+
+def _store() -> dict:
+    """This machine's product timings: key -> {candidate: seconds}."""
+    if not _FILE:
+        try:
+            _FILE.update(json.loads(cache_path().read_text()))
+        except (OSError, ValueError):
+            pass
+    return _FILE.setdefault(machine_key(), {})
+
+
+def _save() -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(_FILE, indent=1, sort_keys=True))
+        scratch.replace(path)
+    except OSError:   # a read-only home: the timings live for this process only
+        pass
