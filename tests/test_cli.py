@@ -13,6 +13,7 @@ import pytest
 import jaxspec
 from jaxspec.cli import jobs
 from jaxspec.cli import main as cli
+from jaxspec.engine import kernels
 from jaxspec.policy.cost import CostModel
 
 CLI = [sys.executable, "-m", "jaxspec.cli"]
@@ -345,7 +346,9 @@ def test_bench_runs_the_chosen_script(capsys):
 
 
 @pytest.mark.slow   # 12 shapes compiled: 40 s; the profiler itself is tested in test_cost
-def test_profile_writes_a_loadable_cost_model(tmp_path, capsys):
+def test_profile_writes_a_loadable_cost_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_KERNELS", "probe")   # the kernels each program compiled with are recorded
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     out = tmp_path / "cost.json"
     assert cli.main(["profile", "--target", "preset:tiny", "--draft", "preset:tiny", "--batches", "1,4",
                      "--ks", "0,1,2", "--cache-lens", "64,128", "--passes", "2", "--output", str(out)]) == 0
@@ -356,7 +359,10 @@ def test_profile_writes_a_loadable_cost_model(tmp_path, capsys):
     assert all(cost.step_seconds(b, k, c) > 0 for b in (1, 4) for k in (0, 1, 2) for c in (64, 128))
     printed = capsys.readouterr().out
     assert "target_per_token" in printed and "r2" in printed
-    assert json.loads(out.read_text())["fit"]["step"]["points"] == 12
+    fit = json.loads(out.read_text())["fit"]
+    assert fit["step"]["points"] == 12
+    timed = [p for p in fit["kernels"]["programs"] if p["program"] == "run_on_device"]
+    assert len(timed) >= 12 and all(p["kernels"] in kernels.CANDIDATES for p in timed)
 
 
 def test_bad_arguments_exit_with_a_message(capsys):

@@ -109,7 +109,7 @@ def profile(args) -> int:
           f"on {jax.devices()[0].device_kind} ...", flush=True)
     cost = CostModel.profile(target, draft, batches=args.batches, ks=args.ks,
                              cache_lens=args.cache_lens, passes=args.passes)
-    cost.fit["kernels"] = kernels.summary()   # the XLA:CPU kernels each timed program compiled with
+    cost.fit["kernels"] = _kernels()   # the XLA:CPU kernels each timed program compiled with
     cost.save(args.output)
     rows = [{"part": part, **{k: v for k, v in fit.items() if k != "points_seconds"}}
             for part, fit in cost.fit.items() if fit and part != "kernels"]
@@ -120,6 +120,16 @@ def profile(args) -> int:
         print(table(cost.fit["kernels"]["programs"]))
     print(f"wrote {args.output}")
     return 0
+
+
+def _kernels() -> dict:
+    """This process's choices so far, for a record (`jaxspec profile` keeps it in the cost model):
+    the machine, the setting, and per probed program its product rows, each candidate's total
+    milliseconds and the choice."""
+    programs = [dict(program=d["program"], rows=" ".join(map(str, d["rows"])), kernels=d["kernels"],
+                     **{f"{name}_ms": round(1e3 * sec, 3) for name, sec in d["seconds"].items()})
+                for d in kernels.DECISIONS]
+    return dict(machine=kernels.machine_key(), setting=kernels.mode(), programs=programs)
 
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"   # a source checkout's; an installed package has none

@@ -21,6 +21,7 @@ import collections
 import functools
 import json
 import os
+import platform
 import re
 import time
 from pathlib import Path
@@ -85,15 +86,6 @@ class Probed:
         return self._jitted(self.options(*args)).lower(*args)
 
 
-def summary() -> dict:
-    """This process's choices so far, for a record (`jaxspec profile` keeps it in the cost model):
-    the machine, the setting, and per probed program its product rows, each candidate's total
-    milliseconds and the choice."""
-    programs = [dict(program=d["program"], rows=" ".join(map(str, d["rows"])), kernels=d["kernels"],
-                     **{f"{name}_ms": round(1e3 * sec, 3) for name, sec in d["seconds"].items()}) for d in DECISIONS]
-    return dict(machine=machine_key(), setting=mode(), programs=programs)
-
-
 def products(program_text: str) -> collections.Counter:
     """How often each matrix product (dimension numbers, lhs type, rhs type) occurs in a lowered
     program's text."""
@@ -127,51 +119,40 @@ def _parse(product: tuple):
     return ((groups[-2], groups[-1]), batch), operands, rows
 
 
-_DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16, "f16": np.float16, "i32": np.int32, "i8": np.int8}
-
-
 def _timings(product: tuple) -> dict[str, float]:
-    """Seconds of one product under each candidate that compiles on this jaxlib, from the cache
-    file or measured now (candidates compiling to the same program share one timing)."""
-    key = " ".join(product)
-    store = _store()
-    if key in store:
-        return store[key]
-    numbers, types, _ = _parse(product)
-    operands = [jax.numpy.full(shape, 0.5, _DTYPES[dtype]) for shape, dtype in types]   # speed ignores values
-
-    def fn(a, b):
-        return jax.lax.dot_general(a, b, numbers)
-    programs, texts = {}, {}
-    for name, options in CANDIDATES.items():
-        try:
-            compiled = jax.jit(fn).lower(*operands).compile(dict(options) or None)
-        except Exception:   # an option this jaxlib lacks
-            continue
-        text = compiled.as_text().split("\n", 1)[-1]
-        texts[name] = next((other for other, seen in texts.items() if programs[other][1] == text), name)
-        programs[name] = (compiled, text)
-    best = {name: np.inf for name in programs if texts[name] == name}
-    for _ in range(ROUNDS):
-        for name in best:
-            best[name] = min(best[name], _seconds(programs[name][0], operands))
-    store[key] = {name: float(best[texts[name]]) for name in programs}
-    _save()
+    """Seconds of one product under each candidate, from the cache file or measured now (the best
+    of interleaved runs; candidates that compile to the same program share one timing)."""
+    key, store = " ".join(product), _store()
+    if key not in store:
+        numbers, types, _ = _parse(product)
+        operands = [jax.numpy.full(shape, 0.5, _DTYPES[dtype]) for shape, dtype in types]   # speed ignores values
+        fn = jax.jit(functools.partial(jax.lax.dot_general, dimension_numbers=numbers))
+        compiled = {name: fn.lower(*operands).compile(dict(options) or None) for name, options in CANDIDATES.items()}
+        first = {}   # program text -> the first candidate that compiles to it
+        same = {name: first.setdefault(c.as_text().split("\n", 1)[-1], name) for name, c in compiled.items()}
+        best = {name: min(_seconds(compiled[name], operands) for _ in range(ROUNDS)) for name in set(same.values())}
+        store[key] = {name: best[same[name]] for name in compiled}
+        _save()
     return store[key]
+
+
+_DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16, "f16": np.float16}
 
 
 def _seconds(compiled, operands) -> float:
     """Seconds per call, from enough calls to last a few milliseconds."""
     jax.block_until_ready(compiled(*operands))
     calls, start = 1, time.perf_counter()
-    while True:
-        for _ in range(calls):
-            out = compiled(*operands)
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - start
-        if elapsed > 0.005:
-            return elapsed / calls
+    while (elapsed := _run(compiled, operands, calls) - start) < 0.005:
         calls, start = calls * 4, time.perf_counter()
+    return elapsed / calls
+
+
+def _run(compiled, operands, calls: int) -> float:
+    for _ in range(calls):
+        out = compiled(*operands)
+    jax.block_until_ready(out)
+    return time.perf_counter()
 
 
 def cache_path() -> Path:
@@ -179,15 +160,11 @@ def cache_path() -> Path:
 
 
 def machine_key() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "cpu")
-    return f"{model} | {os.cpu_count()} cores | jaxlib {jaxlib.__version__} | {os.environ.get('XLA_FLAGS', '')}"
-
-
-def _cpuinfo() -> list[str]:
     try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
+        model = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
+    except (OSError, AttributeError):
+        model = platform.processor()
+    return f"{model} | {os.cpu_count()} cores | jaxlib {jaxlib.__version__} | {os.environ.get('XLA_FLAGS', '')}"
 
 
 _FILE: dict = {}   # the cache file's contents, every machine's, once read
