@@ -82,8 +82,8 @@ def test_draft_from_target_with_all_layers_is_the_target(small_pair):
     assert shallow.config.num_layers == 1
     np.testing.assert_array_equal(np.asarray(shallow.params["embed_vd"]), np.asarray(target.params["embed_vd"]))
     np.testing.assert_array_equal(np.asarray(shallow.params["lm_head_dv"]), np.asarray(target.params["lm_head_dv"]))
-    np.testing.assert_array_equal(np.asarray(shallow.params["layers"][0]["q_dnh"]),
-                                  np.asarray(target.params["layers"][0]["q_dnh"]))
+    np.testing.assert_array_equal(np.asarray(shallow.params["layers"][0]["qkv_dkxh"]),
+                                  np.asarray(target.params["layers"][0]["qkv_dkxh"]))
     assert shallow.tokenizer is target.tokenizer
 
 

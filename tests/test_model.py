@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import random_prompts
+from flax import nnx
 
 import jaxspec
 
@@ -197,11 +198,47 @@ def test_logits_at_selects_the_same_rows_as_full_logits(tiny_model):
     np.testing.assert_allclose(np.asarray(picked[:, 0]), np.asarray(full)[[0, 1, 2], [6, 0, 3]], rtol=1e-6, atol=0)
 
 
+def test_fused_projections_are_the_separate_matrices(tiny_model):
+    """Blocks run q/k/v and gate/up fused; checkpoints hold them apart. Fusing inverts unfusing on
+    arrays (float, int8 with scales, biases; numpy too) and shapes, and a block's fused projections
+    give, head for head, the separate matrices' products (query head kv * g + j beside kv head kv,
+    as attention groups them). transformers' own models check the whole path (test_families)."""
+    from jaxspec.models.convert import fuse_layers, unfuse_layers
+    from jaxspec.models.decoder import rotary
+    from jaxspec.models.loading import _our_shapes
+    cfg = tiny_model.config.replace(attention_bias=True, architecture="qwen2", num_heads=8, num_kv_heads=2)
+    model = jaxspec.Model.random(cfg, seed=5)
+    for params in (model.params, model.quantize("int8").params, jax.tree.map(np.asarray, model.params)):
+        separate = unfuse_layers(params)
+        assert "q_dnh" in separate["layers"][0] and "qkv_dkxh" not in separate["layers"][0]
+        jax.tree.map(np.testing.assert_array_equal, fuse_layers(separate), params)
+        jax.tree.map(np.testing.assert_array_equal, unfuse_layers(fuse_layers(separate)), separate)
+    shapes = _our_shapes(cfg, jnp.float32, "int8")   # of the checkpoint layout
+    round_trip = jax.eval_shape(lambda p: unfuse_layers(fuse_layers(p)), shapes)
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), round_trip) == jax.tree.map(lambda s: (s.shape, s.dtype), shapes)
+    layer = unfuse_layers(model.params)["layers"][1]
+    block = nnx.merge(model.graphdef, model.params).layers[1]
+    x_md = jax.random.normal(jax.random.key(0), (5, cfg.hidden_size))
+    pos_m = jnp.arange(5) + 3
+    q, k, v = block.qkv(x_md, pos_m)
+    y = block.attn_norm(x_md)
+    proj = {name: jnp.einsum("md,dah->mah", y, layer[name]) + layer[bias]
+            for name, bias in (("q_dnh", "q_bias_nh"), ("k_dkh", "k_bias_kh"), ("v_dkh", "v_bias_kh"))}
+    np.testing.assert_allclose(q, rotary(proj["q_dnh"], pos_m, block.theta, block.rope_scaling), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, rotary(proj["k_dkh"], pos_m, block.theta, block.rope_scaling), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v, proj["v_dkh"], rtol=1e-5, atol=1e-5)
+    attn = jax.random.normal(jax.random.key(1), (5, cfg.num_heads, cfg.resolved_head_dim))
+    y = block.mlp_norm(x_md + block._mm(attn.reshape(5, -1), "o_nhd"))
+    mlp = (jax.nn.silu(y @ layer["gate_df"]) * (y @ layer["up_df"])) @ layer["down_fd"]
+    np.testing.assert_allclose(block.finish(x_md, attn), x_md + block._mm(attn.reshape(5, -1), "o_nhd") + mlp,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_qwen2_style_bias_and_untied_head(tiny_model):
     """A config with q/k/v bias keeps cached == uncached; bias changes the output."""
     cfg = tiny_model.config.replace(attention_bias=True, architecture="qwen2")
     m = jaxspec.Model.random(cfg, seed=4)
-    assert "q_bias_nh" in m.params["layers"][0] and "lm_head_dv" in m.params
+    assert "qkv_bias_kxh" in m.params["layers"][0] and "lm_head_dv" in m.params
     prompts = random_prompts(np.random.default_rng(4), [5, 12], cfg.vocab_size)
     result = jaxspec.generate(m, prompts, max_new_tokens=6)
     for prompt, tokens in zip(prompts, result.tokens):
@@ -302,5 +339,6 @@ def test_params_carry_logical_axes_for_every_weight(tiny_model):
     assert len(flat_axes) == len(flat_params)
     for names, value in zip(flat_axes, flat_params):
         assert len(names) == value.ndim
-    assert axes["layers"][0]["q_dnh"] == ("embed", "heads", "head_dim")
+    assert axes["layers"][0]["qkv_dkxh"] == ("embed", "kv_heads", "fused", "head_dim")
+    assert axes["layers"][0]["gate_up_dfx"] == ("embed", "mlp", "fused")
     assert axes["embed_vd"] == ("vocab", "embed")

@@ -61,7 +61,8 @@ def test_int8_model_computes_with_its_dequantized_weights(tie):
     model = jaxspec.Model.random(CFG.replace(tie_word_embeddings=tie), seed=3)
     q = model.quantize("int8")
     layer = q.params["layers"][0]
-    assert layer["q_dnh"].dtype == jnp.int8 and layer["q_dnh_scale"].shape == (8, 8)
+    assert layer["qkv_dkxh"].dtype == jnp.int8 and layer["qkv_dkxh_scale"].shape == (4, 4, 8)   # kv, g + 2, h
+    assert layer["gate_up_dfx_scale"].shape == (128, 2) and layer["qkv_bias_kxh"].dtype == jnp.float32
     assert layer["o_nhd_scale"].shape == (64,) and q.params["embed_vd"].dtype == jnp.float32
     assert ("lm_head_dv_scale" in q.params) == (not tie)
     tokens = np.random.default_rng(0).integers(0, 256, (2, 24))
@@ -99,8 +100,8 @@ def test_int8_speculative_greedy_equals_int8_target(int8_pair, mode):
     if mesh is not None:
         from jaxspec.parallel import sharding
         layer = decoder.target.params["layers"][0]
-        assert layer["gate_df"].dtype == jnp.int8
-        assert sharding.is_sharded(layer["gate_df"]) and sharding.is_sharded(layer["gate_df_scale"])
+        assert layer["gate_up_dfx"].dtype == jnp.int8
+        assert sharding.is_sharded(layer["gate_up_dfx"]) and sharding.is_sharded(layer["gate_up_dfx_scale"])
 
 
 def test_int8_loads_tensor_by_tensor_and_round_trips(tmp_path):
@@ -112,11 +113,11 @@ def test_int8_loads_tensor_by_tensor_and_round_trips(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, direct.params, after.params)
     direct.save(tmp_path / "saved")
     again = jaxspec.load(tmp_path / "saved")
-    assert again.quantization == "int8" and again.params["layers"][1]["up_df"].dtype == jnp.int8
+    assert again.quantization == "int8" and again.params["layers"][1]["gate_up_dfx"].dtype == jnp.int8
     jax.tree.map(np.testing.assert_array_equal, again.params, direct.params)
     as_bf16 = jaxspec.load(tmp_path / "saved", dtype="bfloat16")
-    assert as_bf16.params["layers"][1]["up_df"].dtype == jnp.int8
-    assert as_bf16.params["layers"][1]["up_df_scale"].dtype == jnp.float32
+    assert as_bf16.params["layers"][1]["gate_up_dfx"].dtype == jnp.int8
+    assert as_bf16.params["layers"][1]["gate_up_dfx_scale"].dtype == jnp.float32
     assert as_bf16.params["embed_vd"].dtype == jnp.bfloat16
     tokens = np.arange(1, 20)[None]
     # bfloat16 compute against float32: measured 0.013 relative L2; the bound of

@@ -31,8 +31,7 @@ class KVCache:
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         shape = (batch, max_len, config.num_kv_heads, config.resolved_head_dim)
         layers = range(config.num_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     @property

@@ -3,15 +3,18 @@
 Each row names a jaxspec weight, its tensor name in a transformers checkpoint and in a llama.cpp
 GGUF file (`{i}` = layer index), and how the HF layout ([out, in] matrices, fused head axes)
 maps onto ours (einsum-friendly [in, heads, head_dim] etc.). Loaders and writers walk this table
-(and `EAGLE3_RULES`, an EAGLE-3 head's); nothing else knows tensor names.
+(and `EAGLE3_RULES`, an EAGLE-3 head's); nothing else knows tensor names. The table and checkpoints
+keep q/k/v and gate/up apart; `fuse_layers` / `unfuse_layers` map to and from the fused blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Collection
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.config import ModelConfig
@@ -23,12 +26,12 @@ def _identity(x, cfg):
     return x
 
 
-def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h]
-    return x.T.reshape(x.shape[1], -1, cfg.resolved_head_dim)
+def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h]; a bias [heads*h] -> [heads, h]
+    return x.T.reshape(*x.shape[1:], -1, cfg.resolved_head_dim)
 
 
-def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]
-    return x.reshape(x.shape[0], -1).T
+def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]; a bias [heads, h] -> [heads*h]
+    return x.reshape(*x.shape[:-2], -1).T
 
 
 def _out_heads(x, cfg):  # [d, n*h] -> [n, h, d]
@@ -37,14 +40,6 @@ def _out_heads(x, cfg):  # [d, n*h] -> [n, h, d]
 
 def _out_heads_inv(x, cfg):  # [n, h, d] -> [d, n*h]
     return x.reshape(-1, x.shape[-1]).T
-
-
-def _bias_heads(x, cfg):  # [heads*h] -> [heads, h]
-    return x.reshape(-1, cfg.resolved_head_dim)
-
-
-def _bias_heads_inv(x, cfg):
-    return x.reshape(-1)
 
 
 def _transpose(x, cfg):
@@ -70,6 +65,10 @@ class WeightRule:
         return dict(self.hf_by_arch).get(cfg.architecture, self.hf)
 
 
+# Fused block weight -> the separate ones checkpoints hold, in its order (`decoder.Block`); int8 scales alike.
+_FUSED = {"qkv_dkxh": ("q_dnh", "k_dkh", "v_dkh"), "qkv_bias_kxh": ("q_bias_nh", "k_bias_kh", "v_bias_kh"),
+          "gate_up_dfx": ("gate_df", "up_df")}
+_FUSED |= {f"{k}_scale": tuple(f"{n}_scale" for n in v) for k, v in _FUSED.items()}
 _has_bias, _post_norms, _qk_norm = (operator.attrgetter(f) for f in ("attention_bias", "post_norms", "qk_norm"))
 _q_heads, _kv_heads = operator.attrgetter("num_heads"), operator.attrgetter("num_kv_heads")
 _L = "model.layers.{i}."
@@ -80,18 +79,11 @@ RULES: tuple[WeightRule, ...] = (
                present=lambda cfg: not cfg.tie_word_embeddings),
     WeightRule(("layers", "attn_norm", "scale"), _L + "input_layernorm.weight", "blk.{i}.attn_norm.weight",
                per_layer=True),
-    WeightRule(("layers", "q_dnh"), _L + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight",
-               _in_heads, _in_heads_inv, per_layer=True, gguf_heads=_q_heads),
-    WeightRule(("layers", "k_dkh"), _L + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight",
-               _in_heads, _in_heads_inv, per_layer=True, gguf_heads=_kv_heads),
-    WeightRule(("layers", "v_dkh"), _L + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight",
-               _in_heads, _in_heads_inv, per_layer=True),
-    WeightRule(("layers", "q_bias_nh"), _L + "self_attn.q_proj.bias", "blk.{i}.attn_q.bias",
-               _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias, gguf_heads=_q_heads),
-    WeightRule(("layers", "k_bias_kh"), _L + "self_attn.k_proj.bias", "blk.{i}.attn_k.bias",
-               _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias, gguf_heads=_kv_heads),
-    WeightRule(("layers", "v_bias_kh"), _L + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias",
-               _bias_heads, _bias_heads_inv, per_layer=True, present=_has_bias),
+    # q, k, v and their biases (Qwen2): apart here and in checkpoints, fused in blocks (`_FUSED`).
+    *(WeightRule(("layers", ours), _L + f"self_attn.{x}_proj.{kind}", f"blk.{{i}}.attn_{x}.{kind}", _in_heads,
+                 _in_heads_inv, per_layer=True, gguf_heads=heads, **({"present": _has_bias} if kind == "bias" else {}))
+      for kind, fused in (("weight", "qkv_dkxh"), ("bias", "qkv_bias_kxh"))
+      for ours, x, heads in zip(_FUSED[fused], "qkv", (_q_heads, _kv_heads, None))),
     WeightRule(("layers", "q_norm", "scale"), _L + "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight",
                per_layer=True, present=_qk_norm),
     WeightRule(("layers", "k_norm", "scale"), _L + "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight",
@@ -105,12 +97,8 @@ RULES: tuple[WeightRule, ...] = (
                "blk.{i}.post_attention_norm.weight", per_layer=True, present=_post_norms),
     WeightRule(("layers", "post_mlp_norm", "scale"), _L + "post_feedforward_layernorm.weight",
                "blk.{i}.post_ffw_norm.weight", per_layer=True, present=_post_norms),
-    WeightRule(("layers", "gate_df"), _L + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight",
-               _transpose, _transpose, per_layer=True),
-    WeightRule(("layers", "up_df"), _L + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight",
-               _transpose, _transpose, per_layer=True),
-    WeightRule(("layers", "down_fd"), _L + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight",
-               _transpose, _transpose, per_layer=True),
+    *(WeightRule(("layers", ours), _L + f"mlp.{x}_proj.weight", f"blk.{{i}}.ffn_{x}.weight", _transpose, _transpose,
+                 per_layer=True) for ours, x in (("gate_df", "gate"), ("up_df", "up"), ("down_fd", "down"))),
 )
 
 # An EAGLE-3 head (`jaxspec.models.eagle.EagleModule`) in the reference's layout, PyTorch [out, in]
@@ -180,8 +168,38 @@ def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.
 def params_to_hf(cfg: ModelConfig, params: dict, source: str = "hf") -> dict[str, np.ndarray]:
     """jaxspec params -> HF-named float32 numpy tensors (for writing safetensors checkpoints; of an
     EAGLE-3 head with `source="eagle"`)."""
+    params = params if source == "eagle" else unfuse_layers(params)
     return {name: np.ascontiguousarray(rule.to_hf(np.asarray(_lookup(params, path), np.float32), cfg))
             for rule, name, path in _weights(cfg, source)}
+
+
+def _join(q, *rest):  # q [..., n, h], k and v [..., k, h] -> [..., k, g + 2, h]; gate, up [..., f] -> [..., f, 2]
+    xp = np if isinstance(q, np.ndarray) else jnp
+    return xp.stack([q, *rest], -1) if len(rest) == 1 else xp.concatenate(
+        [q.reshape(*rest[0].shape[:-1], -1, q.shape[-1])] + [x[..., None, :] for x in rest], -2)
+
+
+def _split(x, n: int):  # the inverse of `_join`
+    return (x[..., 0], x[..., 1]) if n == 2 else (
+        x[..., :-2, :].reshape(*x.shape[:-3], -1, x.shape[-1]), x[..., -2, :], x[..., -1, :])
+
+
+def fuse_layers(params: dict, unfuse: bool = False) -> dict:
+    """Params with each layer's separate q/k/v (their biases, int8 scales) and gate/up fused (`_join`), or
+    with `unfuse` the inverse (`unfuse_layers`: the layout of checkpoints and `RULES`). Numpy arrays stay
+    numpy, jax arrays jax's; shapes (`jax.ShapeDtypeStruct`) go through `jax.eval_shape(fuse_layers, ...)`."""
+    def layer(x: dict) -> dict:
+        x = dict(x)
+        for name, parts in _FUSED.items():
+            if not unfuse and parts[0] in x:
+                x[name] = _join(*(x.pop(p) for p in parts))
+            elif unfuse and name in x:
+                x.update(zip(parts, _split(x.pop(name), len(parts))))
+        return x
+    return {**params, "layers": {i: layer(x) for i, x in params["layers"].items()}}
+
+
+unfuse_layers = functools.partial(fuse_layers, unfuse=True)
 
 
 def _harmless(name: str, cfg: ModelConfig, source: str) -> bool:

@@ -2,10 +2,12 @@
 whose differences are options of `ModelConfig`.
 
 Shape key: b batch, t new tokens, s cache slots, d model width, n query heads, k kv heads,
-g query heads per kv head, h head dim, f MLP width, v vocabulary, l layers.
+g query heads per kv head, h head dim, f MLP width, v vocabulary, l layers, x fused: a block runs
+q/k/v as one matrix [d, k, g + 2, h] and gate/up as one [d, f, 2], one dot each (checkpoints keep
+them apart: `convert.fuse_layers`); behind the sharded axis, so tensor-parallel shards stay whole.
 
 Every parameter carries logical axis names in its `axes` metadata (`embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`); `jaxspec.parallel` maps them to mesh axes. Blocks are kept as separate
+`head_dim`, `mlp`, `vocab`, `fused`); `jaxspec.parallel` maps them to mesh axes. Blocks are kept as separate
 modules and unrolled: decoding is bound by reading weights, and slicing one layer out of stacked
 weights under `lax.scan` costs a copy of that layer on CPU. The KV cache is a tuple of per-layer
 buffers; each block writes and reads its own.
@@ -117,23 +119,18 @@ class Block(nnx.Module):
         self.head_dim = h
         norm = functools.partial(RMSNorm, eps=config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
         self.attn_norm = norm(d)
-        for name, shape, axes in (("q_dnh", (d, n, h), ("embed", "heads", "head_dim")),
-                                  ("k_dkh", (d, k, h), ("embed", "kv_heads", "head_dim")),
-                                  ("v_dkh", (d, k, h), ("embed", "kv_heads", "head_dim"))):
-            _matrix(self, name, shape, axes, dtype, rngs, quantized)
-        biases = {"q_bias_nh": ((n, h), ("heads", "head_dim")), "k_bias_kh": ((k, h), ("kv_heads", "head_dim")),
-                  "v_bias_kh": ((k, h), ("kv_heads", "head_dim"))}
-        for name, (shape, axes) in biases.items():
-            bias = nnx.Param(_normal(rngs.params(), shape, 0.1, dtype), axes=axes) if config.attention_bias else None
-            setattr(self, name, bias)
+        # Per kv head: its g query heads (query head kv * g + j, as `attention._grouped` pairs them), key, value.
+        qkv_shape, qkv_axes = (k, n // k + 2, h), ("kv_heads", "fused", "head_dim")
+        _matrix(self, "qkv_dkxh", (d, *qkv_shape), ("embed", *qkv_axes), dtype, rngs, quantized)
+        self.qkv_bias_kxh = nnx.Param(_normal(rngs.params(), qkv_shape, 0.1, dtype), axes=qkv_axes) \
+            if config.attention_bias else None
         self.q_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
         self.k_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
         _matrix(self, "o_nhd", (n, h, d), ("heads", "head_dim", "embed"), dtype, rngs, quantized)
         self.mlp_norm = norm(d)
         self.post_attn_norm, self.post_mlp_norm = (norm(d), norm(d)) if config.post_norms else (None, None)
-        for name, shape, axes in (("gate_df", (d, f), ("embed", "mlp")), ("up_df", (d, f), ("embed", "mlp")),
-                                  ("down_fd", (f, d), ("mlp", "embed"))):
-            _matrix(self, name, shape, axes, dtype, rngs, quantized)
+        _matrix(self, "gate_up_dfx", (d, f, 2), ("embed", "mlp", "fused"), dtype, rngs, quantized)
+        _matrix(self, "down_fd", (f, d), ("mlp", "embed"), dtype, rngs, quantized)
 
     def _mm(self, x_mi, name: str):
         """x [m, i] through the matrix `name` (int8 or float) -> [m, o]."""
@@ -143,15 +140,15 @@ class Block(nnx.Module):
                                 quant.BLOCK_MATRICES[name])
 
     def qkv(self, x_md, pos_m):
-        """Queries, keys and values (rotated) of m tokens at positions pos_m.
+        """Queries, keys and values (rotated) of m tokens at positions pos_m, from one dot.
 
         Token-wise work runs on a flat [m, d] buffer with 2-D weight views: XLA's CPU dot is
         slower on the equivalent multi-axis einsums.
         """
-        y = self.attn_norm(x_md)
-        q, k, v = (self._mm(y, name).reshape(x_md.shape[0], -1, self.head_dim) for name in ("q_dnh", "k_dkh", "v_dkh"))
-        if self.q_bias_nh is not None:
-            q, k, v = q + self.q_bias_nh[...], k + self.k_bias_kh[...], v + self.v_bias_kh[...]
+        m, kv = x_md.shape[0], self.qkv_dkxh.shape[1]
+        qkv = self._mm(self.attn_norm(x_md), "qkv_dkxh").reshape(m, kv, -1, self.head_dim)
+        qkv = qkv if self.qkv_bias_kxh is None else qkv + self.qkv_bias_kxh[...]   # Qwen2's biases, fused alike
+        q, k, v = qkv[:, :, :-2].reshape(m, -1, self.head_dim), qkv[:, :, -2], qkv[:, :, -1]
         if self.q_norm is not None:   # Qwen3: each head normalised before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         return rotary(q, pos_m, self.theta, self.rope_scaling), rotary(k, pos_m, self.theta, self.rope_scaling), v
@@ -161,8 +158,8 @@ class Block(nnx.Module):
         out = self._mm(attn_mnh.reshape(x_md.shape[0], -1), "o_nhd")
         x = x_md + (out if self.post_attn_norm is None else self.post_attn_norm(out))
         y = self.mlp_norm(x)
-        gate = self._mm(y, "gate_df")
-        hidden = (jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)) * self._mm(y, "up_df")
+        gate, up = jnp.unstack(self._mm(y, "gate_up_dfx").reshape(x.shape[0], -1, 2), axis=-1)
+        hidden = (jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)) * up
         out = self._mm(hidden, "down_fd")
         return x + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
@@ -175,8 +172,7 @@ class Decoder(nnx.Module):
         self.config = config
         # Embedding std 1/sqrt(d) keeps tied random models' logits at unit scale, so their
         # argmax is well separated (tests compare greedy paths token for token).
-        self.embed_vd = nnx.Param(_normal(rngs.params(), (v, d), d ** -0.5, dtype),
-                                  axes=("vocab", "embed"))
+        self.embed_vd = nnx.Param(_normal(rngs.params(), (v, d), d ** -0.5, dtype), axes=("vocab", "embed"))
         self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, quantized=quantized, layer=i)
                                 for i in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)

@@ -38,20 +38,13 @@ def fields_from_hf(hf: Mapping[str, Any], name: str | None = None) -> dict[str, 
     if head_dim == hf["hidden_size"] // num_heads:
         head_dim = None  # the default; keep configs comparable
     fields = dict(
-        **{ours: hf[key] for ours, key in _HF_KEYS.items()},
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        head_dim=head_dim,
-        qk_norm=model_type == "qwen3",
+        **{ours: hf[key] for ours, key in _HF_KEYS.items()}, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(hf.get("tie_word_embeddings")),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")), qk_norm=model_type == "qwen3",
         sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
-        rope_scaling=rope_scaling_from_hf(hf),
-        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
-        architecture=model_type,
-        name=name or hf.get("_name_or_path") or model_type,
-    )
+        rope_scaling=rope_scaling_from_hf(hf), hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+        architecture=model_type, name=name or hf.get("_name_or_path") or model_type)
     if model_type.startswith("gemma"):
         fields.update(_gemma_from_hf(hf, model_type))
     return fields
@@ -59,17 +52,10 @@ def fields_from_hf(hf: Mapping[str, Any], name: str | None = None) -> dict[str, 
 
 def to_hf(cfg) -> dict[str, Any]:
     """The `config.json` dict transformers expects for a `ModelConfig`."""
-    hf = {
-        "model_type": cfg.architecture,
-        "architectures": [_HF_CLASSES[cfg.architecture]],
-        **{key: getattr(cfg, ours) for ours, key in _HF_KEYS.items()},
-        "num_key_value_heads": cfg.num_kv_heads,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "head_dim": cfg.resolved_head_dim,
-        "hidden_act": cfg.hidden_act,
-    }
+    hf = {"model_type": cfg.architecture, "architectures": [_HF_CLASSES[cfg.architecture]],
+          **{key: getattr(cfg, ours) for ours, key in _HF_KEYS.items()}, "num_key_value_heads": cfg.num_kv_heads,
+          "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps, "head_dim": cfg.resolved_head_dim,
+          "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": cfg.hidden_act}
     if cfg.architecture.startswith("gemma"):
         hf.update(hidden_activation=cfg.hidden_act, sliding_window=cfg.sliding_window,
                   layer_types=list(cfg.layer_types or ()), attn_logit_softcapping=cfg.attn_softcap,
@@ -134,26 +120,17 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
     if head_dim == hidden // num_heads:
         head_dim = None
     return dict(
-        vocab_size=int(len(metadata["tokenizer.ggml.tokens"]) if vocab is None else vocab),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
-        intermediate_size=int(key("feed_forward_length")),
-        max_position_embeddings=int(key("context_length")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings=bool(names) and "output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        head_dim=head_dim,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        vocab_size=int(len(metadata["tokenizer.ggml.tokens"]) if vocab is None else vocab), hidden_size=hidden,
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        intermediate_size=int(key("feed_forward_length")), max_position_embeddings=int(key("context_length")),
+        rope_theta=float(key("rope.freq_base", 10000.0)), rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings=bool(names) and "output.weight" not in names, attention_bias="blk.0.attn_q.bias" in names,
+        head_dim=head_dim, qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling={"rope_type": "freq_factors", "factors": tuple(float(f) for f in rope_freqs)}
         if rope_freqs is not None else None if scaling in ("none", None) else
         {"rope_type": "linear", "factor": float(metadata[f"{arch}.rope.scaling.factor"])},
-        architecture="gemma3_text" if arch == "gemma3" else arch,
-        name=name or str(metadata.get("general.name", arch)),
-        **gemma,
-    )
+        architecture="gemma3_text" if arch == "gemma3" else arch, name=name or str(metadata.get("general.name", arch)),
+        **gemma)
 
 
 def _gemma_from_gguf(metadata: Mapping[str, Any], arch: str, num_layers: int, width_per_head: float,

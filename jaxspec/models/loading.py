@@ -18,14 +18,13 @@ from flax import nnx
 
 from jaxspec.models import quant
 from jaxspec.models.config import ModelConfig
-from jaxspec.models.convert import convert_tensors
+from jaxspec.models.convert import convert_tensors, fuse_layers, unfuse_layers
 from jaxspec.models.eagle import is_eagle_folder, load_head
 from jaxspec.models.gguf_tokenizer import tokenizer_from_gguf_metadata
 from jaxspec.models.model import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST, Model, _abstract_decoder, resolve_dtype
 
 
-def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool = True,
-         target: Model | None = None):
+def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool = True, target: Model | None = None):
     """Loads a model from a `.gguf` file, an HF folder, or a folder written by `Model.save`; with
     `target`, an EAGLE-3 head for that target (an `EagleHead`, in the target's dtype) from a
     folder in the published EAGLE-3 layout (`EagleHead.save`'s).
@@ -68,7 +67,8 @@ def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool 
 
 
 def _our_shapes(config: ModelConfig, dtype, quantize: str | None = None) -> dict:
-    return nnx.to_pure_dict(nnx.state(_abstract_decoder(config, dtype, quantize)))
+    """The params' shapes in the layout checkpoints hold (`unfuse_layers`), as loaders first build them."""
+    return jax.eval_shape(unfuse_layers, nnx.to_pure_dict(nnx.state(_abstract_decoder(config, dtype, quantize))))
 
 
 def _from_tensors(config: ModelConfig, get, names, source: str, dtype, quantize: str | None) -> Model:
@@ -81,8 +81,16 @@ def _from_tensors(config: ModelConfig, get, names, source: str, dtype, quantize:
             return tuple(jnp.asarray(a) for a in quant.quantize_array(value, in_axes))
         return jnp.asarray(value, dtype=dtype)
 
-    params = convert_tensors(config, _our_shapes(config, dtype), get, names, source=source, convert_leaf=convert)
-    return Model(config, quant.split_pairs(params), dtype=dtype, quantization=quantize)
+    params = quant.split_pairs(convert_tensors(config, _our_shapes(config, dtype), get, names, source=source,
+                                               convert_leaf=convert))
+    return Model(config, _fused(params), dtype=dtype, quantization=quantize)
+
+
+def _fused(params: dict) -> dict:
+    """`fuse_layers` of params the loader alone holds (it empties them), layer by layer: each layer's separate
+    matrices are dropped once fused, so loading never holds the block weights twice."""
+    layers = params.pop("layers")
+    return {**params, "layers": {i: fuse_layers({"layers": {i: layers.pop(i)}})["layers"][i] for i in sorted(layers)}}
 
 
 # --- GGUF ---
@@ -133,8 +141,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def _load_hf(folder: Path, dtype, want_tokenizer: bool, quantize: str | None) -> Model:
     from safetensors import safe_open
-    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()),
-                                        name=folder.name)
+    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()), name=folder.name)
     handles = {}
     for file in _safetensors_files(folder):
         try:
@@ -178,8 +185,8 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None)
     local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=local),
                           _our_shapes(config, stored, stored_quant))
-    with ocp.StandardCheckpointer() as ckpt:
-        params = ckpt.restore(path / "params", target)
+    with ocp.StandardCheckpointer() as ckpt:   # checkpoints hold q/k/v and gate/up apart
+        params = _fused(ckpt.restore(path / "params", target))
     if stored != dtype:
         params = quant.cast_floats(params, dtype)
     tok = None

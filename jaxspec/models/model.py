@@ -23,6 +23,7 @@ from flax.nnx import graphlib
 from jaxspec.models import quant
 from jaxspec.models.cache import KVCache
 from jaxspec.models.config import ModelConfig
+from jaxspec.models.convert import unfuse_layers
 from jaxspec.models.decoder import Decoder
 
 CHECKPOINT_FORMAT = 1                  # the version `Model.save` writes and `jaxspec.load` reads
@@ -96,8 +97,7 @@ def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empt
     return decoder.head(hidden_btd), cache
 
 
-def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int, features=(),
-                   tree=None):
+def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int, features=(), tree=None):
     """Runs the first `counts_b` tokens of each row's window through the cache, packed.
 
     The used tokens of all rows are laid end to end in a buffer of `packed_len` (static) slots, so
@@ -219,8 +219,8 @@ class Model:
         return _logits_uncached(self.graphdef, self.params, jnp.asarray(tokens_bt, jnp.int32))
 
     def save(self, path) -> None:
-        """Writes an orbax checkpoint of the params, the config, and the tokenizer if any (read
-        back by `jaxspec.load`)."""
+        """Writes an orbax checkpoint of the params (q/k/v and gate/up apart, as in checkpoints of
+        every kind: `convert.unfuse_layers`), the config, and the tokenizer if any (read back by `jaxspec.load`)."""
         import orbax.checkpoint as ocp
         path = Path(path).absolute()
         path.mkdir(parents=True, exist_ok=True)
@@ -228,7 +228,7 @@ class Model:
         if params_dir.exists():
             shutil.rmtree(params_dir)
         with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(params_dir, self.params)
+            ckpt.save(params_dir, unfuse_layers(self.params))
             ckpt.wait_until_finished()
         manifest = {"format": CHECKPOINT_FORMAT, "dtype": self.dtype.name, "config": self.config.to_dict(),
                     "quantization": self.quantization}

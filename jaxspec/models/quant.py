@@ -21,8 +21,10 @@ import numpy as np
 
 METHODS = ("int8",)
 
-# Quantized weight -> how many of its leading axes are input axes (the scales cover the rest).
-BLOCK_MATRICES = {"q_dnh": 1, "k_dkh": 1, "v_dkh": 1, "o_nhd": 2, "gate_df": 1, "up_df": 1, "down_fd": 1}
+# Quantized weight -> how many of its leading axes are input axes (the scales cover the rest): those blocks run,
+# and the separate ones checkpoints hold (loaders quantize them; per-channel scales fuse to the same bits).
+BLOCK_MATRICES = {"qkv_dkxh": 1, "o_nhd": 2, "gate_up_dfx": 1, "down_fd": 1,
+                  "q_dnh": 1, "k_dkh": 1, "v_dkh": 1, "gate_df": 1, "up_df": 1}
 HEAD_MATRIX = ("lm_head_dv", 1)
 
 

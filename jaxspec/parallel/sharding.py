@@ -22,6 +22,7 @@ from jaxspec.parallel.mesh import DATA, TENSOR
 RULES: dict[str, str | None] = {
     "batch": DATA, "heads": TENSOR, "kv_heads": TENSOR, "mlp": TENSOR, "vocab": TENSOR,
     "embed": None, "head_dim": None, "cache_slots": None,
+    "fused": None,      # a block's fused q/k/v or gate/up (behind kv_heads / mlp: shards stay contiguous)
     "features": None,   # an EAGLE-3 head's fused target features (jaxspec.models.eagle)
 }
 
