@@ -81,8 +81,8 @@ def test_skeleton_pair_has_its_own_shapes_and_an_acceptance_set_by_its_damping()
     agreement = []
     for dtype, damping in (("float32", 0.0), ("float32", 0.02), ("float32", 0.3), ("bfloat16", 0.0)):
         target, draft = skeleton_pair(target_cfg, draft_cfg, damping=damping, sharpness=4.0, dtype=dtype)
-        assert target.params["layers"][0]["qkv_dkxh"].shape[0] == 96
-        assert draft.params["layers"][0]["qkv_dkxh"].shape[0] == 64
+        assert target.params["layers"][0]["qkv_kxhd"].shape[-1] == 96
+        assert draft.params["layers"][0]["qkv_kxhd"].shape[-1] == 64
         assert len(target.params["layers"]) == 3 and len(draft.params["layers"]) == 2
         assert target.dtype == draft.dtype == np.dtype(dtype)
         agree = np.asarray(target.logits(tokens)).argmax(-1) == np.asarray(draft.logits(tokens)).argmax(-1)

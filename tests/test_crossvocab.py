@@ -38,7 +38,7 @@ def pair():
     params = dict(target.params)
     order = np.asarray(TWIN_ORDER)
     params["embed_vd"] = target.params["embed_vd"][order]
-    params["lm_head_dv"] = target.params["lm_head_dv"][:, order]
+    params["lm_head_vd"] = target.params["lm_head_vd"][order]
     twin = Model(cfg.replace(vocab_size=len(order), name="twin"), params)
     other = jaxspec.Model.random(cfg.replace(vocab_size=len(OTHER_PIECES), num_layers=1, name="other"), seed=8)
     twin_map = VocabMap([TARGET_PIECES[i] for i in TWIN_ORDER], TARGET_PIECES)

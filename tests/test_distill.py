@@ -35,7 +35,7 @@ def bigram_target():
     params = jax.tree.map(lambda x: x, jaxspec.Model.random(cfg, seed=0).params)
     params["final_norm"] = {"scale": params["final_norm"]["scale"] * 4.0}
     for i in range(cfg.num_layers):
-        params["layers"][i] = {**params["layers"][i], "o_nhd": jnp.zeros_like(params["layers"][i]["o_nhd"])}
+        params["layers"][i] = {**params["layers"][i], "o_dnh": jnp.zeros_like(params["layers"][i]["o_dnh"])}
     return jaxspec.Model(cfg, params)
 
 
@@ -81,9 +81,9 @@ def test_draft_from_target_with_all_layers_is_the_target(small_pair):
     shallow = jaxspec.draft_from_target(target, num_layers=1)
     assert shallow.config.num_layers == 1
     np.testing.assert_array_equal(np.asarray(shallow.params["embed_vd"]), np.asarray(target.params["embed_vd"]))
-    np.testing.assert_array_equal(np.asarray(shallow.params["lm_head_dv"]), np.asarray(target.params["lm_head_dv"]))
-    np.testing.assert_array_equal(np.asarray(shallow.params["layers"][0]["qkv_dkxh"]),
-                                  np.asarray(target.params["layers"][0]["qkv_dkxh"]))
+    np.testing.assert_array_equal(np.asarray(shallow.params["lm_head_vd"]), np.asarray(target.params["lm_head_vd"]))
+    np.testing.assert_array_equal(np.asarray(shallow.params["layers"][0]["qkv_kxhd"]),
+                                  np.asarray(target.params["layers"][0]["qkv_kxhd"]))
     assert shallow.tokenizer is target.tokenizer
 
 

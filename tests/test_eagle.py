@@ -138,7 +138,7 @@ def test_draft_vocabulary_maps_back_to_target_ids(head_and_target):
     assert len(ids) == 100 and np.all(np.diff(ids) > 0) and counts[ids].min() >= np.delete(counts, ids).max()
     # The LM head starts as the target's over the draft ids.
     np.testing.assert_array_equal(np.asarray(head.params["lm_head_dw"]),
-                                  np.asarray(target.params["lm_head_dv"])[:, ids])
+                                  np.asarray(target.params["lm_head_vd"])[ids].T)
     logits = np.random.default_rng(4).normal(size=(2, 3, 100)).astype(np.float32)
     full = np.asarray(eagle.to_target_logits(jnp.asarray(logits), ids, 256))
     assert np.all(np.isneginf(np.delete(full, ids, axis=-1)))

@@ -110,6 +110,54 @@ def test_float32_checkpoint_loads_as_bfloat16(tiny_model, tmp_path):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref.astype("bfloat16")))
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_format_1_checkpoint_still_loads(tmp_path, quantize):
+    """A checkpoint of format 1 (matrices [in, out], separate q/k/v, written before 2026-11-29),
+    built here from the HF tensors by that format's own rules, loads to the same logits."""
+    import orbax.checkpoint as ocp
+
+    from jaxspec.models import quant
+    cfg = jaxspec.ModelConfig.preset("tiny").replace(tie_word_embeddings=False, attention_bias=True,
+                                                      architecture="qwen2", name="old")
+    model = jaxspec.Model.random(cfg, seed=2)
+    hf, h = params_to_hf(cfg, model.params), cfg.resolved_head_dim
+    layers = {}
+    for i in range(cfg.num_layers):
+        t = {name.split(f"layers.{i}.", 1)[1]: x for name, x in hf.items() if f"layers.{i}." in name}
+        old = {f"{x}_d{a}h": t[f"self_attn.{x}_proj.weight"].T.reshape(cfg.hidden_size, -1, h)
+               for x, a in (("q", "n"), ("k", "k"), ("v", "k"))}
+        old |= {f"{x}_bias_{a}h": t[f"self_attn.{x}_proj.bias"].reshape(-1, h)
+                for x, a in (("q", "n"), ("k", "k"), ("v", "k"))}
+        old |= {"o_nhd": t["self_attn.o_proj.weight"].T.reshape(-1, h, cfg.hidden_size),
+                "gate_df": t["mlp.gate_proj.weight"].T, "up_df": t["mlp.up_proj.weight"].T,
+                "down_fd": t["mlp.down_proj.weight"].T, "attn_norm": {"scale": t["input_layernorm.weight"]},
+                "mlp_norm": {"scale": t["post_attention_layernorm.weight"]}}
+        if quantize:   # format 1's int8: scales over the trailing (output) axes
+            for name, n_in in (("q_dnh", 1), ("k_dkh", 1), ("v_dkh", 1), ("o_nhd", 2), ("gate_df", 1), ("up_df", 1),
+                               ("down_fd", 1)):
+                w = old[name]
+                scale = np.abs(w).max(axis=tuple(range(n_in))) / np.float32(127)
+                old[name], old[f"{name}_scale"] = np.rint(w / scale).astype(np.int8), scale.astype(np.float32)
+        layers[i] = old
+    params = {"embed_vd": hf["model.embed_tokens.weight"], "final_norm": {"scale": hf["model.norm.weight"]},
+              "lm_head_dv": hf["lm_head.weight"].T, "layers": layers}
+    if quantize:
+        w = params["lm_head_dv"]
+        scale = (np.abs(w).max(axis=0) / np.float32(127)).astype(np.float32)
+        params["lm_head_dv"], params["lm_head_dv_scale"] = np.rint(w / scale).astype(np.int8), scale
+    folder = tmp_path / "old"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save((folder / "params").absolute(), params)
+    (folder / "jaxspec.json").write_text(json.dumps({"format": 1, "dtype": "float32", "config": cfg.to_dict(),
+                                                     "quantization": quantize}))
+    loaded = jaxspec.load(folder)
+    reference = model if quantize is None else model.quantize("int8")
+    assert loaded.quantization == quantize
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+    np.testing.assert_allclose(loaded.logits(tokens), reference.logits(tokens), rtol=1e-5, atol=1e-5)
+    assert quant.quantized_leaf(("layers", 0, "qkv_kxhd")) == 1
+
+
 def hf_reference(kind, tie, seed=0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

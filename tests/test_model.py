@@ -210,7 +210,7 @@ def test_fused_projections_are_the_separate_matrices(tiny_model):
     model = jaxspec.Model.random(cfg, seed=5)
     for params in (model.params, model.quantize("int8").params, jax.tree.map(np.asarray, model.params)):
         separate = unfuse_layers(params)
-        assert "q_dnh" in separate["layers"][0] and "qkv_dkxh" not in separate["layers"][0]
+        assert "q_nhd" in separate["layers"][0] and "qkv_kxhd" not in separate["layers"][0]
         jax.tree.map(np.testing.assert_array_equal, fuse_layers(separate), params)
         jax.tree.map(np.testing.assert_array_equal, unfuse_layers(fuse_layers(separate)), separate)
     shapes = _our_shapes(cfg, jnp.float32, "int8")   # of the checkpoint layout
@@ -222,23 +222,23 @@ def test_fused_projections_are_the_separate_matrices(tiny_model):
     pos_m = jnp.arange(5) + 3
     q, k, v = block.qkv(x_md, pos_m)
     y = block.attn_norm(x_md)
-    proj = {name: jnp.einsum("md,dah->mah", y, layer[name]) + layer[bias]
-            for name, bias in (("q_dnh", "q_bias_nh"), ("k_dkh", "k_bias_kh"), ("v_dkh", "v_bias_kh"))}
-    np.testing.assert_allclose(q, rotary(proj["q_dnh"], pos_m, block.theta, block.rope_scaling), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(k, rotary(proj["k_dkh"], pos_m, block.theta, block.rope_scaling), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(v, proj["v_dkh"], rtol=1e-5, atol=1e-5)
+    proj = {name: jnp.einsum("md,ahd->mah", y, layer[name]) + layer[bias]
+            for name, bias in (("q_nhd", "q_bias_nh"), ("k_khd", "k_bias_kh"), ("v_khd", "v_bias_kh"))}
+    np.testing.assert_allclose(q, rotary(proj["q_nhd"], pos_m, block.theta, block.rope_scaling), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(k, rotary(proj["k_khd"], pos_m, block.theta, block.rope_scaling), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v, proj["v_khd"], rtol=1e-5, atol=1e-5)
     attn = jax.random.normal(jax.random.key(1), (5, cfg.num_heads, cfg.resolved_head_dim))
-    y = block.mlp_norm(x_md + block._mm(attn.reshape(5, -1), "o_nhd"))
-    mlp = (jax.nn.silu(y @ layer["gate_df"]) * (y @ layer["up_df"])) @ layer["down_fd"]
-    np.testing.assert_allclose(block.finish(x_md, attn), x_md + block._mm(attn.reshape(5, -1), "o_nhd") + mlp,
-                               rtol=1e-5, atol=1e-5)
+    out = jnp.einsum("mnh,dnh->md", attn, layer["o_dnh"])
+    y = block.mlp_norm(x_md + out)
+    mlp = (jax.nn.silu(y @ layer["gate_fd"].T) * (y @ layer["up_fd"].T)) @ layer["down_df"].T
+    np.testing.assert_allclose(block.finish(x_md, attn), x_md + out + mlp, rtol=1e-5, atol=1e-5)
 
 
 def test_qwen2_style_bias_and_untied_head(tiny_model):
     """A config with q/k/v bias keeps cached == uncached; bias changes the output."""
     cfg = tiny_model.config.replace(attention_bias=True, architecture="qwen2")
     m = jaxspec.Model.random(cfg, seed=4)
-    assert "qkv_bias_kxh" in m.params["layers"][0] and "lm_head_dv" in m.params
+    assert "qkv_bias_kxh" in m.params["layers"][0] and "lm_head_vd" in m.params
     prompts = random_prompts(np.random.default_rng(4), [5, 12], cfg.vocab_size)
     result = jaxspec.generate(m, prompts, max_new_tokens=6)
     for prompt, tokens in zip(prompts, result.tokens):
@@ -339,6 +339,6 @@ def test_params_carry_logical_axes_for_every_weight(tiny_model):
     assert len(flat_axes) == len(flat_params)
     for names, value in zip(flat_axes, flat_params):
         assert len(names) == value.ndim
-    assert axes["layers"][0]["qkv_dkxh"] == ("embed", "kv_heads", "fused", "head_dim")
-    assert axes["layers"][0]["gate_up_dfx"] == ("embed", "mlp", "fused")
+    assert axes["layers"][0]["qkv_kxhd"] == ("kv_heads", "fused", "head_dim", "embed")
+    assert axes["layers"][0]["gate_up_fxd"] == ("mlp", "fused", "embed")
     assert axes["embed_vd"] == ("vocab", "embed")

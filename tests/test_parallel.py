@@ -56,11 +56,11 @@ def test_mesh_greedy_equals_single_device(pair, prompts, reference, mesh, select
     assert result.stats.accepted_tokens > 0
     # The big weights really are split over the target's tensor axis, not replicated.
     layer = decoder.target.params["layers"][0]
-    for name in ("qkv_dkxh", "o_nhd", "gate_up_dfx", "down_fd"):
+    for name in ("qkv_kxhd", "o_dnh", "gate_up_fxd", "down_df"):
         assert sharding.is_sharded(layer[name]), name
-    assert sharding.is_sharded(decoder.target.params["lm_head_dv"])
+    assert sharding.is_sharded(decoder.target.params["lm_head_vd"])
     target_devices = set(mesh.target_mesh().devices.flat)
-    assert layer["qkv_dkxh"].sharding.device_set == target_devices
+    assert layer["qkv_kxhd"].sharding.device_set == target_devices
     if mesh.separate_draft:
         draft_devices = set(mesh.draft_mesh().devices.flat)
         assert decoder.draft.params["embed_vd"].sharding.device_set == draft_devices

@@ -20,13 +20,14 @@ BUDGETS = [12, 30, 5, 21]
 
 
 def reference_quantize(w: np.ndarray, in_axes: int):
-    """Channel by channel, the textbook symmetric rule: scale = max |w| / 127, q = round(w / scale)."""
-    flat = w.reshape(int(np.prod(w.shape[:in_axes])), -1)
-    q, s = np.zeros(flat.shape, np.int8), np.zeros(flat.shape[1], np.float32)
-    for c in range(flat.shape[1]):
-        s[c] = np.abs(flat[:, c]).max() / 127.0
-        q[:, c] = np.rint(flat[:, c] / s[c])
-    return q.reshape(w.shape), s.reshape(w.shape[in_axes:])
+    """Channel by channel, the textbook symmetric rule: scale = max |w| / 127, q = round(w / scale);
+    matrices are [out axes..., in axes...]."""
+    flat = w.reshape(-1, int(np.prod(w.shape[-in_axes:])))
+    q, s = np.zeros(flat.shape, np.int8), np.zeros(flat.shape[0], np.float32)
+    for c in range(flat.shape[0]):
+        s[c] = np.abs(flat[c]).max() / 127.0
+        q[c] = np.rint(flat[c] / s[c])
+    return q.reshape(w.shape), s.reshape(w.shape[:-in_axes])
 
 
 @pytest.mark.parametrize("shape, in_axes", [((48, 4, 8), 1), ((4, 8, 48), 2), ((48, 96), 1)])
@@ -38,8 +39,9 @@ def test_quantize_array_matches_per_channel_rounding(shape, in_axes):
         np.testing.assert_array_equal(np.asarray(q), want_q)
         np.testing.assert_array_equal(np.asarray(s), want_s)   # the same float32 division: bit-exact
     # Round to nearest: off by at most half a step, plus the float32 rounding of the product.
-    err = np.abs(want_q * want_s - w)
-    assert (err <= want_s / 2 + np.finfo(np.float32).eps * np.abs(w)).all()
+    step = want_s.reshape(want_s.shape + (1,) * in_axes)
+    err = np.abs(want_q * step - w)
+    assert (err <= step / 2 + np.finfo(np.float32).eps * np.abs(w)).all()
 
 
 def dequantized(model):
@@ -51,7 +53,8 @@ def dequantized(model):
                 out[key] = walk(child)
             elif not str(key).endswith("_scale"):
                 scale = node.get(quant.scale_name(key)) if isinstance(key, str) else None
-                out[key] = child if scale is None else np.asarray(child, np.float32) * np.asarray(scale)
+                out[key] = child if scale is None else np.asarray(child, np.float32) * np.asarray(scale).reshape(
+                    scale.shape + (1,) * (child.ndim - scale.ndim))   # scales over the leading (output) axes
         return out
     return jaxspec.Model(model.config, jax.tree.map(jnp.asarray, walk(model.params)))
 
@@ -61,10 +64,10 @@ def test_int8_model_computes_with_its_dequantized_weights(tie):
     model = jaxspec.Model.random(CFG.replace(tie_word_embeddings=tie), seed=3)
     q = model.quantize("int8")
     layer = q.params["layers"][0]
-    assert layer["qkv_dkxh"].dtype == jnp.int8 and layer["qkv_dkxh_scale"].shape == (4, 4, 8)   # kv, g + 2, h
-    assert layer["gate_up_dfx_scale"].shape == (128, 2) and layer["qkv_bias_kxh"].dtype == jnp.float32
-    assert layer["o_nhd_scale"].shape == (64,) and q.params["embed_vd"].dtype == jnp.float32
-    assert ("lm_head_dv_scale" in q.params) == (not tie)
+    assert layer["qkv_kxhd"].dtype == jnp.int8 and layer["qkv_kxhd_scale"].shape == (4, 4, 8)   # kv, g + 2, h
+    assert layer["gate_up_fxd_scale"].shape == (128, 2) and layer["qkv_bias_kxh"].dtype == jnp.float32
+    assert layer["o_dnh_scale"].shape == (64,) and q.params["embed_vd"].dtype == jnp.float32
+    assert ("lm_head_vd_scale" in q.params) == (not tie)
     tokens = np.random.default_rng(0).integers(0, 256, (2, 24))
     ref = dequantized(q)
     # Measured 4.3e-6 apart (float32 rounding of the scaled outputs) on logits <= 4.1; scales
@@ -100,8 +103,8 @@ def test_int8_speculative_greedy_equals_int8_target(int8_pair, mode):
     if mesh is not None:
         from jaxspec.parallel import sharding
         layer = decoder.target.params["layers"][0]
-        assert layer["gate_up_dfx"].dtype == jnp.int8
-        assert sharding.is_sharded(layer["gate_up_dfx"]) and sharding.is_sharded(layer["gate_up_dfx_scale"])
+        assert layer["gate_up_fxd"].dtype == jnp.int8
+        assert sharding.is_sharded(layer["gate_up_fxd"]) and sharding.is_sharded(layer["gate_up_fxd_scale"])
 
 
 def test_int8_loads_tensor_by_tensor_and_round_trips(tmp_path):
@@ -113,11 +116,11 @@ def test_int8_loads_tensor_by_tensor_and_round_trips(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, direct.params, after.params)
     direct.save(tmp_path / "saved")
     again = jaxspec.load(tmp_path / "saved")
-    assert again.quantization == "int8" and again.params["layers"][1]["gate_up_dfx"].dtype == jnp.int8
+    assert again.quantization == "int8" and again.params["layers"][1]["gate_up_fxd"].dtype == jnp.int8
     jax.tree.map(np.testing.assert_array_equal, again.params, direct.params)
     as_bf16 = jaxspec.load(tmp_path / "saved", dtype="bfloat16")
-    assert as_bf16.params["layers"][1]["gate_up_dfx"].dtype == jnp.int8
-    assert as_bf16.params["layers"][1]["gate_up_dfx_scale"].dtype == jnp.float32
+    assert as_bf16.params["layers"][1]["gate_up_fxd"].dtype == jnp.int8
+    assert as_bf16.params["layers"][1]["gate_up_fxd_scale"].dtype == jnp.float32
     assert as_bf16.params["embed_vd"].dtype == jnp.bfloat16
     tokens = np.arange(1, 20)[None]
     # bfloat16 compute against float32: measured 0.013 relative L2; the bound of

@@ -2,7 +2,8 @@
 
 Each row names a jaxspec weight, its tensor name in a transformers checkpoint and in a llama.cpp
 GGUF file (`{i}` = layer index), and how the HF layout ([out, in] matrices, fused head axes)
-maps onto ours (einsum-friendly [in, heads, head_dim] etc.). Loaders and writers walk this table
+maps onto ours (the same [out, in] order, head axes apart: q [n, h, d]; an EAGLE-3 head's is
+[in, out]). Loaders and writers walk this table
 (and `EAGLE3_RULES`, an EAGLE-3 head's); nothing else knows tensor names. The table and checkpoints
 keep q/k/v and gate/up apart; `fuse_layers` / `unfuse_layers` map to and from the fused blocks.
 """
@@ -46,6 +47,22 @@ def _transpose(x, cfg):
     return x.T
 
 
+def _heads(x, cfg):  # [heads*h, ...] -> [heads, h, ...] (q/k/v weights and biases)
+    return x.reshape(-1, cfg.resolved_head_dim, *x.shape[1:])
+
+
+def _heads_inv(x, cfg):
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _last_heads(x, cfg):  # [d, n*h] -> [d, n, h] (the output projection)
+    return x.reshape(x.shape[0], -1, cfg.resolved_head_dim)
+
+
+def _last_heads_inv(x, cfg):
+    return x.reshape(x.shape[0], -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightRule:
     """One weight: where it lives in jaxspec params, in HF and in GGUF checkpoints."""
@@ -66,8 +83,8 @@ class WeightRule:
 
 
 # Fused block weight -> the separate ones checkpoints hold, in its order (`decoder.Block`); int8 scales alike.
-_FUSED = {"qkv_dkxh": ("q_dnh", "k_dkh", "v_dkh"), "qkv_bias_kxh": ("q_bias_nh", "k_bias_kh", "v_bias_kh"),
-          "gate_up_dfx": ("gate_df", "up_df")}
+_FUSED = {"qkv_kxhd": ("q_nhd", "k_khd", "v_khd"), "qkv_bias_kxh": ("q_bias_nh", "k_bias_kh", "v_bias_kh"),
+          "gate_up_fxd": ("gate_fd", "up_fd")}
 _FUSED |= {f"{k}_scale": tuple(f"{n}_scale" for n in v) for k, v in _FUSED.items()}
 _has_bias, _post_norms, _qk_norm = (operator.attrgetter(f) for f in ("attention_bias", "post_norms", "qk_norm"))
 _q_heads, _kv_heads = operator.attrgetter("num_heads"), operator.attrgetter("num_kv_heads")
@@ -75,21 +92,20 @@ _L = "model.layers.{i}."
 RULES: tuple[WeightRule, ...] = (
     WeightRule(("embed_vd",), "model.embed_tokens.weight", "token_embd.weight"),
     WeightRule(("final_norm", "scale"), "model.norm.weight", "output_norm.weight"),
-    WeightRule(("lm_head_dv",), "lm_head.weight", "output.weight", _transpose, _transpose,
-               present=lambda cfg: not cfg.tie_word_embeddings),
+    WeightRule(("lm_head_vd",), "lm_head.weight", "output.weight", present=lambda cfg: not cfg.tie_word_embeddings),
     WeightRule(("layers", "attn_norm", "scale"), _L + "input_layernorm.weight", "blk.{i}.attn_norm.weight",
                per_layer=True),
     # q, k, v and their biases (Qwen2): apart here and in checkpoints, fused in blocks (`_FUSED`).
-    *(WeightRule(("layers", ours), _L + f"self_attn.{x}_proj.{kind}", f"blk.{{i}}.attn_{x}.{kind}", _in_heads,
-                 _in_heads_inv, per_layer=True, gguf_heads=heads, **({"present": _has_bias} if kind == "bias" else {}))
-      for kind, fused in (("weight", "qkv_dkxh"), ("bias", "qkv_bias_kxh"))
+    *(WeightRule(("layers", ours), _L + f"self_attn.{x}_proj.{kind}", f"blk.{{i}}.attn_{x}.{kind}", _heads,
+                 _heads_inv, per_layer=True, gguf_heads=heads, **({"present": _has_bias} if kind == "bias" else {}))
+      for kind, fused in (("weight", "qkv_kxhd"), ("bias", "qkv_bias_kxh"))
       for ours, x, heads in zip(_FUSED[fused], "qkv", (_q_heads, _kv_heads, None))),
     WeightRule(("layers", "q_norm", "scale"), _L + "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight",
                per_layer=True, present=_qk_norm),
     WeightRule(("layers", "k_norm", "scale"), _L + "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight",
                per_layer=True, present=_qk_norm),
-    WeightRule(("layers", "o_nhd"), _L + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
-               _out_heads, _out_heads_inv, per_layer=True),
+    WeightRule(("layers", "o_dnh"), _L + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
+               _last_heads, _last_heads_inv, per_layer=True),
     WeightRule(("layers", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight",
                "blk.{i}.ffn_norm.weight", per_layer=True,
                hf_by_arch=tuple((a, _L + "pre_feedforward_layernorm.weight") for a in ("gemma2", "gemma3_text"))),
@@ -97,8 +113,8 @@ RULES: tuple[WeightRule, ...] = (
                "blk.{i}.post_attention_norm.weight", per_layer=True, present=_post_norms),
     WeightRule(("layers", "post_mlp_norm", "scale"), _L + "post_feedforward_layernorm.weight",
                "blk.{i}.post_ffw_norm.weight", per_layer=True, present=_post_norms),
-    *(WeightRule(("layers", ours), _L + f"mlp.{x}_proj.weight", f"blk.{{i}}.ffn_{x}.weight", _transpose, _transpose,
-                 per_layer=True) for ours, x in (("gate_df", "gate"), ("up_df", "up"), ("down_fd", "down"))),
+    *(WeightRule(("layers", ours), _L + f"mlp.{x}_proj.weight", f"blk.{{i}}.ffn_{x}.weight", per_layer=True)
+      for ours, x in (("gate_fd", "gate"), ("up_fd", "up"), ("down_df", "down"))),
 )
 
 # An EAGLE-3 head (`jaxspec.models.eagle.EagleModule`) in the reference's layout, PyTorch [out, in]
@@ -173,15 +189,14 @@ def params_to_hf(cfg: ModelConfig, params: dict, source: str = "hf") -> dict[str
             for rule, name, path in _weights(cfg, source)}
 
 
-def _join(q, *rest):  # q [..., n, h], k and v [..., k, h] -> [..., k, g + 2, h]; gate, up [..., f] -> [..., f, 2]
+def _join(q, *rest):  # q [n, ...], k and v [k, ...] -> [k, g + 2, ...]; gate, up [f, ...] -> [f, 2, ...]
     xp = np if isinstance(q, np.ndarray) else jnp
-    return xp.stack([q, *rest], -1) if len(rest) == 1 else xp.concatenate(
-        [q.reshape(*rest[0].shape[:-1], -1, q.shape[-1])] + [x[..., None, :] for x in rest], -2)
+    return xp.stack([q, *rest], 1) if len(rest) == 1 else xp.concatenate(
+        [q.reshape(rest[0].shape[0], -1, *q.shape[1:])] + [x[:, None] for x in rest], 1)
 
 
 def _split(x, n: int):  # the inverse of `_join`
-    return (x[..., 0], x[..., 1]) if n == 2 else (
-        x[..., :-2, :].reshape(*x.shape[:-3], -1, x.shape[-1]), x[..., -2, :], x[..., -1, :])
+    return (x[:, 0], x[:, 1]) if n == 2 else (x[:, :-2].reshape(-1, *x.shape[2:]), x[:, -2], x[:, -1])
 
 
 def fuse_layers(params: dict, unfuse: bool = False) -> dict:

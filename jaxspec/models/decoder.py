@@ -3,8 +3,10 @@ whose differences are options of `ModelConfig`.
 
 Shape key: b batch, t new tokens, s cache slots, d model width, n query heads, k kv heads,
 g query heads per kv head, h head dim, f MLP width, v vocabulary, l layers, x fused: a block runs
-q/k/v as one matrix [d, k, g + 2, h] and gate/up as one [d, f, 2], one dot each (checkpoints keep
+q/k/v as one matrix [k, g + 2, h, d] and gate/up as one [f, 2, d], one dot each (checkpoints keep
 them apart: `convert.fuse_layers`); behind the sharded axis, so tensor-parallel shards stay whole.
+Matrices are stored [out axes..., in axes...] (as HF stores them), the layout whose dot is fastest
+for a few rows on a CPU (`quant.matmul`).
 
 Every parameter carries logical axis names in its `axes` metadata (`embed`, `heads`, `kv_heads`,
 `head_dim`, `mlp`, `vocab`, `fused`); `jaxspec.parallel` maps them to mesh axes. Blocks are kept as separate
@@ -59,11 +61,11 @@ def _matrix(module, name: str, shape, axes, dtype, rngs, quantized: bool) -> Non
     over its output axes, as structure only: the values come from `quant.quantize_params` or the
     loaders)."""
     in_axes = quant.BLOCK_MATRICES.get(name, 1)
-    w = _normal(rngs.params(), shape, math.prod(shape[:in_axes]) ** -0.5, dtype)
+    w = _normal(rngs.params(), shape, math.prod(shape[-in_axes:]) ** -0.5, dtype)
     scale = None
     if quantized:
         w = jnp.zeros(shape, jnp.int8)
-        scale = nnx.Param(jnp.ones(shape[in_axes:], jnp.float32), axes=axes[in_axes:])
+        scale = nnx.Param(jnp.ones(shape[:-in_axes], jnp.float32), axes=axes[:-in_axes])
     setattr(module, name, nnx.Param(w, axes=axes))
     setattr(module, quant.scale_name(name), scale)
 
@@ -121,16 +123,16 @@ class Block(nnx.Module):
         self.attn_norm = norm(d)
         # Per kv head: its g query heads (query head kv * g + j, as `attention._grouped` pairs them), key, value.
         qkv_shape, qkv_axes = (k, n // k + 2, h), ("kv_heads", "fused", "head_dim")
-        _matrix(self, "qkv_dkxh", (d, *qkv_shape), ("embed", *qkv_axes), dtype, rngs, quantized)
+        _matrix(self, "qkv_kxhd", (*qkv_shape, d), (*qkv_axes, "embed"), dtype, rngs, quantized)
         self.qkv_bias_kxh = nnx.Param(_normal(rngs.params(), qkv_shape, 0.1, dtype), axes=qkv_axes) \
             if config.attention_bias else None
         self.q_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
         self.k_norm = norm(h, axes=("head_dim",)) if config.qk_norm else None
-        _matrix(self, "o_nhd", (n, h, d), ("heads", "head_dim", "embed"), dtype, rngs, quantized)
+        _matrix(self, "o_dnh", (d, n, h), ("embed", "heads", "head_dim"), dtype, rngs, quantized)
         self.mlp_norm = norm(d)
         self.post_attn_norm, self.post_mlp_norm = (norm(d), norm(d)) if config.post_norms else (None, None)
-        _matrix(self, "gate_up_dfx", (d, f, 2), ("embed", "mlp", "fused"), dtype, rngs, quantized)
-        _matrix(self, "down_fd", (f, d), ("mlp", "embed"), dtype, rngs, quantized)
+        _matrix(self, "gate_up_fxd", (f, 2, d), ("mlp", "fused", "embed"), dtype, rngs, quantized)
+        _matrix(self, "down_df", (d, f), ("embed", "mlp"), dtype, rngs, quantized)
 
     def _mm(self, x_mi, name: str):
         """x [m, i] through the matrix `name` (int8 or float) -> [m, o]."""
@@ -145,8 +147,8 @@ class Block(nnx.Module):
         Token-wise work runs on a flat [m, d] buffer with 2-D weight views: XLA's CPU dot is
         slower on the equivalent multi-axis einsums.
         """
-        m, kv = x_md.shape[0], self.qkv_dkxh.shape[1]
-        qkv = self._mm(self.attn_norm(x_md), "qkv_dkxh").reshape(m, kv, -1, self.head_dim)
+        m, kv = x_md.shape[0], self.qkv_kxhd.shape[0]
+        qkv = self._mm(self.attn_norm(x_md), "qkv_kxhd").reshape(m, kv, -1, self.head_dim)
         qkv = qkv if self.qkv_bias_kxh is None else qkv + self.qkv_bias_kxh[...]   # Qwen2's biases, fused alike
         q, k, v = qkv[:, :, :-2].reshape(m, -1, self.head_dim), qkv[:, :, -2], qkv[:, :, -1]
         if self.q_norm is not None:   # Qwen3: each head normalised before the rotation
@@ -155,12 +157,12 @@ class Block(nnx.Module):
 
     def finish(self, x_md, attn_mnh):
         """Output projection, residual, and the MLP half of the block."""
-        out = self._mm(attn_mnh.reshape(x_md.shape[0], -1), "o_nhd")
+        out = self._mm(attn_mnh.reshape(x_md.shape[0], -1), "o_dnh")
         x = x_md + (out if self.post_attn_norm is None else self.post_attn_norm(out))
         y = self.mlp_norm(x)
-        gate, up = jnp.unstack(self._mm(y, "gate_up_dfx").reshape(x.shape[0], -1, 2), axis=-1)
+        gate, up = jnp.unstack(self._mm(y, "gate_up_fxd").reshape(x.shape[0], -1, 2), axis=-1)
         hidden = (jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)) * up
-        out = self._mm(hidden, "down_fd")
+        out = self._mm(hidden, "down_df")
         return x + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
 
@@ -177,9 +179,9 @@ class Decoder(nnx.Module):
                                 for i in range(config.num_layers)])
         self.final_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, offset=config.norm_offset)
         if config.tie_word_embeddings:
-            self.lm_head_dv = self.lm_head_dv_scale = None
+            self.lm_head_vd = self.lm_head_vd_scale = None
         else:
-            _matrix(self, "lm_head_dv", (d, v), ("embed", "vocab"), dtype, rngs, quantized)
+            _matrix(self, "lm_head_vd", (v, d), ("vocab", "embed"), dtype, rngs, quantized)
 
     def embed(self, tokens):
         x = jnp.take(self.embed_vd[...], tokens, axis=0)
@@ -193,15 +195,14 @@ class Decoder(nnx.Module):
         lead, d = x_md.shape[:-1], x_md.shape[-1]
         with jax.named_scope("lm_head"):
             y = self.final_norm(x_md.reshape(-1, d))
-            if self.lm_head_dv is None:
-                w_vd = self.embed_vd[...] if ids is None else jnp.take(self.embed_vd[...], ids, axis=0)
-                logits = jnp.einsum("md,vd->mv", y, w_vd, preferred_element_type=_F32)
-            else:
-                w_dv = self.lm_head_dv[...] if ids is None else jnp.take(self.lm_head_dv[...], ids, axis=1)
-                logits = jnp.dot(y, w_dv.astype(y.dtype), preferred_element_type=_F32)
-                if self.lm_head_dv_scale is not None:
-                    scale_v = self.lm_head_dv_scale[...]
-                    logits = logits * (scale_v if ids is None else jnp.take(scale_v, ids))
+            head = self.embed_vd if self.lm_head_vd is None else self.lm_head_vd
+            scale = None if self.lm_head_vd_scale is None else self.lm_head_vd_scale[...]
+            if ids is not None:
+                head, scale = jnp.take(head[...], ids, axis=0), None if scale is None else jnp.take(scale, ids)
+            # w [v, d] . y [m, d] -> [v, m], transposed: the weight read once for all rows (`quant.matmul`).
+            logits = jax.lax.dot_general(head[...].astype(y.dtype), y, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=_F32).T
+            logits = logits if scale is None else logits * scale
             cap = self.config.final_softcap
             if cap is not None:
                 logits = cap * jnp.tanh(logits / cap)

@@ -233,7 +233,7 @@ class EagleHead:
         dtype = target.dtype if dtype is None else dtype
         graphdef, state = nnx.split(EagleModule(config, dtype=dtype, rngs=nnx.Rngs(seed)))
         params = nnx.to_pure_dict(state)
-        head_vd = target.params["embed_vd"] if tc.tie_word_embeddings else target.params["lm_head_dv"].T
+        head_vd = target.params["embed_vd"] if tc.tie_word_embeddings else target.params["lm_head_vd"]
         params["lm_head_dw"] = jnp.asarray(head_vd)[draft_ids].T.astype(dtype)
         return cls(config, graphdef, params, draft_ids, target.params["embed_vd"])
 

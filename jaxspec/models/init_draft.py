@@ -80,20 +80,20 @@ def _fresh_blocks(target: Model, config: ModelConfig, seed: int) -> dict:
     params = jax.tree.map(np.asarray, Model.random(config, seed=seed, dtype="float32").params)
     embed_vd = np.asarray(target.params["embed_vd"], np.float32)
     gain_d = np.asarray(target.params["final_norm"]["scale"], np.float32)
-    head_dv = None if config.tie_word_embeddings else np.asarray(target.params["lm_head_dv"], np.float32)
+    head_vd = None if config.tie_word_embeddings else np.asarray(target.params["lm_head_vd"], np.float32)
     width = config.hidden_size
     if width == target.config.hidden_size:
         params["embed_vd"], params["final_norm"]["scale"] = embed_vd, gain_d
-        if head_dv is not None:
-            params["lm_head_dv"] = head_dv
+        if head_vd is not None:
+            params["lm_head_vd"] = head_vd
         return params
     # Right singular vectors: the directions along which the token vectors vary most.
     basis_de = np.linalg.svd(embed_vd, full_matrices=False)[2][:width].T
     params["embed_vd"] = embed_vd @ basis_de
-    if head_dv is None:
+    if head_vd is None:
         params["final_norm"]["scale"] = np.full((width,), np.sqrt(np.mean(gain_d ** 2)), np.float32)
     else:
-        params["lm_head_dv"] = basis_de.T @ (gain_d[:, None] * head_dv)
+        params["lm_head_vd"] = (head_vd * gain_d) @ basis_de
         params["final_norm"]["scale"] = np.ones((width,), np.float32)
     return params
 

@@ -174,7 +174,7 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None)
     import orbax.checkpoint as ocp
     path = path.absolute()
     manifest = json.loads((path / CHECKPOINT_MANIFEST).read_text())
-    if manifest.get("format") != CHECKPOINT_FORMAT:
+    if manifest.get("format") not in (1, CHECKPOINT_FORMAT):
         raise ValueError(f"{path / CHECKPOINT_MANIFEST} has format {manifest.get('format')!r}; this jaxspec "
                          f"reads format {CHECKPOINT_FORMAT}")
     config = ModelConfig.from_dict(manifest["config"])
@@ -185,8 +185,10 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None)
     local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=local),
                           _our_shapes(config, stored, stored_quant))
+    old = manifest["format"] == 1
     with ocp.StandardCheckpointer() as ckpt:   # checkpoints hold q/k/v and gate/up apart
-        params = _fused(ckpt.restore(path / "params", target))
+        params = ckpt.restore(path / "params", _format1(target, to_old=True) if old else target)
+    params = _fused(_format1(params, to_old=False) if old else params)
     if stored != dtype:
         params = quant.cast_floats(params, dtype)
     tok = None
@@ -195,3 +197,29 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None)
         tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
     model = Model(config, params, dtype=dtype, tokenizer=tok, quantization=stored_quant)
     return model.quantize(quantize) if quantize is not None and stored_quant is None else model
+
+
+# Format 1 (before 2026-11-29) stored matrices [in axes..., out axes...] under these names; name -> today's name
+# and its count of input axes. Scales are only renamed.
+_FORMAT1 = {"q_dnh": ("q_nhd", 1), "k_dkh": ("k_khd", 1), "v_dkh": ("v_khd", 1), "o_nhd": ("o_dnh", 2),
+            "gate_df": ("gate_fd", 1), "up_df": ("up_fd", 1), "down_fd": ("down_df", 1),
+            "lm_head_dv": ("lm_head_vd", 1)}
+
+
+def _format1(tree: dict, to_old: bool) -> dict:
+    """Params (or their shapes) between format 1's layout and today's (`to_old`: today's -> format 1's)."""
+    names = {new: (old, n) for old, (new, n) in _FORMAT1.items()} if to_old else _FORMAT1
+    out = {}
+    for key, x in tree.items():
+        base, scale = (key[:-6], "_scale") if isinstance(key, str) and key.endswith("_scale") else (key, "")
+        if isinstance(x, dict):
+            out[key] = _format1(x, to_old)
+        elif base in names:
+            name, n = names[base]
+            perm = (*range(x.ndim - n, x.ndim), *range(x.ndim - n)) if to_old else (*range(n, x.ndim), *range(n))
+            out[name + scale] = x if scale else (jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype,
+                                                                     sharding=x.sharding)
+                                                 if isinstance(x, jax.ShapeDtypeStruct) else x.transpose(perm))
+        else:
+            out[key] = x
+    return out

@@ -26,7 +26,7 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.convert import unfuse_layers
 from jaxspec.models.decoder import Decoder
 
-CHECKPOINT_FORMAT = 1                  # the version `Model.save` writes and `jaxspec.load` reads
+CHECKPOINT_FORMAT = 2                  # the version `Model.save` writes and `jaxspec.load` reads
 CHECKPOINT_MANIFEST = "jaxspec.json"   # the checkpoint folder's manifest
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

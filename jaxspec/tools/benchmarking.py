@@ -169,8 +169,8 @@ def layer_skip_pair(config, *, draft_layers: int, damping: float, sharpness: flo
     params["final_norm"] = {"scale": params["final_norm"]["scale"] * sharpness}
     for i in range(draft_layers, config.num_layers):
         layer = dict(params["layers"][i])
-        layer["o_nhd"] = layer["o_nhd"] * damping
-        layer["down_fd"] = layer["down_fd"] * damping
+        layer["o_dnh"] = layer["o_dnh"] * damping
+        layer["down_df"] = layer["down_df"] * damping
         params["layers"][i] = layer
     draft_params = {**params, "layers": {i: params["layers"][i] for i in range(draft_layers)}}
     target = Model(config, params)
@@ -200,7 +200,7 @@ def skeleton_pair(target_config, draft_config, *, damping: float, sharpness: flo
 
     def quiet(params):
         params = dict(params, final_norm={"scale": params["final_norm"]["scale"] * sharpness})
-        params["layers"] = {i: dict(layer, o_nhd=layer["o_nhd"] * damping, down_fd=layer["down_fd"] * damping)
+        params["layers"] = {i: dict(layer, o_dnh=layer["o_dnh"] * damping, down_df=layer["down_df"] * damping)
                             for i, layer in params["layers"].items()}
         return params
 
@@ -208,7 +208,7 @@ def skeleton_pair(target_config, draft_config, *, damping: float, sharpness: flo
     target_params = quiet(Model.random(target_config, seed=seed + 1, dtype=dtype).params)
     pad = target_config.hidden_size - draft_config.hidden_size
     target_params["embed_vd"] = jax.numpy.pad(draft_params["embed_vd"], ((0, 0), (0, pad)))
-    target_params["lm_head_dv"] = jax.numpy.pad(draft_params["lm_head_dv"], ((0, pad), (0, 0)))
+    target_params["lm_head_vd"] = jax.numpy.pad(draft_params["lm_head_vd"], ((0, 0), (0, pad)))
     return Model(target_config, target_params, dtype=dtype), Model(draft_config, draft_params, dtype=dtype)
 
 
