@@ -1,9 +1,8 @@
 """Turning user prompts into fixed-shape device inputs, with validation at the boundary.
 
-Every engine (autoregressive, speculative, pipelined) takes prompts through `prepare`, so they all
-accept the same inputs, reject the same mistakes with the same messages, and share shape buckets:
-prompt lengths, batch sizes and generation lengths are rounded up to a few sizes so a new batch
-usually reuses an already compiled program.
+Every engine takes prompts through `prepare`, so they all accept the same inputs, reject the same
+mistakes with the same messages, and share shape buckets: prompt lengths, batch sizes and
+generation lengths are rounded up to a few sizes, so a new batch usually reuses a program.
 """
 
 from __future__ import annotations
@@ -24,11 +23,8 @@ def check_int(name: str, value, low: int) -> None:
 
 
 def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
-    """Next power of two >= n (at least `minimum`)."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
+    """Next power of two >= n, at least `minimum` (a power of two)."""
+    return max(minimum, 1 << (n - 1).bit_length())
 
 
 def bucket_batch(n: int) -> int:
@@ -40,24 +36,14 @@ def bucket_batch(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
-    """Right-padded prompts of a batch (padded rows have max_new = 0 and never run).
+    """Right-padded prompts of a batch (padded rows have max_new = 0 and never run)."""
 
-    Attributes:
-      tokens_bp: int32 [b, p] prompt ids, right-padded with 0.
-      lengths_b: int32 [b] prompt lengths (1 for padding rows).
-      max_new_b: int32 [b] token budget of each row (0 for padding rows).
-      request_ids_b: int32 [b] each row's RNG stream id: its prompt's index in the caller's list
-        unless the caller named the streams (`request_ids`).
-      num_prompts: how many rows are real.
-      out_len: static size of the output buffer (bucketed max of max_new).
-    """
-
-    tokens_bp: np.ndarray
-    lengths_b: np.ndarray
-    max_new_b: np.ndarray
-    request_ids_b: np.ndarray
-    num_prompts: int
-    out_len: int
+    tokens_bp: np.ndarray       # int32 [b, p] prompt ids, right-padded with 0
+    lengths_b: np.ndarray       # int32 [b] prompt lengths (1 for padding rows)
+    max_new_b: np.ndarray       # int32 [b] token budget of each row (0 for padding rows)
+    request_ids_b: np.ndarray   # int32 [b] each row's RNG stream id (its prompt's index, or its `request_ids`)
+    num_prompts: int            # how many rows are real
+    out_len: int                # static size of the output buffer (bucketed max of max_new)
 
 
 def encode_prompts(prompts, tokenizer, vocab_size: int) -> list[list[int]]:

@@ -80,11 +80,8 @@ def choose(keys_b: jax.Array, logits_bv: jax.Array, sampling: SamplingConfig) ->
 
 
 def row_keys(request_keys_b: jax.Array, token_index_b: jax.Array) -> jax.Array:
-    """The key for token j of request i: fold_in(request key i, j).
-
-    Keys depend only on the request and the token index, never on batch composition or step
-    count, so a request samples the same tokens alone or in any batch.
-    """
+    """The key for token j of request i: fold_in(request key i, j), never depending on the batch
+    or the step count, so a request samples the same tokens alone or in any batch."""
     return jax.vmap(jax.random.fold_in)(request_keys_b, token_index_b)
 
 

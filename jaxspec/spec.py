@@ -38,6 +38,7 @@ class SpecConfig:
         selection verifies each row's k most probable nodes, "tetris" the batch's C best
         (capacity, default N * k); under the goodput policy each step runs the tree or plain
         decoding, whichever it predicts faster. None: a chain of k (+ extra) drafts.
+      segment: steps per segment S, between the host's reads (None: `segment_steps`'s default).
     """
 
     k: int = 4

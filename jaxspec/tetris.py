@@ -3,21 +3,18 @@
 Shape key: n rows, k draft slots per row.
 
 Wu et al. (ACL 2025) verify at most C draft tokens per step over a batch. Draft slot j of a row can
-only be accepted if slots 1..j are, so its value is the probability that the row's first j drafts
-are all accepted; with per-token acceptance estimates a_1, a_2, ... that is the cumulative product
-a_1 * ... * a_j, which never increases along a row. Choosing the C slots with the largest cumulative
-products therefore maximises the expected number of accepted tokens, and always yields a prefix of
-each row (the paper proves it and implements it with a heap, one pop per budget unit).
+only be accepted if slots 1..j are, so its value is the cumulative product a_1 * ... * a_j of
+per-token acceptance estimates, which never increases along a row: the C slots with the largest
+products maximise the expected accepted tokens and are a prefix of each row (the paper's heap).
 
-Here the heap is one `lax.top_k` over the flattened [n, k] grid of cumulative log-probabilities.
-The grid is flattened position-major (slot j of every row before slot j + 1 of any row) because
-`top_k` puts the lower index first among equal values: ties then go to earlier positions, so
-selections stay prefixes even between equal products, and equal confidences (an n-gram drafter)
-split the budget evenly across rows.
+Here the heap is one `lax.top_k` over the [n, k] grid of cumulative log-probabilities, flattened
+position-major: `top_k` puts the lower index first among equal values, so ties go to earlier
+positions (selections stay prefixes) and equal confidences (an n-gram drafter) split the budget
+evenly across rows.
 
-The per-token estimate a_j is a surrogate; by default the draft model's own probability (see
-`drafters.Proposal.logprob_bk` for what exactly it is and why it stays lossless under sampling).
-`acceptance_logprobs` is the one place that turns a proposal into the logprobs `select` ranks.
+The estimate a_j is a surrogate, by default the draft model's own probability (see
+`drafting.Proposal.logprob_bk` for why it stays lossless under sampling); `acceptance_logprobs`
+turns a proposal into the logprobs `select` ranks.
 """
 
 from __future__ import annotations
@@ -30,10 +27,8 @@ _NEG_INF = -jnp.inf
 
 def cumulative_logprobs(draft_logprobs_nk):
     """log(a_1 * ... * a_j) per slot, with -inf from the first unusable slot of a row onwards.
-
-    Estimates above probability 1 are clipped to 1 and nan counts as unusable, so the result never
-    increases along a row whatever the surrogate returns.
-    """
+    Estimates above 1 are clipped to 1 and nan counts as unusable, so the result never increases
+    along a row whatever the surrogate returns."""
     lp = jnp.asarray(draft_logprobs_nk, jnp.float32)
     lp = jnp.where(jnp.isnan(lp), _NEG_INF, jnp.minimum(lp, 0.0))
     return jnp.cumsum(lp, axis=1)
@@ -103,8 +98,7 @@ def select_nodes(cum_logprobs, capacity: int, budget=None, *, per_row: bool = Fa
 def expected_accepted(draft_logprobs, counts) -> jax.Array:
     """Expected accepted drafts of windows `counts` under the surrogate: sum of cumulative products."""
     cum_nk = cumulative_logprobs(draft_logprobs)
-    k = cum_nk.shape[1]
-    inside = jnp.arange(k)[None, :] < jnp.asarray(counts)[:, None]
+    inside = jnp.arange(cum_nk.shape[1])[None, :] < jnp.asarray(counts)[:, None]
     return jnp.sum(jnp.where(inside, jnp.exp(cum_nk), 0.0))
 
 

@@ -1,7 +1,6 @@
 """Drafters: what proposes draft tokens each step (never how many are verified).
 
-  base.py        the `Drafter` protocol, `Proposal`, and what the model drafters share (prefill,
-                 catch-up, re-feeding the last two tokens, chains of draws)
+  base.py        the `Drafter` protocol, `Proposal`, and what the model drafters share
   model.py       `ModelDrafter`: a smaller model on its own KV cache
   ngram.py       `NgramDrafter`: prompt lookup in the row's own context
   eagle.py       `EagleDrafter`: an EAGLE-3 head fed the target's features

@@ -3,21 +3,10 @@ catch-up, feeding the last committed tokens, and chains of draws.
 
 Shape key: b rows, l sequence-buffer slots, p padded prompt length, k draft tokens, v vocabulary.
 
-Every drafter answers the same two calls inside the compiled step:
-
-- `init(params, tokens_bp, prompt_len_b, cache_len)` -> state, once after the prompts are known;
-- `propose(params, state, seq_bl, pending_b, k, key_b, sampling)` -> (Proposal, state);
-
-and `init_deferred`, the state for rows that may not draft for a while (plain decoding first), which
-`catch_up` fills where `lag` says so (as after plain steps); `propose_tree` drafts a tree instead
-of a chain (`trees.py`); a drafter with `feature_layers` `absorb`s the target's features.
-
-`seq_bl` holds each row's whole sequence so far; `pending_b` is the position of the last emitted
-token (the one the target has not processed yet), so the committed sequence of row b is
-seq[b, :pending_b + 1]. A `Proposal` carries the tokens, the distribution each was drawn from (q,
-after the same sampling transforms the target uses; one-hot for deterministic proposals), how many
-leading proposals are real, and a confidence per token that TETRIS ranks.
-
+Inside the compiled step every drafter answers `init` (once the prompts are known) and `propose`
+(a `Proposal` of k tokens per row), and the rest of `Drafter`'s calls where it has them. `seq_bl`
+holds each row's whole sequence so far; `pending_b` is the position of the last emitted token (the
+one the target has not processed yet), so row b's committed sequence is seq[b, :pending_b + 1].
 Drafters decide what to propose, never how many tokens to verify (the engine and policy do).
 """
 

@@ -6,19 +6,17 @@ vocabulary, w draft vocabulary, m draft tokens per target token at most.
 Two static tables, built once from the two vocabularies' byte strings (`VocabMap`), bridge them:
 
 - proposals go through the *intersection*: a draft token whose bytes are exactly one target
-  token's is proposed as that token; the others get no draft mass (their logits are masked before
-  the draw, so q is the draft's distribution renormalised over the intersection). Verification
-  sees an ordinary proposal with q over the target vocabulary, so greedy matching and rejection
-  sampling stay lossless as they are (vLLM's and transformers' token-level intersection);
+  token's is proposed as that token; the others' logits are masked before the draw, so q is the
+  draft's distribution renormalised over the intersection, an ordinary proposal over the target
+  vocabulary: verification stays lossless as it is (vLLM's and transformers' intersection);
 - the draft reads the committed text through each target token's *own re-tokenization*: target
-  token t is fed to the draft as `expand[t]`, the draft tokens that spell its bytes (longest match
-  first). This is universal assisted generation's re-tokenization, done per token on device from
-  a table instead of on the host at every step, so the decode loop never waits for the host; the
-  price is that a word split across target tokens reaches the draft split the same way.
+  token t is fed as `expand[t]`, the draft tokens that spell its bytes (longest match first).
+  Universal assisted generation's re-tokenization, done per token on device from a table, so the
+  loop never waits for the host; a word split across target tokens reaches the draft split alike.
 
 The draft keeps its own token sequence and cache. Each step it appends the expansions of the
-target tokens committed since the last step, rolls its cache back to the first that differs from
-what the cache holds (a rejected draft) and feeds what the cache lacks (`catch_up` after plain steps).
+target tokens committed since, rolls its cache back to the first token that differs (a rejected
+draft) and feeds what the cache lacks (`catch_up` after plain steps).
 """
 
 from __future__ import annotations

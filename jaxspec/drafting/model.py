@@ -32,8 +32,7 @@ class ModelDrafter(Drafter):
     weights = {"model": "model.params"}
 
     def __init__(self, model: Model, *, greedy: bool = False):
-        self.model = model
-        self.greedy = greedy
+        self.model, self.greedy = model, greedy
 
     def _key(self):
         return (self.model.graphdef, self.greedy)

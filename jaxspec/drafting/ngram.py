@@ -27,9 +27,7 @@ class NgramDrafter(Drafter):
         if not isinstance(max_ngram, int) or not isinstance(min_ngram, int) or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"NgramDrafter needs 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram!r}, "
                              f"max_ngram={max_ngram!r}")
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-        self._vocab = vocab_size
+        self.max_ngram, self.min_ngram, self._vocab = max_ngram, min_ngram, vocab_size
 
     def __repr__(self):
         return f"NgramDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"

@@ -1,14 +1,12 @@
 """Draft trees: their static layout (`TreeShape`), the drafted `Tree`, their dynamic growth
 (EAGLE-2's, `grow_tree`) from any logits function, and `draft_tree`, its form for a draft model.
-`EagleDrafter` and `NgramDrafter` build theirs in their own modules.
 
 Shape key: b rows, w tree columns, v vocabulary, e expanded nodes per depth (= width).
 
 A tree of depth D and width W hangs under the root (the row's last committed token, column 0):
-depth 1 holds the root's W most probable children (columns 1..W); every later depth holds the
-W children of each of the W most probable nodes of the depth above (W * W columns). So the
-columns' depths are static, while which node is whose parent depends on the draft's
-probabilities. A column's cumulative log-probability is the sum along its path; it never exceeds
+depth 1 holds the root's W most probable children (columns 1..W); every later depth the W children
+of each of the W most probable nodes above (W * W columns): the columns' depths are static, their
+parents depend on the draft's probabilities. A column's cumulative log-probability never exceeds
 its parent's, so `tetris.select_nodes` picks ancestor-closed sets. Children are the draft's top-W
 tokens, deterministic given their path, which `verify.accept_tree` needs to stay lossless.
 """
@@ -69,13 +67,10 @@ def _children(logits_bev, shape: TreeShape, sampling: SamplingConfig):
 
 
 def grow_tree(root_b, root_logits_bv, shape: TreeShape, sampling: SamplingConfig, expand, carry) -> tuple[Tree, object]:
-    """A draft tree per row (EAGLE-2's dynamic tree), whatever computes the draft's logits.
-
-    The root's W most probable next tokens make depth 1; each later depth takes the W children of
-    each of the W most probable nodes of the depth above. `expand(carry, d, expand_be, tokens_bw,
-    parent_bw, ancestor_bww)` returns the draft's logits after each of the e nodes `expand_be`
-    (columns at depth d) [b, e, v] and the new carry; the tree's columns are filled up to depth d.
-    """
+    """A draft tree per row (EAGLE-2's dynamic tree, module docstring), whatever computes the
+    draft's logits: `expand(carry, d, expand_be, tokens_bw, parent_bw, ancestor_bww)` returns the
+    draft's logits after each of the e nodes `expand_be` (columns at depth d) [b, e, v] and the new
+    carry; the tree's columns are filled up to depth d."""
     b, w, width = root_b.shape[0], shape.columns, shape.width
     starts = shape.starts()
     tokens = jnp.zeros((b, w), jnp.int32).at[:, 0].set(root_b)
@@ -104,14 +99,12 @@ def grow_tree(root_b, root_logits_bv, shape: TreeShape, sampling: SamplingConfig
 
 def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: TreeShape,
                sampling: SamplingConfig, allowed_v=None) -> tuple[Tree, KVCache]:
-    """`grow_tree` with a draft model.
-
-    `cache` holds the committed tokens below slot cache.lengths and the root's keys and values at
-    that slot; `root_logits_bv` are the draft's logits after the root. Each depth below the first
-    feeds the W most probable nodes of the depth above in one packed pass (each at its column's
-    slot, seeing its own ancestors). `allowed_v` (bool [v]): the only tokens it may draft.
-    Returns the tree and the cache with the fed nodes written (its lengths unchanged).
-    """
+    """`grow_tree` with a draft model: `cache` holds the committed tokens below slot cache.lengths
+    and the root's keys and values at that slot; `root_logits_bv` are the draft's logits after the
+    root. Each depth below the first feeds the W most probable nodes of the depth above in one
+    packed pass (each at its column's slot, seeing its own ancestors). `allowed_v` (bool [v]): the
+    only tokens it may draft. Returns the tree and the cache with the fed nodes written (its lengths
+    unchanged)."""
     b, depth_bw = root_b.shape[0], jnp.broadcast_to(jnp.asarray(shape.depth_w()), (root_b.shape[0], shape.columns))
     allow = (lambda x: x) if allowed_v is None else (lambda logits: jnp.where(allowed_v, logits, -jnp.inf))
 

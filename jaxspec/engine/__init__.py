@@ -1,9 +1,8 @@
 """The speculative decoding engine: the step, the programs around it, and `SpeculativeDecoder`.
 
-  step.py      one draft -> select -> verify -> accept -> commit step, a pure function of the
-               loop state (`speculative_step` = `draft_phase` + `verify_phase`; `plain_step`)
-  loop.py      the compiled programs around the step (`start_on_device`, `run_on_device`: a
-               segment of S steps, `catch_up_on_device`, `refill_on_device`)
+  step.py      one draft -> select -> verify -> accept -> commit step, a pure function of the state
+  plans.py     the static step shapes, the `Program` they compile to, and their price
+  loop.py      the compiled programs around the step: prefill, segments of S steps, catch-up, refill
   segments.py  the host's side of the segments: what runs next, read one segment behind
   chain.py     a SpeculativeDecoder as the drafter of a larger target (multi-level)
   sliced.py    the two-slice engine: draft and target on separate devices, sequential or pipelined

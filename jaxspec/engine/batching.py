@@ -1,15 +1,11 @@
-"""Continuous batching: a request queue, fixed slots, and refilling a finished slot.
+"""Continuous batching, host-side bookkeeping: a request queue, fixed slots, and which request
+sits in which slot.
 
-A decode program is compiled for a fixed number of rows (slots). When more requests are queued
-than there are slots, the engine decodes until some row finishes, hands the finished rows to a
-`SlotTable` here, and prefills the next queued requests into those rows (`loop.refill_on_device`: the same
-compiled shapes every time, so nothing recompiles). Each request keeps its own RNG stream (keyed
-by its position in the caller's list), so its output does not depend on which slot or which
-neighbours it ran with: the same as generating it alone.
-
-This module is host-side bookkeeping only: which request sits in which slot and what finished
-requests produced. In the pipelined engine each lane refills its own finished rows from the one
-shared queue.
+A decode program is compiled for a fixed number of rows (slots). With more requests than slots, a
+finished row goes back to the `SlotTable` and the next queued request is prefilled into it
+(`loop.refill_on_device`). Each request keeps its own RNG stream, so its output does not depend on
+its slot or neighbours: the same as generating it alone. In the pipelined engine each lane refills
+its own rows from the one shared queue.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ class RequestQueue:
 
     def __init__(self, batch: prompts_lib.PromptBatch, order: Iterable[int] | None = None,
                  on_finish: Callable[[int, list[int], dict[str, int]], None] | None = None):
-        self.batch = batch
-        self.on_finish = on_finish
+        self.batch, self.on_finish = batch, on_finish
         self._waiting = collections.deque(range(batch.num_prompts) if order is None else order)
         # What each finished request produced, by its row in `batch`.
         self.tokens: dict[int, list[int]] = {}
@@ -50,10 +45,6 @@ class RequestQueue:
 
     def pop(self, n: int) -> list[int]:
         return [self._waiting.popleft() for _ in range(min(n, len(self._waiting)))]
-
-    @property
-    def finished(self) -> int:
-        return len(self.tokens)
 
     def finish(self, request: int, tokens: list[int], counters) -> None:
         """Records a finished request and tells `on_finish` (index, tokens, its counters)."""
@@ -69,10 +60,8 @@ class RequestQueue:
 
 def refill_rows(n: int, slots: int) -> int:
     """Rows of a refill batch of `n` requests into a table of `slots`: the next power of four, at
-    most `slots`. Each refill size is a program of its own (`loop.refill_on_device`) and refills
-    come in every size (rows freed while a segment was in flight add up): powers of four bound the
-    programs to about log4(slots) + 1, so a warm-up meets them all, for at most four times the rows
-    of a refill's prefill."""
+    most `slots`. Each refill size is a program of its own and refills come in every size: powers
+    of four bound the programs to about log4(slots) + 1, so a warm-up meets them all."""
     return min(1 << 2 * -(-max(n - 1, 0).bit_length() // 2), slots)
 
 
@@ -113,8 +102,8 @@ class SlotTable:
         """Takes queued requests into free slots (at most `limit`).
 
         Returns (slot of each refill row, its PromptBatch) or None when nothing moves. The refill
-        batch has a power of two rows, or `slots` where that is fewer (`refill_rows`); its padding
-        rows target slot `slots`, out of range, so their writes are dropped.
+        batch has `refill_rows` rows; its padding rows target slot `slots`, out of range, so their
+        writes are dropped.
         """
         free = np.flatnonzero(self.request_at < 0)
         take = len(free) if limit is None else min(len(free), limit)

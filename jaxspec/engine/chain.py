@@ -4,17 +4,15 @@ A chain M1 -> M2 -> target: M1 drafts for M2, and M2's verified output (k tokens
 draft the target verifies. Each level runs the same `speculative_step` as the outermost one.
 
 Exactness. Greedy chains reproduce the target's greedy output (every level is greedy-exact).
-With sampling, every level is lossless for its own model, so the tokens a level emits follow its
-model's (transformed) distribution exactly; that distribution is what the level reports as q to
-the level above, whose rejection sampling is then lossless too. The final output follows the
-target's distribution exactly; only the acceptance rates depend on how close the levels are.
+With sampling, the tokens a level emits follow its model's (transformed) distribution exactly,
+which the level reports as q to the level above, whose rejection sampling is then lossless too:
+the output follows the target's distribution; only the acceptance rates depend on the levels.
 
 Bookkeeping. The middle model's cache is trusted as far as the tokens it was fed agree with the
-row (it also holds this level's proposals, of which the level above keeps a prefix, and plain
-steps above may have emitted others since: `catch_up` feeds those). Each propose rolls back to that
-prefix, re-feeds the token before the pending one, then runs `inner_steps(k)` inner steps (a static
-count: each emits one to k_inner + 1 tokens per row, up to k); a row's proposal is what it
-emitted. An EAGLE head as the middle model's drafter follows the same lengths.
+row (it also holds this level's proposals, of which the level above keeps a prefix; plain steps
+above may have emitted others since: `catch_up` feeds those). Each propose rolls back to that
+prefix, re-feeds the token before the pending one, then runs `inner_steps(k)` inner steps; a
+row's proposal is what it emitted. An EAGLE head as the middle model's drafter follows suit.
 """
 
 from __future__ import annotations
@@ -61,9 +59,7 @@ class ChainDrafter(Drafter):
                              f"(got policy={decoder.spec.policy!r}); the outermost decoder may use 'goodput'")
         if decoder.spec.tree is not None:
             raise ValueError("a chain level drafts chains, not trees: use tree=None for the inner decoder")
-        self.model = decoder.target
-        self.inner = decoder.drafter
-        self.inner_spec = decoder.spec
+        self.model, self.inner, self.inner_spec = decoder.target, decoder.drafter, decoder.spec
 
     weights = {"model": "model.params", "inner": "inner"}
 

@@ -1,11 +1,9 @@
 """`SpeculativeDecoder`: batched speculative decoding of a target model with a drafter.
 
 A call validates and buckets the prompts, fills a fixed number of slots (continuous batching
-refills a finished row from the queue) and runs the programs of `jaxspec.engine.loop` in
-segments of S steps, queued and read by `jaxspec.engine.segments.Host`; under the goodput policy
-the plan of each segment is the one the policy chose, on device, at the end of the one before.
-When draft and target live on separate device slices the two-slice engine of
-`jaxspec.engine.sliced` runs instead.
+refills a finished row from the queue) and runs the programs of `jaxspec.engine.loop` in segments
+of S steps, queued and read by `segments.Host`. When draft and target live on separate device
+slices the two-slice engine of `jaxspec.engine.sliced` runs instead.
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ from jaxspec.models.model import Model
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.parallel.mesh import MeshConfig
 from jaxspec.results import GenerationResult, GenerationStats, decode_texts
-from jaxspec.sampling import SamplingConfig, clear_keys, request_keys
+from jaxspec.sampling import SamplingConfig, clear_keys
 from jaxspec.spec import SpecConfig
-
-TREE_DRAFTERS = (ModelDrafter, EagleDrafter, NgramDrafter, crossvocab.CrossVocabDrafter)   # with `propose_tree`
 
 _DECODERS: weakref.WeakSet = weakref.WeakSet()   # live decoders, whose `_compiled` clear_caches() empties
 
@@ -41,12 +37,11 @@ _DECODERS: weakref.WeakSet = weakref.WeakSet()   # live decoders, whose `_compil
 def clear_caches() -> None:
     """Releases every compiled program, JAX's and jaxspec's, and the library's own caches.
 
-    Programs are compiled and cached per shape (batch bucket, cache length bucket, plan, sampling)
-    and stay until this call; shapes already seen compile nothing and add no memory. A long
-    notebook or a parameter sweep calls it to release the programs of shapes it no longer needs;
-    decoders and models built before keep working (they compile again on next use). Calls
-    `jax.clear_caches()` (a persistent compilation cache on disk stays), then empties the keys
-    kept per seed and each live decoder's record of the goodput plans it compiled ahead.
+    Programs are cached per shape (batch bucket, cache length bucket, plan, sampling) until this
+    call, which a long notebook or a sweep makes to release shapes it no longer needs; decoders and
+    models built before keep working (they compile again on next use). Calls `jax.clear_caches()`
+    (a persistent compilation cache on disk stays), then empties the keys kept per seed and each
+    live decoder's record of the goodput plans it compiled ahead.
     """
     jax.clear_caches()
     clear_keys()
@@ -71,12 +66,10 @@ class SpeculativeDecoder:
                  sampling: SamplingConfig | None = None, mesh=None):
         self.spec = spec if spec is not None else SpecConfig()
         self.sampling = sampling if sampling is not None else SamplingConfig()
-        if not isinstance(self.spec, SpecConfig):
-            raise ValueError(f"spec must be a jaxspec.SpecConfig, got {type(self.spec).__name__}")
-        if not isinstance(self.sampling, SamplingConfig):
-            raise ValueError(f"sampling must be a jaxspec.SamplingConfig, got {type(self.sampling).__name__}")
-        if not isinstance(target, Model):
-            raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
+        for name, value, cls in (("spec", self.spec, SpecConfig), ("sampling", self.sampling, SamplingConfig),
+                                 ("target", target, Model)):
+            if not isinstance(value, cls):
+                raise ValueError(f"{name} must be a jaxspec.{cls.__name__}, got {type(value).__name__}")
         if mesh is not None and not isinstance(mesh, MeshConfig):
             raise ValueError(f"mesh must be None or a jaxspec.MeshConfig, got {type(mesh).__name__}")
         self.mesh = mesh
@@ -104,14 +97,14 @@ class SpeculativeDecoder:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
-        if self.spec.tree is not None and type(self.drafter) not in TREE_DRAFTERS:
+        if self.spec.tree is not None and type(self.drafter).propose_tree is Drafter.propose_tree:
             raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head or n-gram "
                              f"lookup, got {type(self.drafter).__name__}")
         if isinstance(self.drafter, crossvocab.CrossVocabDrafter) and self._draft_mesh is not None:
             self.drafter = self.drafter.placed(sharding_lib.replicated(self._draft_mesh))
         self.draft = draft
         # Two-slice engines only: set to {"draft": [], "verify": []} to record the seconds of each
-        # draft and verify call, each timed alone (blocking: no overlap; for measurements).
+        # draft and verify call, each timed alone (blocking: no overlap).
         self.phase_timings: dict[str, list[float]] | None = None
         self._compiled: set[tuple] = set()   # goodput: batch shapes whose plans are compiled
         _DECODERS.add(self)
@@ -131,10 +124,9 @@ class SpeculativeDecoder:
           batch_size: rows decoded at once (slots). None: every prompt at once. With more prompts
             than slots, a finished row is refilled with the next queued prompt (continuous
             batching); each request's output is the same as generating it alone.
-          on_finish: called on the host as `on_finish(index, tokens, counters)` as soon as the
-            request at `prompts[index]` finishes (counters: its row_steps, drafted, verified,
-            accepted and emitted). The loop then returns to the host once per finished request
-            (not per token), so a batch job can save each result as it comes.
+          on_finish: called on the host as `on_finish(index, tokens, counters)` once it reads that
+            the request at `prompts[index]` finished (counters: its row_steps, drafted, verified,
+            accepted, emitted and tried), so a batch job can save each result as it comes.
           request_ids: distinct ints naming each prompt's RNG stream (default: its index), as in
             `jaxspec.generate`.
         """
@@ -184,7 +176,7 @@ class SpeculativeDecoder:
 
         start = time.perf_counter()
         state, report = loop.start_on_device(dataclasses.replace(program, schedule=schedule.for_prefill()), params,
-                                             put(_requests(first, seed, eos)), control())
+                                             put(Requests.of(first, seed, eos)), control())
         host = segments.Host(program, table, jax.device_get(report), self.spec.segment_steps())
         if schedule.goodput:
             self._compile_plans(program, params, state, control(), host)
@@ -193,7 +185,7 @@ class SpeculativeDecoder:
                 refill = table.refill()
                 if refill is not None:
                     state, report = loop.refill_on_device(program, params, state, put(refill[0]),
-                                                          put(_requests(refill[1], seed, eos)), control())
+                                                          put(Requests.of(refill[1], seed, eos)), control())
                     host.refilled(jax.device_get(report))
                 width = host.catch_up_width()
                 if width:
@@ -225,12 +217,8 @@ class SpeculativeDecoder:
 
     def _generate_sliced(self, batch, seed: int, eos: int, cache_len: int, batch_size,
                          on_finish=None) -> GenerationResult:
-        """Draft and target on two slices, stepped from the host; two pipelined batches if asked.
-
-        Pipelined, the slots are split between two lanes that share one request queue; the first
-        requests are split so both lanes start with equal work (MineDraft's assignment), and a
-        lane refills its finished rows from the queue, so both stay full until it drains.
-        """
+        """Draft and target on two slices, stepped from the host; pipelined, two lanes share one
+        request queue, and the first requests are split so both start with equal work (MineDraft)."""
         n = batch.num_prompts
         multiple = self.mesh.target_dp if self.mesh is not None else 1
         queue = batching.RequestQueue(batch, on_finish=on_finish)
@@ -262,19 +250,11 @@ class SpeculativeDecoder:
                             dict(lanes=len(lanes), slots=rows * len(lanes)))
 
 
-def _requests(batch, seed: int, eos: int) -> Requests:
-    """A prompt batch's rows as a program's inputs (host values)."""
-    return Requests(tokens_bp=batch.tokens_bp, prompt_len_b=batch.lengths_b, max_new_b=batch.max_new_b,
-                    keys_b=request_keys(seed, batch.request_ids_b), eos_id=np.int32(eos))
-
-
 def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:
     real = slice(0, n)
-    emitted = int(c.emitted[real].sum())
-    row_steps = int(c.row_steps[real].sum())
-    drafted, verified, accepted = (int(x[real].sum()) for x in (c.drafted, c.verified, c.accepted))
-    # Step emissions exclude the prefill's first token.
-    step_emitted = emitted - int((c.emitted[real] > 0).sum())
+    emitted, row_steps, drafted, verified, accepted = (int(x[real].sum()) for x in (
+        c.emitted, c.row_steps, c.drafted, c.verified, c.accepted))
+    step_emitted = emitted - int((c.emitted[real] > 0).sum())   # without the prefill's first token
     return GenerationStats(
         new_tokens=emitted, steps=steps, seconds=seconds,
         tokens_per_second=emitted / seconds if seconds > 0 else 0.0,

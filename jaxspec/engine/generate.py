@@ -1,9 +1,7 @@
 """Autoregressive generation: the baseline every speculative path must reproduce exactly.
 
-It runs on the speculative engine without a drafter (every step a `step.plain_step`: feed each
-row its last token, draw the next, stop a row at eos or at its budget), in the same segments
-(`jaxspec.engine.segments`), so plain decoding gets the same host overlap and attention bounds
-that every speed ratio is divided by.
+It runs on the speculative engine without a drafter (every step a `step.plain_step`), in the same
+segments, so plain decoding gets the host overlap and attention bounds that speed ratios divide by.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The decode loop on device: the compiled programs around the step (`jaxspec.engine.step`).
 
 Each takes the static `plans.Program`, params = (target params, draft params), and small pytrees:
-
-  start_on_device(program, params, requests, control)                  prefill a batch
-  run_on_device(program, params, state, control, segment)              a segment: steps of one plan
-  catch_up_on_device(program, params, state, width)                    the drafter takes in what it missed
-  refill_on_device(program, params, state, slots_r, requests, control)  prefill new requests into rows
-
-A segment runs `Segment.steps` steps of one plan in a loop of static trip count, with no branch:
-rows that finish inside it are masked (they emit nothing) and wait for the segment's end. Each
-program returns the state and a `Report`, the few arrays the host reads (copies: the state itself
-can be donated to the next program before the host reads them). The host
-(`jaxspec.engine.decoder`) chooses what runs next between segments: refills, catch-ups, and under
-the goodput policy the plan the policy chose on device at the segment's end.
+`start_on_device` prefills a batch, `run_on_device` runs a segment (steps of one plan),
+`catch_up_on_device` feeds the drafter what it missed, `refill_on_device` prefills new requests
+into rows. A segment's loop has a static trip count and no branch: rows that finish inside it are
+masked (they emit nothing) and wait for its end. Each program returns the state and a `Report`,
+the few arrays the host reads (copies: the state can be donated to the next program before the
+host reads them). The host chooses what runs next between segments (`jaxspec.engine.segments`).
 """
 
 from __future__ import annotations
@@ -79,10 +73,9 @@ def _report(program: Program, state: DecodeState) -> Report:
         lag = jnp.max(program.drafter.lag(state.draft_state, state.seq_bl, state.target_cache.lengths))
     choice = state.policy.choice if program.schedule.goodput else 0
     copy = functools.partial(jnp.array, copy=True)
-    left = jnp.max(jnp.where(state.done_b, 0, state.max_new_b - state.n_out_b))
     return Report(*jax.tree.map(copy, (state.done_b, state.out_bo, state.n_out_b, state.counters, state.steps)),
                   choice=copy(choice), lag=jnp.asarray(lag, jnp.int32), longest=jnp.max(state.n_out_b),
-                  left=left)
+                  left=jnp.max(jnp.where(state.done_b, 0, state.max_new_b - state.n_out_b)))
 
 
 def choose_plan(program: Program, state: DecodeState, control: Control, current):
@@ -101,9 +94,8 @@ def open_policy(program: Program, state: DecodeState, control: Control, prior=po
 def _fresh_rows(program: Program, params, requests: Requests, control: Control,
                 prior=policy_lib.PRIOR_ALPHA) -> DecodeState:
     """Loop state for freshly prefilled rows: target and drafter caches and, under the goodput
-    policy, the acceptance counts (from `prior`) and the opening choice. Under the goodput policy
-    the drafter skips its prefill (`Drafter.init_deferred`): a prompt behind, it catches up
-    (`catch_up_on_device`) if and when drafting starts."""
+    policy, the acceptance counts (from `prior`) and the opening choice; the drafter then skips
+    its prefill (`Drafter.init_deferred`) and catches up if and when drafting starts."""
     schedule, drafter = program.schedule, program.drafter
     tokens_bp, prompt_len_b = requests.tokens_bp, requests.prompt_len_b
     state, features_bpf = initial_state(program, params[0], requests)
@@ -179,15 +171,3 @@ def refill_on_device(program: Program, params, state: DecodeState, slots_r, requ
         per_row["policy"] = policy
     state = state.replace(**per_row)
     return state, _report(program, state)
-
-
-def put_rows(array, slots_r, new):
-    """Host-side twin of the refill scatter, for per-row inputs that live outside the state
-    (a numpy array stays one; an out-of-range slot drops its row)."""
-    if isinstance(array, np.ndarray):
-        slots_r, new = np.asarray(slots_r), np.asarray(new)
-        keep = (slots_r >= 0) & (slots_r < array.shape[0])
-        array = array.copy()
-        array[slots_r[keep]] = new[keep]
-        return array
-    return array.at[slots_r].set(new, mode="drop")

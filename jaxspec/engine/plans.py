@@ -1,14 +1,7 @@
-"""Plans: the static shapes a decode call may run, the programs they compile to, and their price.
-
-- A `StepPlan` is one step's shape: k drafts per row, verified per row (standard) or packed under a
-  TETRIS capacity, optionally cut by a confidence threshold, or a draft tree.
-- A `Schedule` is the plans a call may run: one (a fixed policy), or the goodput policy's candidates.
-- A `Program` is everything static about a compiled decode program: the target's structure, the
-  drafter, the schedule, sampling and buffer sizes. It is the one static argument of every jitted
-  entry point (`jaxspec.engine.loop`, `jaxspec.engine.sliced`); params, caches and per-row inputs
-  are traced.
-- `schedule_for` turns a `SpecConfig` into the schedule and each plan's TETRIS budget;
-  `plan_seconds` prices each plan's step with the cost model, for the policy's clock.
+"""Plans: the static shapes a decode call may run (`StepPlan`, `Schedule`), the `Program` they
+compile to (the one static argument of every jitted entry point; params, caches and per-row inputs
+are traced), `schedule_for` a `SpecConfig`, and each plan's price for the policy's clock
+(`plan_seconds`).
 """
 
 from __future__ import annotations
@@ -81,29 +74,16 @@ TARGET_ONLY = Schedule(plans=(StepPlan(k=0),))
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """Everything static about a compiled decode program (hashable: jit's static argument).
+    """Everything static about a compiled decode program (hashable: jit's static argument)."""
 
-    Attributes:
-      target: the target model's graphdef.
-      drafter: the drafter, weightless (`Drafter.static()`): a program's cache keeps its static
-        arguments alive.
-      schedule: the plans it may run.
-      sampling: the sampling transforms, shared by target and drafter.
-      cache_len: slots of the caches and of the sequence buffer (`cache_length`).
-      out_len: slots of the output buffer.
-      mesh: a jax Mesh to lay the target's cache out on, or None.
-      record: this decoder drafts for a level above (a chain): each emitted token's distribution
-        and acceptance surrogate are recorded.
-    """
-
-    target: Any
-    drafter: Drafter
-    schedule: Schedule
-    sampling: SamplingConfig
-    cache_len: int = 0
-    out_len: int = 0
-    mesh: Any = None
-    record: bool = False
+    target: Any                 # the target model's graphdef
+    drafter: Drafter            # weightless (`Drafter.static()`): a program's cache keeps it alive
+    schedule: Schedule          # the plans it may run
+    sampling: SamplingConfig    # shared by target and drafter
+    cache_len: int = 0          # slots of the caches and of the sequence buffer (`cache_length`)
+    out_len: int = 0            # slots of the output buffer
+    mesh: Any = None            # a jax Mesh to lay the target's cache out on, or None
+    record: bool = False        # a chain's inner level: each emitted token's q and surrogate are recorded
 
     @property
     def features(self) -> tuple[int, ...]:
@@ -114,13 +94,11 @@ class Program:
 
 def schedule_for(spec: SpecConfig, rows: int, num_prompts: int) -> tuple[Schedule, tuple[int, ...]]:
     """The compiled step shapes of a call over `rows` rows holding `num_prompts` requests, and
-    each plan's TETRIS budget C per step (0 for standard).
-
-    A fixed TETRIS program is compiled for `spec.tetris_budget` rounded up to a capacity bucket
-    and selects exactly that budget inside it. The goodput policy's candidates are every draft
-    length 0..k (standard), or with TETRIS 0..k+extra-1 and the TETRIS window at a few budgets
-    around C, each a bucket of its own; with a tree, plain decoding and the tree.
-    """
+    each plan's TETRIS budget C per step (0 for standard). A fixed TETRIS program is compiled for
+    `spec.tetris_budget` rounded up to a capacity bucket and selects exactly that budget inside it.
+    The goodput policy's candidates are every draft length 0..k (standard), or with TETRIS
+    0..k+extra-1 and the TETRIS window at a few budgets around C, each a bucket of its own; with a
+    tree, plain decoding and the tree."""
     big_k, tetris_on = spec.draft_len, spec.selection == "tetris" and spec.draft_len > 0
     budget = spec.tetris_budget(rows, num_prompts) if tetris_on else 0
     capacity = tetris.capacity_bucket(budget, rows, big_k) if tetris_on else None

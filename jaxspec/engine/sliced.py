@@ -2,29 +2,22 @@
 
 Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary.
 
-The draft and the target live on disjoint meshes, so one step is two compiled programs, the same
-two halves the single-program loop composes (`step.draft_phase`, `step.verify_phase`):
-
-    draft(state) on the draft slice  ->  Proposal  ->  verify(state, Proposal) on the target slice
-
-Between them only token ids, lengths and (when sampling) the draft distributions cross: the
-draft side reads the target side's `seq_bl`, pending positions and emitted counts; the target side
-reads the Proposal. Every call is dispatched asynchronously. The one host read per step is a lane's
-done flags, which decide whether to queue its next verification: they are copied to the host
-asynchronously as soon as the verification producing them is queued, and read only after the
-lane's next drafting (which depends on that verification anyway) is queued, so neither slice's
-queue runs dry while the host looks.
+The draft and the target live on disjoint meshes, so one step is two compiled programs, the two
+halves the single-program loop composes: `step.draft_phase` on the draft slice, whose Proposal
+`step.verify_phase` verifies on the target slice. Only token ids, lengths and (when sampling) the
+draft distributions cross. Every call is dispatched asynchronously; the one host read per step is
+a lane's done flags (whether to queue its next verification), copied to the host as soon as the
+verification producing them is queued and read only after the lane's next drafting is queued, so
+neither slice's queue runs dry while the host looks.
 
 Pipelined (`SpecConfig(pipeline=True)`): the requests are split into two batches A and B with
-balanced work. Each half-step queues verify(A) on the target slice and then draft(B) on the draft
-slice; they depend on nothing of each other, so they run at the same time; then the roles swap.
-When one batch has finished, the other continues alone with the plain sequential order (the
-tail). Per-request RNG keys make each request's output independent of its batch, so pipelined,
-sequential and single-device runs produce the same tokens.
+balanced work. Each half-step queues verify(A) on the target slice and draft(B) on the draft slice,
+which run at the same time; then the roles swap. When one batch has finished, the other continues
+alone. Per-request RNG keys make pipelined, sequential and single-device runs emit the same tokens.
 
 Under the goodput policy each verification also chooses its lane's next plan on the target slice
-(`policy.choose`, with each plan's lane-step seconds from the cost model: `plans.plan_seconds`);
-the choice reaches the host with the done flags and sets the lane's next-but-one drafting.
+(with each plan's lane-step seconds, `plans.plan_seconds`); the choice reaches the host with the
+done flags and sets the lane's next-but-one drafting.
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ from jaxspec.engine.plans import TARGET_ONLY, Program
 from jaxspec.engine.step import Requests
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.policy import goodput as policy_lib
-from jaxspec.sampling import request_keys
 
 
 @functools.partial(jax.jit, static_argnames=("program",))
@@ -112,26 +104,19 @@ class Lane:
 
 
 class SlicedRunner:
-    """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`.
-
-    `program`: the lanes' static program (`plans.Program`): one plan (a fixed policy), or the
-    goodput policy's candidates, with `seconds` = {"pipelined": [j], "sequential": [j]} their
-    predicted lane-step seconds (`plans.plan_seconds`).
-    """
+    """Decodes batches with the target on `target_mesh` and the drafter on `draft_mesh`, running
+    `program` (one plan, or the goodput policy's candidates with `seconds` = {"pipelined": [j],
+    "sequential": [j]} their predicted lane-step seconds, `plans.plan_seconds`)."""
 
     def __init__(self, target, drafter, program: Program, target_mesh, draft_mesh, seconds=None):
         self.target, self.drafter, self.program = target, drafter, program
         self.plans, self.goodput = program.schedule.plans, program.schedule.goodput
-        self.target_mesh, self.draft_mesh = target_mesh, draft_mesh
-        self._t_rep = sharding_lib.replicated(target_mesh)
-        self._d_rep = sharding_lib.replicated(draft_mesh)
+        self._t_rep, self._d_rep = sharding_lib.replicated(target_mesh), sharding_lib.replicated(draft_mesh)
         self._seconds = seconds
         self._controls: dict[tuple, Control] = {}
         self._mode = "sequential"
         self.trace: list[int] = []   # goodput: the draft length of each verification
-        # Set to {"draft": [], "verify": []} to time each call alone (blocking after it: no
-        # overlap); the mesh sweep uses it to measure the two halves of a step.
-        self.timings: dict[str, list[float]] | None = None
+        self.timings: dict[str, list[float]] | None = None   # as `SpeculativeDecoder.phase_timings`
 
     def _timed(self, phase: str, start: float, result) -> None:
         if self.timings is not None:
@@ -148,9 +133,7 @@ class SlicedRunner:
         return self._controls[key]
 
     def _requests(self, batch, seed: int, eos: int, sharding):
-        return sharding_lib.put(Requests(tokens_bp=batch.tokens_bp, prompt_len_b=batch.lengths_b,
-                                         max_new_b=batch.max_new_b, keys_b=request_keys(seed, batch.request_ids_b),
-                                         eos_id=np.int32(eos)), sharding)
+        return sharding_lib.put(Requests.of(batch, seed, eos), sharding)
 
     def start(self, table, batch, seed: int, eos: int, budgets: tuple[int, ...]) -> Lane:
         """Prefills one batch on both slices; `budgets`: each plan's TETRIS budget C (0 for
@@ -176,7 +159,8 @@ class SlicedRunner:
         if self.timings is not None:
             jax.block_until_ready(s)
         start = time.perf_counter()
-        view = step.DraftView(*self._to_draft((s.seq_bl, s.target_cache.lengths, s.n_out_b)), keys_b=lane.keys_d)
+        view = step.DraftView(*jax.device_put((s.seq_bl, s.target_cache.lengths, s.n_out_b), self._d_rep),
+                              keys_b=lane.keys_d)
         if lane.behind:   # each plain step emitted at most one token per row
             width = segments.catch_up_width(lane.behind, self.program.cache_len)
             lane.draft_state, lane.behind = _draft_catch_up(self.program, self.drafter.params, lane.draft_state, view,
@@ -185,17 +169,10 @@ class SlicedRunner:
         lane.proposal = jax.device_put(proposal, self._t_rep)
         self._timed("draft", start, lane.proposal)
 
-    def _to_draft(self, tree):
-        return jax.device_put(tree, self._d_rep)
-
     def _verify(self, lane: Lane) -> None:
-        """Queues the lane's verification on the target slice, unless every row has finished.
-
-        The done flags read here belong to the lane's previous verification, whose host copy was
-        started when it was queued; the drafting queued since depends on it anyway. When rows have
-        finished and requests are waiting, the lane's rows are harvested and refilled first, and
-        the lane drafts again (its drafts were made for the rows' previous occupants).
-        """
+        """Queues the lane's verification on the target slice, unless every row has finished; when
+        rows have finished and requests wait, the lane's rows are harvested and refilled first, and
+        the lane drafts again (its drafts were made for the rows' previous occupants)."""
         done_b = np.asarray(lane.state.done_b)
         if self.goodput and lane.verifying_plan is not None:
             # The choice made with that verification: the lane's next drafting after the one queued.
@@ -242,52 +219,48 @@ class SlicedRunner:
                                            self._control(lane.table.queue))[0]
         lane.state.done_b.copy_to_host_async()
         if self.program.schedule.drafts:
-            d_slots, d_requests = sharding_lib.put(slots_r, self._d_rep), self._requests(sub, lane.seed, lane.eos,
-                                                                                         self._d_rep)
+            d_slots = sharding_lib.put(slots_r, self._d_rep)
+            d_requests = self._requests(sub, lane.seed, lane.eos, self._d_rep)
             lane.draft_state = _draft_refill(self.program, self.drafter.params, lane.draft_state, d_slots, d_requests)
-            lane.keys_d = loop.put_rows(lane.keys_d, d_slots, d_requests.keys_b)
+            lane.keys_d = lane.keys_d.at[d_slots].set(d_requests.keys_b, mode="drop")
         self._draft(lane)
 
     def run(self, lanes: list[Lane]) -> list[Lane]:
         """Decodes one lane sequentially, or two pipelined, until every row is done."""
-        self._mode = "pipelined" if len(lanes) == 2 else "sequential"
         if len(lanes) == 1:
             self._sequential(lanes[0])
         else:
             self._pipelined(*lanes)
         return lanes
 
-    def _sequential(self, lane: Lane) -> None:
-        while not lane.finished:
+    def _sequential(self, lane: Lane, drafted: bool = False) -> None:
+        self._mode = "sequential"
+        if not drafted:
             self._draft(lane)
+        while not lane.finished:
             self._verify(lane)
+            if not lane.finished:
+                self._draft(lane)
 
     def _pipelined(self, a: Lane, b: Lane) -> None:
         # Prologue: A's first drafts. Then every half-step queues verify(one) and draft(other),
         # which touch disjoint slices and run concurrently; then the roles swap.
+        self._mode = "pipelined"
         self._draft(a)
         verifying, drafting = a, b
         while not (a.finished or b.finished):
             self._verify(verifying)
             self._draft(drafting)
             verifying, drafting = drafting, verifying
-        # The tail: the batch left runs sequentially; `verifying` already holds fresh drafts.
+        # The tail: the batch left runs alone; `verifying` already holds fresh drafts.
         rest = b if a.finished else a
-        self._mode = "sequential"
-        if rest is not verifying:
-            self._draft(rest)
-        while not rest.finished:
-            self._verify(rest)
-            if not rest.finished:
-                self._draft(rest)
+        self._sequential(rest, drafted=rest is verifying)
 
 
 def balanced_split(budgets: np.ndarray, real: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two row sets of equal size (+-1) whose token budgets are as equal as a greedy pass makes them.
-
-    MineDraft's assignment: requests in decreasing budget order each go to the batch with the
-    smaller total so far (ties: the smaller batch), so both batches finish at about the same step.
-    """
+    """Two row sets of equal size (+-1) whose token budgets are as equal as a greedy pass makes them
+    (MineDraft's): requests in decreasing budget order each go to the batch with the smaller total
+    so far (ties: the smaller batch), so both batches finish at about the same step."""
     order = sorted(range(real), key=lambda i: -int(budgets[i]))
     sets: tuple[list[int], list[int]] = ([], [])
     totals = [0, 0]

@@ -5,25 +5,23 @@ v vocabulary.
 
 One step, for every row at its own length:
   1. draft: the drafter proposes k tokens (and the distributions they came from);
-  2. select and verify: standard selection scores [pending, d_1 .. d_k] in one padded forward over
-     the target cache; TETRIS picks each row's window across the batch and scores exactly those
-     tokens in a packed forward of b + C tokens;
+  2. select and verify: standard selection scores [pending, d_1 .. d_k] in one padded forward;
+     TETRIS picks each row's window across the batch and scores those tokens in a packed forward;
   3. accept: greedy matching or lossless rejection sampling picks a prefix plus one token;
   4. bookkeeping: emitted tokens go to the output and sequence buffers (cut at eos and at the
-     row's budget); the target cache commits exactly the tokens it has processed and kept.
-     Rolling back the rest is not writing them: `lengths` simply does not cover them.
+     row's budget); the target cache commits exactly the tokens it kept (rolling back the rest is
+     not covering them with `lengths`).
 `draft_phase` is 1, `verify_phase` 2-4; `speculative_step` composes them, and the two-slice engine
 (`jaxspec.engine.sliced`) runs them on two device slices. `plain_step` is a step without drafts.
-
-Every function takes the program's static description (`plans.Program`: target structure, drafter,
-sampling, buffer sizes), the step's `StepPlan`, params = (target params, draft params), and the
-state, which carries each row's budget, RNG key and the stop token along with its buffers.
+Every function takes the static `plans.Program`, the step's `StepPlan`, params = (target params,
+draft params) and the state (which carries each row's budget, RNG key and the stop token).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec import tetris
@@ -34,7 +32,7 @@ from jaxspec.models.cache import KVCache
 from jaxspec.models.model import forward, forward_packed, init_cache
 from jaxspec.parallel import sharding as sharding_lib
 from jaxspec.policy import goodput as policy_lib
-from jaxspec.sampling import SamplingConfig, choose, probabilities, row_keys, sample
+from jaxspec.sampling import SamplingConfig, choose, probabilities, request_keys, row_keys, sample
 from jaxspec.verify import accept, accept_tree
 
 _DRAFT_TAG, _ACCEPT_TAG = 1, 2
@@ -67,6 +65,12 @@ class Requests:
     keys_b: jax.Array         # each request's RNG key (`sampling.request_keys`)
     eos_id: jax.Array         # the stop token (`prompts.NO_EOS`: none)
 
+    @classmethod
+    def of(cls, batch, seed: int, eos: int) -> Requests:
+        """A `prompts.PromptBatch`'s rows as a program's inputs (host values)."""
+        return cls(tokens_bp=batch.tokens_bp, prompt_len_b=batch.lengths_b, max_new_b=batch.max_new_b,
+                   keys_b=request_keys(seed, batch.request_ids_b), eos_id=np.int32(eos))
+
 
 @struct.dataclass
 class DecodeState:
@@ -81,9 +85,8 @@ class DecodeState:
     max_new_b: jax.Array      # each row's token budget
     keys_b: jax.Array         # each row's request key
     eos_id: jax.Array
-    # Only when this decoder drafts for a higher level (a chain): the distribution each emitted
-    # token was drawn from, which the level above needs for rejection sampling, and its
-    # acceptance surrogate for TETRIS.
+    # Only at a chain's inner level: each emitted token's distribution (the q of the level above's
+    # rejection sampling) and its acceptance surrogate (for TETRIS).
     probs_bov: jax.Array | None = None
     logprob_bo: jax.Array | None = None
     # Only under the goodput policy: acceptance tracking and the next step's choice.
@@ -198,8 +201,7 @@ def verify_phase(program: Program, plan: StepPlan, params, state: DecodeState, p
                                 program.sampling)
     # Emitted this step: d_1 .. d_a, then the correction / bonus token.
     j = jnp.arange(k + 1)[None, :]
-    drafts_pad_bk1 = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
-    emitted_bk1 = jnp.where(j < accepted_b[:, None], drafts_pad_bk1, next_b[:, None])
+    emitted_bk1 = jnp.where(j < accepted_b[:, None], jnp.pad(drafts_bk, ((0, 0), (0, 1))), next_b[:, None])
     state = state.replace(target_cache=out[1])
     if program.schedule.goodput and k > 0:   # a plain step observes nothing (see `policy.age`)
         state = state.replace(policy=policy_lib.observe(state.policy, verify_b, accepted_b, live_b))
@@ -229,12 +231,9 @@ def _counted(state: DecodeState, live_b, drafted_b, verified_b, accepted_b, coun
 
 
 def plain_step(program: Program, params, state: DecodeState) -> DecodeState:
-    """A step without drafts (k = 0), as lean as the autoregressive loop's (the general path's
-    window bookkeeping is measurable on a plain step, which the goodput policy runs wherever
-    speculation does not pay). It draws the token exactly as the general path's acceptance does
-    with no drafts (the resample key of `verify.rejection_accept`, from p itself), so a request's
-    tokens do not depend on which path emitted them.
-    """
+    """A step without drafts (k = 0), without the general path's window bookkeeping. It draws
+    the token as the general path's acceptance does with no drafts (the resample key of
+    `verify.rejection_accept`, from p itself), so a request's tokens do not depend on the path."""
     rows, sampling = jnp.arange(state.seq_bl.shape[0]), program.sampling
     live_b = ~state.done_b
     pending_b = state.target_cache.lengths
@@ -263,11 +262,8 @@ def plain_step(program: Program, params, state: DecodeState) -> DecodeState:
 
 
 def speculative_step(program: Program, plan: StepPlan, params, state: DecodeState, budget=None) -> DecodeState:
-    """One draft -> select -> verify -> accept -> commit step for every row (static shapes).
-
-    The composition of `draft_phase` and `verify_phase`; the two-slice engine runs the same two
-    functions on two device slices.
-    """
+    """One draft -> select -> verify -> accept -> commit step for every row: `draft_phase`, then
+    `verify_phase` (which the two-slice engine runs on two device slices)."""
     proposal, draft_state = draft_phase(program, plan, params[1], state.draft_state, DraftView.of(state))
     return verify_phase(program, plan, params, state.replace(draft_state=draft_state), proposal, budget)
 
@@ -275,11 +271,8 @@ def speculative_step(program: Program, plan: StepPlan, params, state: DecodeStat
 def _tetris_verify(program: Program, plan: StepPlan, target_params, state: DecodeState, proposal: Proposal,
                    window_bk1, budget):
     """TETRIS: choose each row's window across the batch, then verify exactly those tokens, packed.
-
     A slot is usable if it is a real proposal, its row is live, and what it could emit fits in the
-    row's remaining token budget. Returns (window lengths, (logits [b, k + 1, v], target cache[,
-    features])).
-    """
+    row's budget. Returns (window lengths, (logits [b, k + 1, v], target cache[, features]))."""
     b, k = window_bk1.shape[0], plan.k
     j = jnp.arange(k)[None, :]
     remaining_b = state.max_new_b - state.n_out_b
@@ -338,12 +331,9 @@ def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
 
 
 def prefill(graphdef, params, requests: Requests, sampling: SamplingConfig, cache_len: int, features=()):
-    """Ragged prefill and the first token, shared by every engine and `jaxspec.generate`.
-
-    Returns the cache (committed to the prompt lengths), the first token of each row, the count
-    of tokens emitted (1, or 0 for padding rows), the done flags, and the prompt's features
-    ([b, p, f] of the `features` layers, for an EAGLE drafter; None when no layers are asked).
-    """
+    """Ragged prefill and the first token: the cache (committed to the prompt lengths), each row's
+    first token, the count of tokens emitted (1, or 0 for padding rows), the done flags, and the
+    prompt's features ([b, p, f] of the `features` layers, for an EAGLE drafter; else None)."""
     tokens_bp, prompt_len_b, max_new_b = requests.tokens_bp, requests.prompt_len_b, requests.max_new_b
     cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
     out = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None], empty=True, features=features)
@@ -360,14 +350,13 @@ def initial_state(program: Program, target_params, requests: Requests) -> tuple[
     """The target's prefill and first token, and the loop state before the first step (no
     drafter state yet); also the prompt's features of the drafter's `features` layers, or None.
     The target's cache is laid out on `program.mesh` (rows over data, kv heads over tensor)."""
-    tokens_bp, prompt_len_b = requests.tokens_bp, requests.prompt_len_b
-    (b, p), seq_len = tokens_bp.shape, program.cache_len
+    tokens_bp, (b, p) = requests.tokens_bp, requests.tokens_bp.shape
     cache, first_b, n_out_b, done_b, features_bpf = prefill(program.target, target_params, requests, program.sampling,
                                                             program.cache_len, program.features)
     if program.mesh is not None:
         cache = sharding_lib.constrain_cache(cache, program.mesh)
-    seq_bl = jnp.zeros((b, seq_len), jnp.int32).at[:, :p].set(tokens_bp)
-    seq_bl = seq_bl.at[jnp.arange(b), prompt_len_b].set(first_b)
+    seq_bl = jnp.zeros((b, program.cache_len), jnp.int32).at[:, :p].set(tokens_bp)
+    seq_bl = seq_bl.at[jnp.arange(b), requests.prompt_len_b].set(first_b)
     out_bo = jnp.zeros((b, program.out_len), jnp.int32).at[:, 0].set(first_b)
     state = DecodeState(target_cache=cache, draft_state=(), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
                         done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0),

@@ -1,10 +1,9 @@
 """Timing of real decode steps, for the cost model's profiler (`CostModel.profile`).
 
-A step is timed as the decode loop runs it (`loop.run_on_device`, a segment of that many steps): over `batch`
-rows with a cache of `cache_len` slots, after warm-up, with `block_until_ready`, as the
-difference between a loop of 1 + `iterations` steps and one of 1 step, so that a call's own cost
-besides its steps (dispatch, the round trip) is not counted as a step's. `time_points` times a
-grid of shapes in shuffled passes and registers itself with `jaxspec.policy.cost`, which only fits.
+A step is timed as the decode loop runs it (`loop.run_on_device`, a segment of that many steps),
+after warm-up, as the difference between a loop of 1 + `iterations` steps and one of 1 step, so a
+call's own cost (dispatch, the round trip) is not counted as a step's. `time_points` times a grid
+of shapes in shuffled passes and registers itself with `jaxspec.policy.cost`, which only fits.
 """
 
 from __future__ import annotations
@@ -53,9 +52,9 @@ def cache_len_for(context: int, k: int, iterations: int) -> int:
 def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, iterations: int, seed: int,
                context: int | None = None, compiler_options: dict | None = None):
     """Prefills `batch` rows (`context` tokens each; default: as many as leave room for the timed
-    steps) and returns a function timing `steps` steps from them. Its program is compiled on first
-    use (with XLA's `compiler_options`, if any) and kept, so it keeps the settings of that moment
-    (`attention.ATTENTION`); its `hlo_text()` gives the program's text."""
+    steps) and returns a function timing `steps` steps from them, compiled on first use (with XLA's
+    `compiler_options`) and kept with that moment's settings (`attention.ATTENTION`); `hlo_text()`
+    gives its text."""
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     room = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
     prompt_len = room if context is None else context
@@ -96,9 +95,8 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
 
 def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0) -> list[tuple]:
     """Times the decode step at each `(batch, k, cache_len)` shape in `passes` passes over all the
-    shapes, each pass in a fresh shuffled order, and returns `(batch, k, cache_len, seconds)` with
-    the median over passes. Timed one shape after another, a machine's drift lands on whole
-    stretches of the grid; shuffled passes spread it as noise, and the median drops a stalled pass.
+    shapes, each in a fresh shuffled order (a machine's drift spreads as noise), and returns
+    `(batch, k, cache_len, seconds)` with the median over passes (which drops a stalled pass).
     `draft`: a Model, a drafter (an `EagleDrafter`), or None: drafts come from n-gram lookup."""
     if not isinstance(target, Model):
         raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
@@ -107,8 +105,7 @@ def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0)
     drafter = (ModelDrafter(draft) if isinstance(draft, Model) else draft if draft is not None
                else NgramDrafter().bind_vocab(target.config.vocab_size))
     shapes = [tuple(int(v) for v in shape) for shape in shapes]
-    # Every shape's programs are compiled (and run once) side by side first, a thread per core:
-    # at the qwen2.5 shapes a program takes about 18 s to compile on an H200's host.
+    # Every shape's programs are compiled (and run once) side by side first, a thread per core.
     timers = side_by_side([functools.partial(lambda b, k, s: step_timer(target, drafter, k, b, s, iterations=6,
                                                                         seed=seed), *shape) for shape in shapes])
     side_by_side([functools.partial(run, steps) for run in timers for steps in (1, 7)])

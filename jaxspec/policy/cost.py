@@ -13,14 +13,12 @@ batched_tokens: the tokens the target runs (N * (k + 1) padded, N + C packed); c
 key/value slots attention reads (rows * cache length); attention_pairs: query x key products (rows
 * window * cache length: attention runs in the padded per-row layout even when the token-wise work
 is packed). The speculation terms are what a step that drafts at all pays on top (catch-up, draft
-sampling, acceptance): measured steps jump from k = 0 to 1 by more than from 1 to 2. Seconds.
+sampling, acceptance: steps jump from k = 0 to 1 by more than from 1 to 2). Seconds.
 
-`CostModel.profile` times the real decode step over a grid of (batch, k, cache size) with the
-engine's step timer (`jaxspec.engine.timing`, which registers itself here: timing steps belongs to
-the engine, fitting to this module) and fits every coefficient at once by non-negative least
-squares on relative errors, reporting R^2 and the worst relative error on held-out points. A cost
-model is valid where it was measured: the JSON records model names, dtype, mesh shape and device
-kind, and loading one measured elsewhere warns.
+`CostModel.profile` times the real decode step over a grid of shapes with the engine's step timer
+(`jaxspec.engine.timing` registers itself here) and fits every coefficient by non-negative least
+squares on relative errors. A cost model is valid where it was measured: the JSON records model
+names, dtype, mesh shape and device kind, and loading one measured elsewhere warns.
 """
 
 from __future__ import annotations
@@ -55,12 +53,7 @@ class CostModel:
     """Fitted latency coefficients (seconds) and where they were measured.
 
     Attributes:
-      draft_fixed, draft_per_token: one draft position = fixed + per_token * batch.
-      target_fixed, target_per_token, target_per_context_token, target_per_attention: one
-        verification = fixed + per_token * batched tokens + per_context_token * key/value slots
-        read + per_attention * query x key products.
-      speculation_fixed, speculation_per_row: added to a step that drafts (k >= 1): fixed +
-        per_row * batch.
+      draft_fixed ... speculation_per_row: the coefficients of the module docstring's model.
       target_name, draft_name, dtype, mesh_shape, device_kind: provenance (checked on load).
       fit: quality of the fit (R^2, worst held-out relative error, number of points).
     """
@@ -152,10 +145,9 @@ class CostModel:
                 passes: int = 3, seed: int = 0, mesh_shape: tuple = ()) -> CostModel:
         """Times speculative steps on this device and fits the model to them.
 
-        Each point is the real decode step (draft k positions, verify, accept, commit) at a
-        (batch, k, cache size), timed inside the compiled decode loop after warm-up; a shape's
-        time is the median over `passes` passes over the grid, each in its own shuffled order
-        (`seed`), so a drifting machine spreads its drift over the grid as noise.
+        Each point is the real decode step at a (batch, k, cache size), timed inside the compiled
+        decode loop: the median over `passes` passes over the grid, each in its own shuffled order
+        (`seed`; `jaxspec.engine.timing.time_points`).
 
         Args:
           target: the target jaxspec.Model.
@@ -202,14 +194,12 @@ def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: b
 
     Every `holdout_every`-th point is held out of a first fit to measure the worst relative error
     of predictions on shapes the fit has not seen; the returned coefficients then use all points.
-    Coefficients are constrained to be >= 0 (a negative cost is noise; `_nonnegative_lstsq`). `relative`:
-    minimise squared relative errors (each point weighted by 1 / y), not absolute ones.
+    Coefficients are >= 0 (a negative cost is noise). `relative`: minimise squared relative errors
+    (each point weighted by 1 / y), not absolute ones.
 
-    A relative fit is at the mercy of a timing that noise made near zero: weighted 1 / y, that one
-    point outweighs all others (a loaded CI machine once timed a plain step at the 1e-7 s floor,
-    and the fit timed plain steps free). So points that an absolute fit, which such a point cannot
-    sway, predicts more than OUTLIER_RATIO times off are left out of a relative fit
-    (`fit["outliers"]` counts them), unless that would leave fewer points than coefficients.
+    Weighted 1 / y, one timing that noise made near zero would outweigh all others; so points that
+    an absolute fit (which such a point cannot sway) predicts more than OUTLIER_RATIO times off are
+    left out of a relative fit (`fit["outliers"]` counts them), unless too few points would remain.
     """
     x, y = np.asarray(x, float), np.asarray(y, float)
     kept = np.ones(len(y), bool)
@@ -233,9 +223,8 @@ def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: b
 
 
 def _nonnegative_lstsq(x, y):
-    """Least squares with every coefficient >= 0 (Lawson-Hanson's active set, scipy's `nnls`), not
-    dropping the most negative coefficient and refitting: on noisy sub-millisecond steps that can
-    cascade until only the draft's fixed cost is left, timing a plain decoding step at 0."""
+    """Least squares with every coefficient >= 0 (Lawson-Hanson's active set, scipy's `nnls`; not
+    dropping negative coefficients and refitting, which on noisy steps can cascade)."""
     scale = np.maximum(np.linalg.norm(x, axis=0), 1e-300)   # columns span ten orders of magnitude
     coef, _ = scipy.optimize.nnls(x / scale, y)
     return coef / scale

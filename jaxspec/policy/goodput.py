@@ -4,32 +4,25 @@
 
 Shape key: b rows, j plans, k draft positions.
 
-- Plans are compiled step shapes: plain decoding (k = 0), standard windows (every row verifies k
-  drafts) and TETRIS plans (D drafts per row, the batch's best C verified), written `(k, budget)`
-  with budget None for a standard window.
+- Plans are compiled step shapes, written `(k, budget)`: plain decoding (k = 0), standard windows
+  (every row verifies k drafts; budget None) and TETRIS plans (the batch's best `budget` drafts).
 - Expected tokens come from reach_bk, the chance that row b's j-th draft is accepted (its
-  predecessors too): a row's window of w drafts emits 1 + sum_{j<=w} reach_bk tokens, the bonus
-  included; a TETRIS plan verifies the C largest reach_bk over the batch's (row, j) slots.
-  reach_bk multiplies a per-row acceptance rate alpha_b by how slot j's rate compares with the
-  batch's overall one (deeper drafts are often harder); with flat rates it is alpha_b^j, the
-  geometric model (`expected_tokens_per_step`).
-- The rates are running estimates kept on device (`PolicyState`): decayed counts of each row's
-  accepted drafts and acceptance trials, shrunk toward the batch's (the rows' mean counts, itself
-  shrunk toward a prior, optimistic so that drafting gets tried), and decayed counts per window
-  slot over the batch. `observe` folds in each verified window. Plain decoding observes nothing,
-  so `age` lets the counts fade back toward the prior and a batch that stopped drafting tries
-  again after a while (a probe).
-- With requests waiting, a finished row is refilled at once and the batch's rate is the sum of
-  its rows'; a draining batch is done when its slowest rows are (`goodput`).
-- A drafting plan entered after plain steps pays once for the drafter's catch-up on what it
-  missed; `choose` leaves the running plan only for a predicted gain above `MARGIN` (hysteresis:
-  a switch costs a host round trip).
-- Predicted seconds come from a `CostModel` profiled on the machine that decodes
-  (`CostModel.profile`).
+  predecessors too): a window of w drafts emits 1 + sum_{j<=w} reach_bk tokens, the bonus
+  included; a TETRIS plan verifies the largest reach_bk over the batch. reach_bk scales a per-row
+  rate alpha_b by how slot j's rate compares with the batch's overall one (deeper drafts are often
+  harder); with flat rates it is alpha_b^j (`expected_tokens_per_step`).
+- The rates are decayed counts kept on device (`PolicyState`), per row shrunk toward the batch's,
+  itself shrunk toward an optimistic prior (so drafting gets tried), and per window slot.
+  `observe` folds in each verified window; plain decoding observes nothing, so `age` fades the
+  counts back toward the prior, and a batch that stopped drafting tries again (a probe).
+- With requests waiting, a finished row is refilled at once; a draining batch is done when its
+  slowest rows are (`goodput`). A drafting plan entered after plain steps pays once for the
+  drafter's catch-up; `choose` leaves the running plan only for a gain above `MARGIN` (a switch
+  costs a host round trip).
+- Predicted seconds come from a `CostModel` profiled on the machine that decodes.
 
-Every engine calls these functions; `jaxspec.tools.policy_sim` runs them against simulated acceptance
-with a cost model as the clock, which is where each rule here earned its place
-(`docs/results/policy_sim.md`).
+`jaxspec.tools.policy_sim` runs these functions against simulated acceptance with a cost model as
+the clock (`docs/results/policy_sim.md`).
 """
 
 from __future__ import annotations
@@ -60,27 +53,15 @@ def expected_tokens_per_step(alpha, k):
 
 @struct.dataclass
 class PolicyState:
-    """The policy's state on device.
+    """The policy's state on device (scalars: float32, but `choice`)."""
 
-    Attributes:
-      accepted_b: decayed accepted drafts per row.
-      tried_b: decayed acceptance trials per row (accepted drafts plus the first rejection).
-      accepted_k: decayed accepted drafts per window slot, over the batch.
-      tried_k: decayed trials per window slot, over the batch (slot j is tried when every slot
-        before it was accepted).
-      prior: the acceptance a row with no evidence is assumed to have (float32 scalar).
-      behind: tokens the drafter has not seen (plain steps since it last drafted), which it must
-        feed before it drafts again (float32 scalar).
-      choice: index of the plan the next step runs (int32 scalar).
-    """
-
-    accepted_b: jax.Array
-    tried_b: jax.Array
-    accepted_k: jax.Array
-    tried_k: jax.Array
-    prior: jax.Array
-    behind: jax.Array
-    choice: jax.Array
+    accepted_b: jax.Array   # decayed accepted drafts per row
+    tried_b: jax.Array      # decayed acceptance trials per row (accepted drafts plus the first rejection)
+    accepted_k: jax.Array   # decayed accepted drafts per window slot, over the batch
+    tried_k: jax.Array      # decayed trials per window slot (slot j is tried when all before it were accepted)
+    prior: jax.Array        # the acceptance a row with no evidence is assumed to have
+    behind: jax.Array       # tokens the drafter must feed before it drafts again (plain steps since it did)
+    choice: jax.Array       # int32 index of the plan the next step runs
 
     @classmethod
     def init(cls, b: int, slots: int, prior=PRIOR_ALPHA, behind=0.0) -> PolicyState:
@@ -92,10 +73,9 @@ class PolicyState:
 
     def alpha_b(self, live_b=None) -> jax.Array:
         """Each row's acceptance estimate: its counts shrunk toward the batch's (the live rows'
-        mean counts, themselves shrunk toward the prior): a row's few recent trials say little on
-        their own, and the batch's slowest row decides when a draining batch is done. The batch's
-        rate weighs a row's worth of evidence, not the sum of its rows', so that it fades back
-        to the prior (a probe) after as many plain steps at any batch size."""
+        mean counts, themselves shrunk toward the prior), as a row's few recent trials say little
+        on their own. The batch's rate weighs one row's worth of evidence, so that it fades back to
+        the prior after as many plain steps at any batch size."""
         live = jnp.ones(self.accepted_b.shape, bool) if live_b is None else live_b
         n = jnp.maximum(jnp.sum(live), 1)
         pooled = ((jnp.sum(jnp.where(live, self.accepted_b, 0.0)) / n + PRIOR_WEIGHT * self.prior)
@@ -162,11 +142,10 @@ def windows(reach_bk, live_b, plan) -> jax.Array:
 
 
 def tokens_and_steps(reach_bk, live_b, plan, remaining_b=None) -> tuple[jax.Array, jax.Array]:
-    """The live rows' expected tokens per step of `plan` (a row emits one token plus the
-    accepted prefix of its window: 1 + sum of reach_bk over the window), and (given each row's
-    tokens left) the expected steps until the batch's slowest rows are done: the 90th percentile
-    over the live rows of their tokens left over their tokens per step, rather than the maximum,
-    as the single slowest row's estimate is the noisiest."""
+    """The live rows' expected tokens per step of `plan` (each 1 + sum of reach_bk over its
+    window), and (given each row's tokens left) the expected steps until the batch's slowest rows
+    are done: the `DRAIN_QUANTILE` over the live rows of tokens left over tokens per step (the
+    single slowest row's estimate is the noisiest)."""
     window_b = windows(reach_bk, live_b, plan)
     j = jnp.arange(reach_bk.shape[1])[None, :]
     mean_b = 1.0 + jnp.sum(jnp.where(j < window_b[:, None], reach_bk, 0.0), axis=1)

@@ -2,12 +2,10 @@
 
 Shape key: b batch rows, t sequence positions, v vocabulary, n training sequences.
 
-The data are the target's own continuations of the prompts (generated once with
-`jaxspec.generate`, optionally cached on disk), because speculative decoding only ever asks the
-draft to predict the target's text. Each training step is one compiled pure function of
-(draft params, optimizer state, target params, batch): the target's logits are computed inside it,
-once per batch, under `stop_gradient`, so no [n, t, v] tensor is ever stored. The loss is a
-divergence between the two next-token distributions at the continuation positions only.
+The data are the target's own continuations of the prompts (generated once, optionally cached on
+disk): speculative decoding only asks the draft to predict the target's text. Each training step
+computes the target's logits inside it, under `stop_gradient`, so no [n, t, v] tensor is stored.
+The loss is a divergence between the two next-token distributions at the continuation positions.
 Settings, data order, checkpoints and the loop are `jaxspec.training.loop`'s.
 """
 
@@ -85,10 +83,8 @@ class _Distill(training.Trainer):
 # --- data: the target's continuations ---
 
 def _pack(sequences, prompt_lens):
-    """Right-pads sequences into int32 [n, t] plus the loss mask of positions predicting a new token.
-
-    Position j's logits predict token j + 1, so the mask covers j in [prompt_len - 1, length - 1).
-    """
+    """Right-pads sequences into int32 [n, t] plus the loss mask of positions predicting a new token
+    (position j's logits predict token j + 1: the mask covers j in [prompt_len - 1, length - 1))."""
     width = -(-max(len(s) for s in sequences) // 8) * 8
     tokens_nt = np.zeros((len(sequences), width), np.int32)
     mask_nt = np.zeros((len(sequences), width), np.float32)

@@ -3,13 +3,10 @@
 Shape key: n sequences, b batch rows, t positions, f fused features, d widths, w draft
 vocabulary, v target vocabulary, s training-time-test steps.
 
-The target runs once over the corpus (`feature_cache`): for every token, the fused features of the
-chosen layers, the target's final hidden state and its own next-token choice go to memory-mapped
-files on disk (bfloat16 bits), written chunk by chunk so a killed run resumes where it stopped.
-Training steps read batches from there and never run the target: the labels, the target's
-distribution renormalised over the draft vocabulary, are the target's LM head over the draft ids
-applied to the stored final hidden state (exactly the target's logits at those ids). Soft labels
-teach the head to predict the target, not the text's author.
+The target runs once over the corpus (`feature_cache`), so training steps never run it: the labels,
+the target's distribution renormalised over the draft vocabulary, are its LM head over the draft
+ids applied to the stored final hidden state. Soft labels teach the head to predict the target,
+not the text's author.
 
 Training-time test (EAGLE-3): the head is unrolled over `ttt_steps` steps as it drafts. At step s,
 row j feeds the head's own output of step s - 1 (the fused target features at step 0) with the
@@ -80,10 +77,8 @@ def ttt_logits(graphdef, params, embed_vd, features_btf, tokens_bt, steps: int) 
 
 def eagle_loss(params, labels_btw, choice_bt, features_btf, tokens_bt, lengths_b, embed_vd, draft_ids, *, graphdef,
                steps: int):
-    """EAGLE-3's training loss and each step's top-1 agreement with the target (module docstring).
-
-    labels_btw: the target's logits at the draft ids; choice_bt: the target's own next token.
-    """
+    """EAGLE-3's training loss and each step's top-1 agreement with the target (module docstring);
+    labels_btw: the target's logits at the draft ids; choice_bt: the target's own next token."""
     t = features_btf.shape[1]
     labels_bTw = jnp.pad(labels_btw, ((0, 0), (0, steps + 1), (0, 0)))
     choice_bT = jnp.pad(choice_bt, ((0, 0), (0, steps + 1)))

@@ -40,9 +40,8 @@ class HParams:
     per step. checkpoint_every, eval_every: steps between checkpoints (and one at the end), between
     held-out evaluations (None: before and after training only).
 
-    Frozen and hashable, it is part of a `Trainer`, the static argument of the jitted step, which
-    rebuilds the optimizer inside the trace; only the optimizer's fields are compared, so runs that
-    differ in the others share one compiled program.
+    Part of a `Trainer`, the jitted step's static argument, which rebuilds the optimizer inside the
+    trace: only the optimizer's fields are compared, so runs differing in the others share a program.
     """
     steps: int
     learning_rate: float
@@ -71,8 +70,8 @@ class HParams:
             raise ValueError(f"clip_norm must be None (no clipping) or > 0, got {self.clip_norm!r}")
 
     def optimizer(self):
-        """(optax.GradientTransformation, schedule: step -> learning rate) of the class docstring,
-        built from floats: settings given as 1 and 1.0 are equal, share one program, and must trace alike."""
+        """(optax.GradientTransformation, schedule: step -> learning rate), built from floats:
+        settings given as 1 and 1.0 are equal, share one program, and must trace alike."""
         lr, warmup = float(self.learning_rate), self.warmup_steps
         schedule = optax.warmup_cosine_decay_schedule(
             init_value=0.0 if warmup else lr, peak_value=lr, warmup_steps=warmup,
@@ -196,10 +195,10 @@ def train(trainer: Trainer, frozen, data: dict, params, *, settings: dict, histo
     `trainer.step(params, opt_state, frozen, batch)`; returns (params, history).
 
     `data` holds numpy arrays of one row per sequence; step s trains on the rows
-    `batch_indices(seed, s, batch_size, n)` of each (`take`). Each metric of a step (a device
-    scalar or vector) is appended to `history[name]` as a float or a list of floats, with "step"
-    and "learning_rate". `evaluate(step, params)` returns a dict of floats appended with
-    "eval_step", before a fresh run, every `eval_every` steps and after the last.
+    `batch_indices(seed, s, batch_size, n)` of each. Each metric of a step is appended to
+    `history[name]` as a float or a list of floats, with "step" and "learning_rate".
+    `evaluate(step, params)` returns a dict of floats appended with "eval_step", before a fresh
+    run, every `eval_every` steps and after the last.
 
     The trainers pass these of their arguments on:
       checkpoint_dir: where orbax checkpoints go, every `checkpoint_every` steps and at the end;
