@@ -417,7 +417,7 @@ def test_eagle_and_ngram_trees_decode_the_targets_greedy_output(vocab6, spec):
         result = jaxspec.SpeculativeDecoder(target, drafter, spec=jaxspec.SpecConfig(**spec)).generate(
             prompts, max_new_tokens=24, batch_size=4)   # 6 requests in 4 slots: refills
         assert result.tokens == want
-        assert result.stats.mean_accepted_length > 1.1, drafter   # drafts were accepted
+        assert result.stats.accepted_tokens > 0, drafter   # drafts were accepted (trees took part)
 
 
 @pytest.mark.parametrize("mesh", [dict(target_tp=2, draft_tp=0),
