@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-segments bench-crossvocab bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced bench-eagle device-check device-wheels mesh-sweep multilevel policy-sim distill-smollm2 train-eagle-smollm2 train-eagle-qwen clean
+.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-peer bench-segments bench-crossvocab bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced bench-eagle device-check device-wheels mesh-sweep multilevel policy-sim distill-smollm2 train-eagle-smollm2 train-eagle-qwen clean
 
 .venv: $(STAMP)
 
@@ -43,6 +43,11 @@ bench-decode: $(STAMP)
 bench-speculative: $(STAMP)
 	$(BIN)/python scripts/bench_speculative.py --part sonnet --tetris-ks 2 4 --pipeline-ks 2 4 --rounds 2 --name bench_speculative_sonnet
 	$(BIN)/python scripts/bench_speculative.py --part qwen --new-tokens 64 --ks 1 2 3 4 --tetris-ks 2 --pipeline-ks 2 --rounds 2 --profile-batches 1 4 --name bench_speculative_qwen
+
+# Issue 59: jaxspec against transformers on the Qwen GGUF pair, float32, greedy: plain and speculative
+# (k = 3, 5) against plain and assisted generation, batch 1 and 4, round-robin; outputs compared.
+bench-peer: $(STAMP) models-qwen
+	$(BIN)/python scripts/bench_peer.py --pair qwen --batches 1 4 --ks 3 5 --rounds 2 --prompts 4 --new-tokens 64
 
 # Issue 58: tokens/s of every decoding mode before (d9a51f2, the while_loop decode) and after (this checkout's
 # segments), SmolLM2-135M, worker processes alternating between a temporary worktree of d9a51f2 and this tree.

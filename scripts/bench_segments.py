@@ -181,8 +181,7 @@ def main() -> None:
     start = time.perf_counter()
     samples, labels = drive(args)
     rows, m = summarize(samples, labels), machine()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), m["processor"])   # machine() names only the architecture
+    cpu = m["cpu_model"]
     md = "\n".join([
         f"# {args.name}\n\n`python scripts/bench_segments.py {' '.join(sys.argv[1:])}`\n",
         " ".join(__doc__.split("\n\n")[1].split()),

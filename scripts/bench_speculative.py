@@ -33,7 +33,7 @@ from checkout import QWEN, QWEN_DRAFT, add_out_argument, code_prompts, out_dir, 
 
 import jaxspec
 from jaxspec.prompts import bucket_batch, bucket_length
-from jaxspec.tools.benchmarking import machine, round_robin, smollm2_gguf_path, table, write_results
+from jaxspec.tools.benchmarking import machine, round_robin, smollm2_gguf_path, table, transformers_gguf, write_results
 
 METHODS = ("speculative", "tetris", "goodput", "pipelined")
 COLUMNS = ["task", "batch", "method", "k", "extra", "tok_s", "vs_ar", "latency_p50_s", "latency_p90_s",
@@ -129,14 +129,8 @@ def transformers_rows(task, prompts, new_tokens, reference, jax_ar_tok_s):
     # Imported here: only these rows need torch, and the scripts that import this one (bench_eagle,
     # device_check on a GPU machine's own python) may run without it.
     import torch
-    from transformers import AutoModelForCausalLM
 
-    def load(path):
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        model.generation_config.eos_token_id = None  # both sides emit exactly new_tokens tokens
-        return model.eval()
-
-    target, draft = load(QWEN), load(QWEN_DRAFT)
+    target, draft = transformers_gguf(QWEN), transformers_gguf(QWEN_DRAFT)   # no eos: exactly new_tokens
     rows = []
     ids = torch.tensor([prompts[0]])
     mask = torch.ones_like(ids)

@@ -26,13 +26,14 @@ def out_dir(args: argparse.Namespace) -> Path:
     return Path(args.out) if args.out else RESULTS
 
 
-def qwen_files() -> tuple[Path, Path]:
-    """The GGUF files of Qwen2.5-Coder 1.5B (target) and 0.5B (draft); exits with a hint where
-    `make models-qwen` has not fetched them."""
-    for path in (QWEN, QWEN_DRAFT):
+def qwen_files(models: str | Path = MODELS) -> tuple[Path, Path]:
+    """The GGUF files of Qwen2.5-Coder 1.5B (target) and 0.5B (draft) in `models` (default: the
+    checkout's models/); exits with a hint where `make models-qwen` has not fetched them."""
+    paths = tuple(Path(models) / path.name for path in (QWEN, QWEN_DRAFT))
+    for path in paths:
         if not path.exists():
-            raise SystemExit(f"{path} is missing: run `make models-qwen`")
-    return QWEN, QWEN_DRAFT
+            raise SystemExit(f"{path} is missing: run `make models-qwen` (or pass the folder holding it)")
+    return paths
 
 
 def pyplot():

@@ -1,7 +1,10 @@
 """Benchmark helpers: the bootstrap interval of a median covers the true median as often as it claims;
 the skeleton pair agrees with its target exactly without its layers and less as they grow louder;
-prompt sets share one shape."""
+prompt sets share one shape; weight parking swaps one group of models in at a time, unchanged."""
 
+from types import SimpleNamespace
+
+import jax
 import numpy as np
 import pytest
 
@@ -106,3 +109,45 @@ def test_prompt_sets_share_their_lengths_and_differ_in_their_tokens():
     assert all(0 <= t < 50 for s in sets for p in s for t in p)
     assert len({str(s) for s in sets}) == 4
     assert benchmarking.prompt_sets(vocab_size=50, batch=6, count=4, seed=3) == sets
+
+
+def test_first_differences_name_where_each_row_parts():
+    """None for an equal row, the first differing position otherwise, the shorter length where one
+    row is a prefix of the other."""
+    assert benchmarking.first_differences([[1, 2, 3], [1, 2, 3], [1, 2, 3]],
+                                          [[1, 2, 3], [1, 5, 3], [1, 2]]) == [None, 1, 2]
+
+
+def test_weight_parking_holds_one_group_and_restores_it_unchanged(tmp_path):
+    """Holding one group parks the other's weights (a jaxspec model's params, a torch module's
+    parameter storage) and brings its own back from the files unchanged; a decoder built before
+    the swaps decodes as before; round_robin calls `before` ahead of every call, warm-up included;
+    a resident parking never parks."""
+    torch = pytest.importorskip("torch")
+    cfg = jaxspec.ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                              intermediate_size=64, max_position_embeddings=128, tie_word_embeddings=True, name="p")
+    model = jaxspec.Model.random(cfg, seed=0)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(model.params)]
+    expected = jaxspec.generate(model, [[1, 2, 3]], max_new_tokens=4).tokens
+    linear = torch.nn.Linear(8, 4)
+    weight = linear.weight.detach().clone()
+    parking = benchmarking.WeightParking(tmp_path)
+    parking.add("jax", [model])
+    parking.add("torch", [linear])
+    calls = []
+    fns = {"jax": lambda on_finish: (calls.append(("jax", model.params is not None and linear.weight.numel() == 0)),
+                                     jaxspec.generate(model, [[1, 2, 3]], max_new_tokens=4))[1],
+           "torch": lambda on_finish: (calls.append(("torch", model.params is None and linear.weight.numel() == 32)),
+                                       SimpleNamespace(tokens=[[0]]))[1]}
+    results, seconds, _ = benchmarking.round_robin(fns, 2, before=parking.hold)
+    assert calls == [("jax", True), ("torch", True)] * 3
+    assert results["jax"].tokens == expected and seconds["jax"].shape == (2,)
+    parking.hold("jax")
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(model.params), strict=True))
+    parking.hold("torch")
+    assert torch.equal(linear.weight, weight) and model.params is None
+    assert parking.swaps == 7   # every hold but the first brought a group back from its files
+    resident = benchmarking.WeightParking(tmp_path / "r", resident=True)
+    resident.add("jax", [model])
+    resident.hold(None)
+    assert model.params is None   # still parked by `parking`; a resident parking touches nothing

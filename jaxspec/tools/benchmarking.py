@@ -4,6 +4,8 @@ of a source checkout write into its docs/results."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib.util
 import json
 import os
@@ -21,6 +23,16 @@ from jaxspec.models.config import ModelConfig
 from jaxspec.models.model import Model
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's `model name`, e.g. "AMD EPYC"); else the architecture."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or platform.machine())
+
+
 def machine() -> dict[str, Any]:
     """Where a measurement was taken (written next to every result)."""
     device = jax.devices()[0]
@@ -30,6 +42,7 @@ def machine() -> dict[str, Any]:
         "device_count": jax.device_count(),
         "cpu_count": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),   # e.g. XLA:CPU's thread settings
@@ -68,24 +81,105 @@ def finish_times(fn: Callable[[Callable | None], Any]) -> tuple[float, list[floa
     return seconds, [finished.get(i, seconds) for i in range(len(result.tokens))], result
 
 
-def round_robin(fns: dict[str, Callable[[Callable | None], Any]], rounds: int):
+def round_robin(fns: dict[str, Callable[[Callable | None], Any]], rounds: int,
+                before: Callable[[str], Any] | None = None):
     """Warms every configuration up (compiles), then times each once per round, in turn.
 
     This shared VM's speed drifts by tens of percent over minutes, so configurations are compared
     by ratios within a round (`np.median(seconds[a] / seconds[b])`), never across moments.
+    `before(label)`, if given, runs before each call, untimed (e.g. `WeightParking.hold`).
     Returns (results, seconds, latencies): each configuration's last GenerationResult, its wall
     times, shape (rounds,), and its requests' finish times (`finish_times`), shape (rounds, requests).
     """
-    results = {label: finish_times(fn)[2] for label, fn in fns.items()}
+    def call(label):
+        if before is not None:
+            before(label)
+        return finish_times(fns[label])
+
+    results = {label: call(label)[2] for label in fns}
     seconds: dict[str, list[float]] = {label: [] for label in fns}
     latencies: dict[str, list[list[float]]] = {label: [] for label in fns}
     for _ in range(rounds):
-        for label, fn in fns.items():
-            wall, finish, results[label] = finish_times(fn)
+        for label in fns:
+            wall, finish, results[label] = call(label)
             seconds[label].append(wall)
             latencies[label].append(finish)
     return (results, {label: np.asarray(v) for label, v in seconds.items()},
             {label: np.asarray(v) for label, v in latencies.items()})
+
+
+class WeightParking:
+    """Keeps the weights of one group of models in memory at a time; the other groups' wait in
+    files under `folder` (written on first parking, read back by `hold`). For timing two
+    frameworks' copies of a pair in turn, in one process, on a machine that cannot hold both
+    (Qwen2.5-Coder 1.5B + 0.5B in float32: 11 GB in jaxspec, 9 GB in torch, of 24 GB).
+
+    A group (`add`) is a list of models, each a jaxspec `Model` (its `params` are dropped and
+    restored; a decoder or drafter holding the model sees them again) or a torch module (its
+    parameters' storage is dropped and restored). Call `hold` outside any timed region: it reads
+    gigabytes.
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, resident: bool = False):
+        self.folder, self.resident = Path(folder), resident   # resident: never park (hold does nothing)
+        self.groups: dict[str, list] = {}
+        self.held: set[str] = set()
+        self.treedefs: dict[str, Any] = {}
+        self.swaps = 0   # groups restored from files
+
+    def add(self, name: str, models: Sequence[Any]) -> None:
+        """Registers a group of models, held in memory as they are."""
+        self.groups[name] = list(models)
+        self.held.add(name)
+
+    def hold(self, name: str | None) -> None:
+        """Makes group `name` the one in memory, parking the others (None: parks every group)."""
+        if self.resident:
+            return
+        for other in sorted(self.held - {name}):
+            for i, model in enumerate(self.groups[other]):
+                self._park(f"{other}_{i}", model)
+            self.held.discard(other)
+        if name is not None and name not in self.held:
+            for i, model in enumerate(self.groups[name]):
+                self._restore(f"{name}_{i}", model)
+            self.held.add(name)
+            self.swaps += 1
+        gc.collect()
+        try:   # hand freed heap back to the system (glibc), so the next group has the room
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+
+    def _park(self, key: str, model) -> None:
+        folder = self.folder / key
+        if isinstance(model, Model):
+            leaves, self.treedefs[key] = jax.tree.flatten(model.params)
+            if not folder.exists():
+                folder.mkdir(parents=True)
+                for j, leaf in enumerate(leaves):
+                    np.save(folder / f"{j}.npy", np.asarray(leaf))
+            del leaves
+            model.params = None
+            return
+        import torch
+
+        path = folder.with_suffix(".pt")
+        if not path.exists():
+            torch.save({n: p.detach() for n, p in model.named_parameters()}, path)
+        for p in model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    def _restore(self, key: str, model) -> None:
+        if isinstance(model, Model):
+            files = [self.folder / key / f"{j}.npy" for j in range(self.treedefs[key].num_leaves)]
+            model.params = jax.tree.unflatten(self.treedefs[key], [jax.numpy.array(np.load(f)) for f in files])
+            return
+        import torch
+
+        saved = torch.load(self.folder / f"{key}.pt", weights_only=True)
+        for n, p in model.named_parameters():
+            p.data = saved.pop(n)
 
 
 def median_interval(samples, level: float = 0.9, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -124,6 +218,47 @@ def heldout_best_ratios(seconds: dict[str, Sequence[float]], candidates: Sequenc
         pick = min(candidates, key=lambda name: float(np.median(times[name][others])))
         ratios[r] = times[pick][r] / times[label][r]
     return ratios
+
+
+def first_differences(reference: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]]) -> list[int | None]:
+    """Per row: None where `tokens` equals `reference`, else the first position where they part
+    (the shorter length where one is a prefix of the other)."""
+    return [None if list(r) == list(t) else
+            next((j for j, (a, b) in enumerate(zip(r, t)) if a != b), min(len(r), len(t)))
+            for r, t in zip(reference, tokens, strict=True)]
+
+
+def transformers_gguf(path: str | os.PathLike, dtype: str = "float32"):
+    """transformers' causal LM of a GGUF file (weights dequantised to `dtype`), in eval mode, with
+    no eos token, so that its `generate` emits exactly max_new_tokens as jaxspec's does.
+    Imports torch and transformers here: only the comparisons with transformers need them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def transformers_step_seconds(model, context: Sequence[int], tokens: Sequence[int], repeats: int = 5) -> float:
+    """Median seconds of one forward of `tokens` (one row) after `context` held in a KV cache: the
+    cache is prefilled once and cropped back to the context after each timed forward, as a
+    verification of len(tokens) tokens (or a plain decoding step, one token) would see it."""
+    import torch
+
+    times = []
+    with torch.no_grad():
+        cache = model(torch.tensor([list(context)]), use_cache=True).cache
+        x = torch.tensor([list(tokens)])
+        for _ in range(repeats + 1):   # the first: warm-up
+            start = time.perf_counter()
+            model(x, cache=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+            cache.crop(-len(tokens))
+        if cache.get_seq_length() != len(context):
+            raise RuntimeError(f"the cache holds {cache.get_seq_length()} tokens after cropping, not {len(context)}")
+    return statistics.median(times[1:])
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
