@@ -71,7 +71,7 @@ class Probed:
         """The compiler options of the program these arguments call."""
         setting = mode()
         if setting != "probe" or jax.default_backend() != "cpu":
-            return CANDIDATES[setting] if setting != "probe" and jax.default_backend() == "cpu" else ()
+            return CANDIDATES.get(setting, ()) if jax.default_backend() == "cpu" else ()
         # The static arguments and the shapes of all but the params (argument 1), which the
         # program implies: a key that is cheap per call, and at worst less exact than jit's own.
         key = tuple(getattr(x, "shape", x) for x in jax.tree.leaves((args[0], *args[2:])))
