@@ -27,12 +27,12 @@ def _identity(x, cfg):
     return x
 
 
-def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h]; a bias [heads*h] -> [heads, h]
-    return x.T.reshape(*x.shape[1:], -1, cfg.resolved_head_dim)
+def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h] (an EAGLE-3 head's layout)
+    return x.T.reshape(x.shape[1], -1, cfg.resolved_head_dim)
 
 
-def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]; a bias [heads, h] -> [heads*h]
-    return x.reshape(*x.shape[:-2], -1).T
+def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]
+    return x.reshape(x.shape[0], -1).T
 
 
 def _out_heads(x, cfg):  # [d, n*h] -> [n, h, d]

@@ -217,9 +217,14 @@ def _format1(tree: dict, to_old: bool) -> dict:
         elif base in names:
             name, n = names[base]
             perm = (*range(x.ndim - n, x.ndim), *range(x.ndim - n)) if to_old else (*range(n, x.ndim), *range(n))
-            out[name + scale] = x if scale else (jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype,
-                                                                     sharding=x.sharding)
-                                                 if isinstance(x, jax.ShapeDtypeStruct) else x.transpose(perm))
+            out[name + scale] = x if scale else _permuted(x, perm)
         else:
             out[key] = x
     return out
+
+
+def _permuted(x, perm):
+    """x with its axes in the order `perm` (a shape as a shape)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype, sharding=x.sharding)
+    return x.transpose(perm)
