@@ -164,10 +164,11 @@ from jaxspec.sampling import SamplingConfig  # noqa: E402
 
 @pytest.fixture(scope="module")
 def vocab6_heads():
-    """A 6-token target (random drafts agree with it often enough to accept some) and two heads:
-    the full vocabulary, and a 4-token draft vocabulary that cannot propose tokens 0 and 3."""
+    """A 6-token target and two heads: the full vocabulary, and a 4-token draft vocabulary that
+    cannot propose tokens 0 and 3. Untrained heads agree with a random target by chance; with this
+    seed both accept 3-16% of drafted tokens at k = 3, fixed or goodput (seeds 0-7 ranged 0-71%)."""
     cfg = jaxspec.ModelConfig.preset("tiny").replace(vocab_size=6, num_layers=4, name="tiny-v6-4L")
-    target = jaxspec.Model.random(cfg, seed=3)
+    target = jaxspec.Model.random(cfg, seed=6)
     full = eagle.EagleHead.init(target, seed=5)
     reduced = eagle.EagleHead.init(target, draft_vocab_size=4, token_counts=[0, 5, 5, 0, 5, 5], seed=6)
     assert list(reduced.draft_ids) == [1, 2, 4, 5]
