@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: .venv demo test test-slow models-qwen bench-decode bench-speculative bench-peer bench-segments bench-crossvocab bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced bench-eagle device-check device-wheels mesh-sweep multilevel policy-sim distill-smollm2 train-eagle-smollm2 train-eagle-qwen clean
+.PHONY: .venv demo test test-slow models-qwen jobs bench-decode bench-speculative bench-peer bench-suffix bench-segments bench-crossvocab bench-tetris bench-goodput bench-goodput-gpu bench-goodput-sliced bench-eagle device-check device-wheels mesh-sweep multilevel policy-sim distill-smollm2 train-eagle-smollm2 train-eagle-qwen clean
 
 .venv: $(STAMP)
 
@@ -48,6 +48,16 @@ bench-speculative: $(STAMP)
 # (k = 3, 5) against plain and assisted generation, batch 1 and 4, round-robin; outputs compared.
 bench-peer: $(STAMP) models-qwen
 	$(BIN)/python scripts/bench_peer.py --pair qwen --batches 1 4 --ks 3 5 --rounds 2 --prompts 4 --new-tokens 64
+
+# Issue 60: data/jobs' batch jobs (rewritten deterministically by `make jobs`) under plain, n-gram, suffix, model
+# draft, EAGLE and hybrid decoding: SmolLM2-135M on all four (64 requests each, batch 8), then the Qwen pair on
+# the code edit at batch 1 and 4 (8 requests: the 1.5B decodes about 4 tokens/s on 2 cores).
+jobs: $(STAMP)
+	$(BIN)/python scripts/make_jobs.py
+
+bench-suffix: $(STAMP) models-qwen
+	$(BIN)/python scripts/bench_suffix.py
+	$(BIN)/python scripts/bench_suffix.py --pair qwen --workloads code_edit --batch 1 4
 
 # Issue 58: tokens/s of every decoding mode before (d9a51f2, the while_loop decode) and after (this checkout's
 # segments), SmolLM2-135M, worker processes alternating between a temporary worktree of d9a51f2 and this tree.
