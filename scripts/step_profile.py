@@ -5,7 +5,10 @@ of k + 1 tokens per row, drafts from n-gram lookup, whose own cost is negligible
 
     python scripts/step_profile.py [--preset qwen2.5-1.5b | --model PATH] [--dtypes float32 bfloat16]
         [--quantize none int8] [--batches 1 8 32] [--ks 0 3] [--context 256] [--name step_profile]
-        [--deadline SECONDS]
+        [--deadline SECONDS] [--peer]
+
+--peer (with --model FILE.gguf) adds transformers' step on the same weights, split the same way:
+projections, attention over the cache, the cache write, the LM head, sampling, the rest.
 
 Writes docs/results/<name>.{json,md} (or into --out DIR).
 """
@@ -44,7 +47,11 @@ def main() -> None:
     p.add_argument("--name", default="step_profile")
     add_out_argument(p)
     p.add_argument("--deadline", type=float, default=None, help="seconds: start no configuration after this")
+    p.add_argument("--peer", action="store_true",
+                   help="also transformers' step on the same GGUF (--model), float32, at each batch and k")
     args = p.parse_args()
+    if args.peer and not (args.model and args.model.endswith(".gguf")):
+        p.error("--peer needs --model FILE.gguf (transformers loads the same file)")
     start = time.time()
     bandwidth = profiling.read_bandwidth()
     print({k: f"{v / 1e9:.1f} GB/s" for k, v in bandwidth.items()}, flush=True)
@@ -66,6 +73,7 @@ def main() -> None:
                     print(table(rows[-1:]), flush=True)
             del model
             jax.clear_caches()
+    peers = peer_steps(args) if args.peer else []
     m = machine()
     what = Path(args.model).name if args.model else args.preset + " (random weights)"
     md = "\n".join([
@@ -81,9 +89,36 @@ def main() -> None:
         "Costliest kernels per configuration:", "",
         table([{"weights": f"{r['dtype']}/{r['quantization'] or 'float'}", "batch": r["batch"], "k": r["k"], **t}
                for r in results for t in r["top_kernels"][:4]])])
-    write_results(out_dir(args) / args.name,
-                  {"args": vars(args), "bandwidth": bandwidth, "results": results, "skipped": skipped}, md)
+    if peers:
+        md += "\n\n" + "\n".join([
+            "Where a step's time goes, jaxspec against transformers on the same weights (float32), in ms per step "
+            "(jaxspec: kernel time from the trace by JAX source; transformers: operator self time under "
+            "torch.profiler, `other` = the step's wall time less the parts). A verification of k + 1 tokens per row "
+            f"is a forward of that width over the cache (transformers: {peers[0]['threads']} threads).", "",
+            table([component_row("jaxspec", r) for r in results if r["dtype"] == "float32"
+                   and not r["quantization"]] + [component_row("transformers", r) for r in peers])])
+    write_results(out_dir(args) / args.name, {"args": vars(args), "bandwidth": bandwidth, "results": results,
+                                              "transformers": peers, "skipped": skipped}, md)
     print("\n" + md)
+
+
+def peer_steps(args) -> list[dict]:
+    """transformers' step anatomy at each batch and k (`profiling.transformers_step_anatomy`)."""
+    from jaxspec.tools.benchmarking import transformers_gguf
+
+    model, out = transformers_gguf(args.model), []
+    for batch in args.batches:
+        for k in args.ks:
+            out.append({**profiling.transformers_step_anatomy(model, batch, args.context, width=k + 1), "k": k})
+            print(component_row("transformers", out[-1]), flush=True)
+    return out
+
+
+def component_row(engine: str, r: dict) -> dict:
+    parts = r["by_component"]
+    return {"engine": engine, "batch": r["batch"], "k": r["k"], "step_ms": round(r["step_ms"], 1),
+            **{c: round(ms, 1) for c, ms in parts.items()},
+            "matrices_share": round((parts["projections"] + parts["LM head"]) / max(sum(parts.values()), 1e-9), 2)}
 
 
 def row(r: dict, plain_ms: float | None) -> dict:

@@ -13,11 +13,19 @@ HLO = """HloModule jit_step
   ROOT %dot.7 = f32[1,256]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
+%fused_transpose (param_0: f32[1,64], param_1: f32[256,64]) -> f32[256,1] {
+  %param_0 = f32[1,64]{1,0} parameter(0)
+  %param_1 = f32[256,64]{1,0} parameter(1)
+  %dot.9 = f32[256,1]{1,0} dot(%param_1, %param_0), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %transpose.10 = f32[1,256]{0,1} transpose(%dot.9), dimensions={1,0}
+}
+
 %body.1 (p: (s32[], f32[1,64])) -> (s32[], f32[1,64]) {
   %p = (s32[], f32[1,64]) parameter(0)
   %gemm_fusion = f32[1,256]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation, metadata={op_name="jit(run_on_device)/while/body/lm_head/md,vd->mv/dot_general"}
   %dynamic-update-slice.3 = f32[2,8,2,16]{3,2,1,0} dynamic-update-slice(%c, %d, %i, %j), metadata={op_name="jit(run_on_device)/while/body/scatter"}
   %add_fusion.2 = f32[1,64]{1,0} fusion(%e, %f), kind=kLoop, calls=%fused_add
+  %fusion.8 = f32[256,1]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_transpose, metadata={op_name="jit(run_on_device)/while/body/gate_up_fxd/transpose"}
   ROOT %tuple.4 = (s32[], f32[1,64]) tuple(%g, %h)
 }
 
@@ -36,6 +44,7 @@ def test_hlo_instructions_by_category_and_source():
     assert ops["gemm_fusion"][0] == "matmul"
     assert ops["dynamic-update-slice.3"][:2] == ("cache write / scatter", "scatter")
     assert ops["add_fusion.2"][0] == "elementwise fusion"
+    assert ops["fusion.8"][:2] == ("matmul", "gate_up_fxd/transpose")   # a dot with its transpose, by what it calls
     assert ops["while.5"][0] == ops["tuple.4"][0] == "control"
     assert ops["copy.6"][0] == "copy"
 
@@ -53,3 +62,14 @@ def test_step_bytes_counts_weights_read_and_the_live_cache():
     assert profiling.step_bytes(model.quantize("int8"), 3, 50)["weights"] == matrices + 4 * (scales + vectors)
     tied = jaxspec.Model.random(cfg.replace(tie_word_embeddings=True))   # the embedding is then the head
     assert profiling.step_bytes(tied, 1, 1)["weights"] == 4 * (matrices + vectors)
+
+
+def test_kernels_fall_into_the_parts_of_a_step():
+    part = profiling.component
+    assert part("matmul", "", "f32[4,300]", 300) == "LM head"            # as wide as the vocabulary
+    assert part("matmul", "lm_head/transpose", "f32[300,4]", 300) == "LM head"
+    assert part("matmul", "gate_up_fxd/transpose", "f32[192,4]", 300) == "projections"
+    assert part("matmul", "attention/closed_call/dot_general", "f32[4,64]", 300) == "attention"
+    assert part("cache write / scatter", "closed_call/scatter", "f32[2,8]", 300) == "cache write"
+    assert part("elementwise fusion", "closed_call/greedy_accept/reduce", "s32[4]", 300) == "sampling / acceptance"
+    assert part("elementwise fusion", "closed_call/rsqrt", "f32[4,64]", 300) == "other"

@@ -89,7 +89,7 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
         jax.block_until_ready(loop(params, state, Control.of()))
         return time.perf_counter() - start
 
-    run.hlo_text = lambda: step_loop(1).as_text()
+    run.hlo_text = lambda steps=1: step_loop(steps).as_text()
     return run
 
 

@@ -54,14 +54,40 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str, str]]:
             if source else []
         parsed[name] = (opcode, kind.group(1) if kind else "", target.group(1) if target else "",
                         "/".join(scopes), computation, re.sub(r"\{[^}]*\}", "", shape))
+    with_dot = {comp for opcode, *_, comp, _ in parsed.values() if opcode in ("dot", "convolution")}
     out = {}
     for name, (opcode, kind, target, source, computation, shape) in parsed.items():
         caller = callers.get(computation)
         if not source and caller in parsed:
             source = parsed[caller][3]
         scopes = source.split("/")
-        out[name] = (category(opcode, kind, target, f"{name} {source}"), "/".join(scopes[-3:]), shape)
+        # A fusion around a dot (YNN's, a dot with its transpose) is a matmul.
+        calls = [c for c, n in callers.items() if n == name]
+        cat = "matmul" if opcode == "fusion" and with_dot.intersection(calls) else \
+            category(opcode, kind, target, f"{name} {source}")
+        out[name] = (cat, "/".join(scopes[-3:]), shape)
     return out
+
+
+COMPONENTS = ("projections", "attention", "cache write", "LM head", "sampling / acceptance", "other")
+
+
+def component(category: str, source: str, shape: str, vocab: int) -> str:
+    """Which part of a decode step a kernel belongs to, from its category, JAX source scope and
+    output shape: the layers' weight matrices, attention over the cache, the cache write, the LM
+    head (also a product as wide as the vocabulary), sampling and acceptance, or the rest (norms,
+    rotary embedding, gathers, the loop's bookkeeping)."""
+    if "lm_head" in source or (category == "matmul" and re.search(rf"\b{vocab}\b", shape)):
+        return "LM head"
+    if "attention" in source:
+        return "attention"
+    if category == "matmul":
+        return "projections"
+    if category == "cache write / scatter":
+        return "cache write"
+    if re.search(r"accept|sampl|draw|greedy|verify|emit", source):
+        return "sampling / acceptance"
+    return "other"
 
 
 def category(opcode: str, kind: str, target: str, name: str) -> str:
@@ -155,15 +181,17 @@ def profile_step(model: Model, batch: int, context: int, *, k: int = 0, drafter=
     run(steps)
     step_s = timing.time_steps(model, drafter, k, batch, cache_len, iterations=steps)
     kernels = trace_kernels(lambda: run(steps), steps)
-    names = hlo_instructions(run.hlo_text())
+    names = hlo_instructions(run.hlo_text(steps))
     by_category: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0])
     rows = []
+    by_component = dict.fromkeys(COMPONENTS, 0.0)
     for op, (seconds, count) in kernels.items():
-        cat, source, shape = names.get(op, ("?", "", ""))
-        if cat == "control":
+        cat, source, shape = names.get(op) or names.get(op.lower(), ("?", "", ""))
+        if cat == "control" or op.lower().startswith("while"):   # a loop's event spans its body's
             continue
         by_category[cat][0] += seconds
         by_category[cat][1] += count
+        by_component[component(cat, source, shape, model.config.vocab_size)] += seconds * 1e3
         rows.append({"kernel": op, "category": cat, "source": source, "shape": shape, "us": seconds * 1e6,
                      "runs": count})
     rows.sort(key=lambda r: -r["us"])
@@ -176,5 +204,55 @@ def profile_step(model: Model, batch: int, context: int, *, k: int = 0, drafter=
             "kernel_ms": sum(s for s, _ in by_category.values()) * 1e3,
             "by_category": {c: {"ms": s * 1e3, "kernels": n} for c, (s, n) in
                             sorted(by_category.items(), key=lambda kv: -kv[1][0])},
-            "top_kernels": rows[:top], "bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9,
+            "by_component": by_component, "top_kernels": rows[:top], "bytes": nbytes, "bandwidth_gb_s": bandwidth / 1e9,
             "floor_ms": floor_s * 1e3, "bandwidth_fraction": floor_s / step_s}
+
+
+def transformers_step_anatomy(model, batch: int, context: int, width: int = 1, repeats: int = 5) -> dict:
+    """The same anatomy for a transformers causal LM: one forward of `width` tokens per row over a KV
+    cache of `context` tokens in `batch` rows (a plain step: width 1; a verification: k + 1),
+    timed alone (median of `repeats`), then its operators' self time under `torch.profiler` summed
+    into `COMPONENTS`: matrix products (`aten::mm` / `addmm`, the LM head by its vocabulary-wide
+    output), `scaled_dot_product_attention`, the cache's concatenation (`aten::cat`), argmax, and
+    what is left of the profiled steps' time as other."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        cache = model(torch.randint(0, vocab, (batch, context), generator=gen), use_cache=True).cache
+        x = torch.randint(0, vocab, (batch, width), generator=gen)
+
+        def step():
+            out = model(x, cache=cache, use_cache=True).logits.argmax(-1)
+            cache.crop(-width)
+            return out
+
+        step()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            profiled_ms = (time.perf_counter() - start) * 1e3 / repeats
+    parts = dict.fromkeys(COMPONENTS, 0.0)
+    for e in prof.key_averages(group_by_input_shape=True):
+        ms = e.self_cpu_time_total / 1e3 / repeats
+        if e.key in ("aten::mm", "aten::addmm"):
+            out_dim = (e.input_shapes[-1] or [0, 0])[-1]
+            parts["LM head" if out_dim == vocab else "projections"] += ms
+        elif re.search(r"scaled_dot_product|flash_attention|aten::bmm|softmax", e.key):
+            parts["attention"] += ms
+        elif e.key == "aten::cat":
+            parts["cache write"] += ms
+        elif e.key in ("aten::argmax", "aten::max"):
+            parts["sampling / acceptance"] += ms
+    parts["other"] = max(profiled_ms - sum(parts.values()), 0.0)
+    return {"batch": batch, "context": context, "width": width, "step_ms": float(np.median(times)) * 1e3,
+            "profiled_step_ms": profiled_ms, "by_component": parts,
+            "threads": torch.get_num_threads()}
