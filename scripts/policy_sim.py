@@ -11,7 +11,10 @@ verification costing two plain steps), batch 1 / 4 / 16 / 64, a draft position c
 dearer than it is). 128 tokens a row, plans k = 0..6, a change of plan costs 0.1 of a plain
 step, four texts per scenario. Writes docs/results/policy_sim.{md,json} (or --out DIR, --name NAME).
 
-    python scripts/policy_sim.py [--quick]
+    python scripts/policy_sim.py [--quick] [--cost-model FILE --batches 1 4 --max-k 8 --name NAME]
+
+--cost-model: the same acceptance scenarios on one machine's profiled cost model (seconds; a change of plan
+costs 0.1 of a plain step there).
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ RULES = {"policy": ps.Rules(), "no hysteresis": ps.Rules(margin=0.0), "no probin
          "no drain rule": ps.Rules(drain=False), "no catch-up cost": ps.Rules(catch_up=False),
          "neutral prior 0.6": ps.Rules(prior=0.6)}
 SEGMENTS = {f"S={s} lag {lag}": ps.Rules(segment=s, lag=lag) for lag in (0, 1) for s in (1, 2, 4, 8)}
+
+
+def profiled_scenarios(path: str, batches):
+    """The acceptance scenarios on a machine's own profiled cost model (`jaxspec profile`), in seconds."""
+    cost = CostModel.load(path)
+    for batch in batches:
+        for name, acceptance in ACCEPTANCE.items():
+            yield ps.Scenario(name=f"profiled acc {name}", batch=batch, cost=cost,
+                              round_trip=0.1 * cost.step_seconds(batch, 0), **acceptance)
 
 
 def scenarios(quick: bool):
@@ -103,14 +115,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few scenarios (a smoke run)")
     parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--cost-model", metavar="FILE",
+                        help="a profiled CostModel JSON: its scenarios instead of the two model machines")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="with --cost-model")
+    parser.add_argument("--max-k", type=int, default=6, help="plans k = 0..max-k")
     parser.add_argument("--name", default="policy_sim")
     add_out_argument(parser)
     args = parser.parse_args()
-    plans = tuple((k, None) for k in range(7))
+    plans = tuple((k, None) for k in range(args.max_k + 1))
     start = time.perf_counter()
     rows = []
     tails = []
-    for s in scenarios(args.quick):
+    for s in (profiled_scenarios(args.cost_model, args.batches) if args.cost_model else scenarios(args.quick)):
         if s.believed is None:
             tails.append(_fixed_in_segments(s, plans, args.seeds))
         everything = {**RULES, **SEGMENTS}
@@ -128,7 +144,8 @@ def main() -> None:
         f"# Goodput policy in the simulator ({len(policy_rows)} scenarios, {args.seeds} texts each)", "",
         "Written by `make policy-sim` (`scripts/policy_sim.py`): deterministic, the clock is a cost model "
         "(`jaxspec.tools.policy_sim`), no timing. `vs_best`: the policy's tokens per simulated second over the best "
-        "fixed draft length's in hindsight (k = 0..6, the same texts); `vs_plain`: over plain decoding's. Goals: "
+        f"fixed draft length's in hindsight (k = 0..{args.max_k}, the same texts); `vs_plain`: over plain "
+        "decoding's. Goals: "
         "`vs_best` >= 0.97 everywhere, `vs_plain` >= 0.99 where plain decoding is best.", "",
         "## Each rule switched off", "",
         "`policy_gains_over_2pct_in`: scenarios where the policy with every rule beats this variant by more than "
@@ -150,7 +167,7 @@ def main() -> None:
         "## A cost model that is wrong about the drafter", "",
         "Not among the goals: the policy trusts its profiled cost model, and a profile 3x off in the draft's "
         "cost makes it choose draft lengths for the wrong machine (the remedy is profiling on the machine that "
-        "decodes: `jaxspec profile`).", "", table(wrong, columns), "",
+        "decodes: `jaxspec profile`).", "", table(wrong, columns) if wrong else "none", "",
         "## Every scenario (the full policy)", "", table(policy_rows, columns)])
     write_results(out_dir(args) / args.name, {"args": vars(args), "summary": summary, "segments": segments,
                                               "rows": rows,
