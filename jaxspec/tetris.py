@@ -95,13 +95,6 @@ def select_nodes(cum_logprobs, capacity: int, budget=None, *, per_row: bool = Fa
     return chosen.at[index % n, index // n].set(take)
 
 
-def expected_accepted(draft_logprobs, counts) -> jax.Array:
-    """Expected accepted drafts of windows `counts` under the surrogate: sum of cumulative products."""
-    cum_nk = cumulative_logprobs(draft_logprobs)
-    inside = jnp.arange(cum_nk.shape[1])[None, :] < jnp.asarray(counts)[:, None]
-    return jnp.sum(jnp.where(inside, jnp.exp(cum_nk), 0.0))
-
-
 def acceptance_logprobs(proposal, usable_bk) -> jax.Array:
     """The default surrogate: the proposal's own log-probabilities, -inf where not usable."""
     return jnp.where(usable_bk, proposal.logprob_bk, _NEG_INF)
