@@ -189,30 +189,24 @@ class CostModel:
 OUTLIER_RATIO = 4.0   # a profile's timings that its absolute fit misses by more than this are noise
 
 
-def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: bool = True) -> tuple[np.ndarray, dict]:
-    """Non-negative least squares of y on the columns of x, with a held-out check.
-
-    Every `holdout_every`-th point is held out of a first fit to measure the worst relative error
-    of predictions on shapes the fit has not seen; the returned coefficients then use all points.
-    Coefficients are >= 0 (a negative cost is noise). `relative`: minimise squared relative errors
-    (each point weighted by 1 / y), not absolute ones.
+def fit_linear(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Non-negative least squares of y on the columns of x, minimising squared relative errors
+    (each point weighted by 1 / y); every fourth point is held out of a first fit to measure the
+    worst relative error on shapes the fit has not seen, then all points fit the coefficients.
 
     Weighted 1 / y, one timing that noise made near zero would outweigh all others; so points that
     an absolute fit (which such a point cannot sway) predicts more than OUTLIER_RATIO times off are
-    left out of a relative fit (`fit["outliers"]` counts them), unless too few points would remain.
+    left out (`fit["outliers"]` counts them), unless too few points would remain.
     """
     x, y = np.asarray(x, float), np.asarray(y, float)
-    kept = np.ones(len(y), bool)
-    if relative:
-        ratio = (x @ _nonnegative_lstsq(x, y)) / np.maximum(np.abs(y), 1e-300)
-        outlier = (ratio > OUTLIER_RATIO) | (ratio * OUTLIER_RATIO < 1)
-        if (~outlier).sum() >= x.shape[1]:
-            kept = ~outlier
+    ratio = (x @ _nonnegative_lstsq(x, y)) / np.maximum(np.abs(y), 1e-300)
+    outlier = (ratio > OUTLIER_RATIO) | (ratio * OUTLIER_RATIO < 1)
+    kept = ~outlier if (~outlier).sum() >= x.shape[1] else np.ones(len(y), bool)
     x, y = x[kept], y[kept]
-    w = 1.0 / np.abs(y) if relative else np.ones_like(y)
+    w = 1.0 / np.abs(y)
     held = np.zeros(len(y), bool)
-    if len(y) >= 2 * x.shape[1] and holdout_every > 1:
-        held[holdout_every - 1::holdout_every] = True
+    if len(y) >= 2 * x.shape[1]:
+        held[3::4] = True
     coef_train = _nonnegative_lstsq(x[~held] * w[~held, None], y[~held] * w[~held])
     worst = float(np.max(np.abs(x[held] @ coef_train - y[held]) / y[held])) if held.any() else None
     coef = _nonnegative_lstsq(x * w[:, None], y * w)
