@@ -15,10 +15,10 @@ key/value slots attention reads (rows * cache length); attention_pairs: query x 
 is packed). The speculation terms are what a step that drafts at all pays on top (catch-up, draft
 sampling, acceptance: steps jump from k = 0 to 1 by more than from 1 to 2). Seconds.
 
-`CostModel.profile` times the real decode step over a grid of shapes with the engine's step timer
-(`jaxspec.engine.timing` registers itself here) and fits every coefficient by non-negative least
-squares on relative errors. A cost model is valid where it was measured: the JSON records model
-names, dtype, mesh shape and device kind, and loading one measured elsewhere warns.
+`CostModel.profile` times the real decode step with the engine's step timer (`jaxspec.engine.timing`
+registers itself here) and fits the coefficients by non-negative least squares on relative errors.
+The JSON records where it was measured (models, dtype, mesh, device kind); loading one measured
+elsewhere warns.
 """
 
 from __future__ import annotations
@@ -143,17 +143,10 @@ class CostModel:
     @classmethod
     def profile(cls, target, draft=None, *, batches=(1, 2, 4, 8, 16), ks=(0, 1, 2, 4), cache_lens=(128, 512),
                 passes: int = 3, seed: int = 0, mesh_shape: tuple = ()) -> CostModel:
-        """Times speculative steps on this device and fits the model to them.
-
-        Each point is the real decode step at a (batch, k, cache size), timed inside the compiled
-        decode loop: the median over `passes` passes over the grid, each in its own shuffled order
-        (`seed`; `jaxspec.engine.timing.time_points`).
-
-        Args:
-          target: the target jaxspec.Model.
-          draft: the draft jaxspec.Model, an `EagleDrafter`, or None (n-gram lookup drafts).
-          batches, ks, cache_lens: the grid of shapes timed (ks must include 0 and two values >= 1).
-        """
+        """Times the real decode step of `target` with `draft` (a Model, an `EagleDrafter`, or None:
+        n-gram drafts) on this device over the grid `batches` x `ks` x `cache_lens` (ks must include
+        0 and two values >= 1), the median of `passes` shuffled passes
+        (`jaxspec.engine.timing.time_points`), and fits the model to it."""
         if 0 not in ks or len({k for k in ks if k >= 1}) < 2:
             raise ValueError(f"ks must include 0 and at least two values >= 1 to separate drafting, speculation "
                              f"and verification costs, got {ks}")
