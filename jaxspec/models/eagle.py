@@ -13,9 +13,8 @@ hidden input, not the concatenation), runs an MLP block, and scores the draft vo
 final norm. Draft token i is target token `draft_ids[i]` (published checkpoints store
 d2t[i] = draft_ids[i] - i); tokens outside the draft vocabulary get probability 0.
 
-Positions: the head's row for target position p pairs the target's features of the token at p
-with the embedding of the token at p + 1, at rotary position p, and predicts the token at p + 2.
-The head keeps its own one-layer KV cache (`KVCache`, ragged like the target's).
+The head's row for target position p pairs the target's features of the token at p with the
+embedding of the token at p + 1, at rotary position p, and predicts the token at p + 2.
 """
 
 from __future__ import annotations
@@ -136,20 +135,14 @@ def fuse(graphdef, params, features_btf):
 
 
 def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCache, tree=None):
-    """One draft step for t tokens per row at positions cache.lengths[b] + t.
+    """One draft step of the head for t tokens per row at positions cache.lengths[b] + t (keys and
+    values written, `lengths` not advanced): hidden_btd are fused target features (`fuse`) or the
+    head's own outputs, tokens_bt the token after each one's. Returns (float32 draft-vocabulary
+    logits [b, t, w], pre-norm outputs [b, t, d] that feed the next step, cache).
 
-    Args:
-      graphdef, params: the head (`EagleHead.graphdef`, `.params`).
-      embed_vd: the target's token embedding (shared).
-      hidden_btd: the hidden inputs: fused target features (`fuse`), or the head's own output.
-      tokens_bt: the tokens paired with them (the token after each feature's token).
-      cache: the head's KVCache; the keys and values are written, `lengths` not advanced.
-      tree: None, or (slot_bt, offset_bt, ancestor_btn) for nodes of a draft tree: token i is
-        written at slot lengths + slot_bt[b, i], sits at position lengths + offset_bt[b, i], and
-        sees the committed cache and the n tree slots (from lengths on) ancestor_btn marks.
-
-    Returns (draft-vocabulary logits [b, t, w] in float32, pre-norm outputs [b, t, d] that feed
-    the next step, cache).
+    tree: None, or (slot_bt, offset_bt, ancestor_btn) for nodes of a draft tree: token i is written
+    at slot lengths + slot_bt[b, i], sits at position lengths + offset_bt[b, i], and sees the
+    committed cache and the n tree slots (from lengths on) ancestor_btn marks.
     """
     module = nnx.merge(graphdef, params)
     b, t = tokens_bt.shape
@@ -203,16 +196,14 @@ class EagleHead:
     @classmethod
     def init(cls, target, feature_layers=None, draft_vocab_size=None, seed: int = 0, token_counts=None,
              dtype=None) -> EagleHead:
-        """A fresh head for `target` (a `jaxspec.Model`), shaped like one of its layers.
+        """A fresh head for `target` (a `jaxspec.Model`, whose embedding it shares), shaped like one
+        of its layers, its LM head the target's over the draft ids.
 
         Args:
-          target: the model the head drafts for; its embedding is shared at run time.
-          feature_layers: three (or any number of) target layer indices, ascending; None: EAGLE-3's
-            low / middle / high (`default_feature_layers`).
+          feature_layers: target layer indices; None: EAGLE-3's low / middle / high.
           draft_vocab_size: None for the full vocabulary, else the most frequent ids of
             `token_counts` (int [v]), or the lowest ids without counts.
-          seed: initialisation seed. The LM head starts as the target's head over the draft ids.
-          dtype: parameter dtype (default: the target's).
+          seed: initialisation seed; dtype: the parameters' (default: the target's).
         """
         tc = target.config
         layers = default_feature_layers(tc.num_layers) if feature_layers is None else tuple(feature_layers)
@@ -303,11 +294,7 @@ def _speculators(hf: dict, tensors: dict) -> tuple[dict, dict]:
 
 def load_head(path, target) -> EagleHead:
     """Reads an EAGLE-3 folder (`EagleHead.save`'s layout, the reference's) as a head bound to `target`,
-    in the target's dtype.
-
-    Raises ValueError naming the field or tensor when the folder does not fit the target or
-    misses a tensor, or a tensor has the wrong shape.
-    """
+    in the target's dtype; a ValueError names a field or tensor that does not fit."""
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     tensors = _read_tensors(path)

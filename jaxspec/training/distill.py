@@ -36,18 +36,10 @@ _DATA_FORMAT = 1
 
 
 def distribution_loss(target_logits, draft_logits, loss: str = "tvd") -> jax.Array:
-    """Per-position divergence between the target's and the draft's next-token distributions.
-
-    Args:
-      target_logits: float [..., v], the target's logits (p = softmax).
-      draft_logits: float [..., v], the draft's logits (q = softmax).
-      loss: "forward_kl" = KL(p || q) (mass-covering; the usual distillation loss), "reverse_kl" =
-        KL(q || p) (mode-seeking), or "tvd" = 0.5 * sum |p - q|. Speculative sampling accepts a
-        draft token with probability exactly 1 - TVD, so "tvd" optimises acceptance directly.
-
-    Returns:
-      float32 [...]: the divergence at each position.
-    """
+    """float32 [...]: the divergence at each position between the target's (p) and the draft's (q)
+    next-token distributions, from logits [..., v]: "forward_kl" KL(p || q) (mass-covering),
+    "reverse_kl" KL(q || p) (mode-seeking), or "tvd" 0.5 * sum |p - q| (speculative sampling accepts
+    a draft token with probability exactly 1 - TVD, so "tvd" optimises acceptance directly)."""
     _check_loss(loss)
     logp = jax.nn.log_softmax(jnp.asarray(target_logits, jnp.float32), axis=-1)
     logq = jax.nn.log_softmax(jnp.asarray(draft_logits, jnp.float32), axis=-1)
@@ -96,13 +88,9 @@ def _pack(sequences, prompt_lens):
 
 def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
                           max_len, data_cache=None, generate_batch_size=64, progress=True):
-    """The packed training data: the target's continuations of `prompt_ids`, one set per temperature,
-    generated `generate_batch_size` prompts at a time; read from `data_cache` when it holds data made
-    the same way.
-
-    Returns:
-      (tokens int32 [n, t], mask float32 [n, t], digest str of the data).
-    """
+    """(tokens int32 [n, t], mask float32 [n, t], their digest): the target's continuations of
+    `prompt_ids`, one set per temperature, `generate_batch_size` prompts at a time; read from
+    `data_cache` when it holds data made the same way."""
     meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(),
             "target_params": training.params_digest(target.params),
             "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
