@@ -1,11 +1,9 @@
 """Checkpoint conversion as one declarative table: jaxspec param <-> HF tensor <-> GGUF tensor.
 
 Each row names a jaxspec weight, its tensor name in a transformers checkpoint and in a llama.cpp
-GGUF file (`{i}` = layer index), and how the HF layout ([out, in] matrices, fused head axes)
-maps onto ours (the same [out, in] order, head axes apart: q [n, h, d]; an EAGLE-3 head's is
-[in, out]). Loaders and writers walk this table
-(and `EAGLE3_RULES`, an EAGLE-3 head's); nothing else knows tensor names. The table and checkpoints
-keep q/k/v and gate/up apart; `fuse_layers` / `unfuse_layers` map to and from the fused blocks.
+GGUF file (`{i}` = layer index), and how the HF layout maps onto ours (`_LAYOUTS`). Loaders and
+writers walk this table (and `EAGLE3_RULES`); nothing else knows tensor names. Checkpoints keep
+q/k/v and gate/up apart; `fuse_layers` / `unfuse_layers` map to and from the fused blocks.
 """
 
 from __future__ import annotations
@@ -121,19 +119,10 @@ def _unpermute_gguf(x: np.ndarray, n_head: int) -> np.ndarray:
 
 def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.ndarray],
                     names: Collection[str], *, source: str, convert_leaf: Callable) -> dict:
-    """Builds jaxspec params from named checkpoint tensors.
-
-    Args:
-      cfg: the model config (decides which weights exist).
-      our_shapes: nested dict of the expected jaxspec params (anything with `.shape`).
-      get: reads one tensor (float numpy, HF layout) by name.
-      names: every tensor name in the checkpoint (to report unexpected ones).
-      source: "hf" or "gguf" (which name column of `RULES` to use), or "eagle" (`EAGLE3_RULES`).
-      convert_leaf: (numpy weight in our layout, its params path) -> what the params store.
-
-    Raises:
-      ValueError: a tensor is missing, unexpected, or of the wrong shape (named, both shapes).
-    """
+    """jaxspec params (`our_shapes` gives their shapes) from the checkpoint tensors `names`, read
+    by `get(name)` (float numpy, HF layout) and stored as `convert_leaf(weight in our layout, its
+    path)`; `source`: "hf" or "gguf" (a name column of `RULES`), or "eagle" (`EAGLE3_RULES`). A
+    ValueError names a missing, unexpected or misshapen tensor."""
     names = set(names)
     used: set[str] = set()
     params: dict = {}
