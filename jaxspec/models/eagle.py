@@ -48,15 +48,10 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EagleConfig:
-    """Attributes:
-      layer: the head's one decoder layer (width, heads, MLP, norms, rotary) as a one-layer
-        ModelConfig whose vocab_size is the draft vocabulary's.
-      target_hidden_size: the width of each target feature.
-      target_vocab_size: the target's vocabulary.
-      feature_layers: target layers whose inputs are fused, ascending.
-      norm_before_residual: the residual around attention is the normalised hidden input (a
-        variant of the speculators format), not the hidden input itself.
-    """
+    """`layer`: the head's one decoder layer as a one-layer ModelConfig whose vocab_size is the
+    draft vocabulary's; `feature_layers`: the target layers whose inputs are fused, ascending;
+    `norm_before_residual`: the residual around attention is the normalised hidden input (a variant
+    of the speculators format), not the hidden input itself."""
 
     layer: ModelConfig
     target_hidden_size: int
@@ -173,16 +168,9 @@ def to_target_logits(logits_btw, draft_ids_w, vocab_size: int):
 
 
 class EagleHead:
-    """An EAGLE-3 head for one target: structure, weights (a pure-dict pytree), config and the
-    draft vocabulary's target ids.
-
-    Attributes:
-      config: EagleConfig.
-      graphdef, params: the module split as `jaxspec.Model` splits its decoder.
-      draft_ids: int32 numpy [w], ascending target ids of the draft vocabulary.
-      embed_vd: the target's token embedding (the same array as the target's, not a copy), or
-        None for a head not bound to a target.
-    """
+    """An EAGLE-3 head for one target: its `config`, `graphdef` and `params` (split as `jaxspec.Model`
+    splits its decoder), `draft_ids` (int32 numpy [w], the draft vocabulary's ascending target ids)
+    and `embed_vd`, the target's token embedding (the same array, or None for an unbound head)."""
 
     def __init__(self, config: EagleConfig, graphdef, params, draft_ids, embed_vd=None):
         draft_ids = np.asarray(draft_ids, np.int32)

@@ -56,12 +56,11 @@ class PolicyState:
     choice: jax.Array       # int32 index of the plan the next step runs
 
     @classmethod
-    def init(cls, b: int, slots: int, prior=PRIOR_ALPHA, behind=0.0) -> PolicyState:
+    def init(cls, b: int, slots: int, prior=PRIOR_ALPHA) -> PolicyState:
         """Counts for `b` rows and windows of up to `slots` drafts."""
         rows, window = jnp.zeros((b,), jnp.float32), jnp.zeros((max(slots, 1),), jnp.float32)
         return cls(accepted_b=rows, tried_b=rows, accepted_k=window, tried_k=window,
-                   prior=jnp.asarray(prior, jnp.float32), behind=jnp.asarray(behind, jnp.float32),
-                   choice=jnp.int32(0))
+                   prior=jnp.asarray(prior, jnp.float32), behind=jnp.float32(0), choice=jnp.int32(0))
 
     def alpha_b(self, live_b=None) -> jax.Array:
         """Each row's acceptance estimate: its counts shrunk toward the batch's (the live rows'
@@ -75,9 +74,9 @@ class PolicyState:
         return (self.accepted_b + PRIOR_WEIGHT * pooled) / (self.tried_b + PRIOR_WEIGHT)
 
     def reach_bk(self, live_b, k: int) -> jax.Array:
-        """Probability that row b's j-th draft (j = 1..k) is accepted, its predecessors included
-        (module docstring): the cumulative product of alpha_b * slot_j / overall, slot_j the batch's
-        rate at slot j (shrunk toward overall) and overall its rate over every slot."""
+        """Probability that row b's j-th draft (j = 1..k) is accepted, its predecessors included: the
+        cumulative product of alpha_b * slot_j / overall (deeper drafts are often harder), slot_j the
+        batch's rate at slot j (shrunk toward overall) and overall its rate over every slot."""
         overall = ((jnp.sum(self.accepted_k) + PRIOR_WEIGHT * self.prior)
                    / (jnp.sum(self.tried_k) + PRIOR_WEIGHT))
         slot_k = (self.accepted_k + PRIOR_WEIGHT * overall) / (self.tried_k + PRIOR_WEIGHT)

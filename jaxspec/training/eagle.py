@@ -3,10 +3,9 @@
 Shape key: n sequences, b batch rows, t positions, f fused features, d widths, w draft
 vocabulary, v target vocabulary, s training-time-test steps.
 
-The target runs once over the corpus (`feature_cache`), so training steps never run it: the labels,
-the target's distribution renormalised over the draft vocabulary, are its LM head over the draft
-ids applied to the stored final hidden state. Soft labels teach the head to predict the target,
-not the text's author.
+The target runs once over the corpus (`feature_cache`); the labels, the target's distribution over
+the draft vocabulary, are its LM head over the draft ids applied to the stored final hidden state
+(soft labels teach the head to predict the target, not the text's author).
 
 Training-time test (EAGLE-3): the head is unrolled over `ttt_steps` steps as it drafts. At step s,
 row j feeds the head's own output of step s - 1 (the fused target features at step 0) with the
