@@ -77,11 +77,6 @@ def select_nodes(cum_logprobs, capacity: int, budget=None, *, per_row: bool = Fa
     return chosen.at[index % n, index // n].set(take)
 
 
-def acceptance_logprobs(proposal, usable_bk) -> jax.Array:
-    """The default surrogate: the proposal's own log-probabilities, -inf where not usable."""
-    return jnp.where(usable_bk, proposal.logprob_bk, _NEG_INF)
-
-
 def capacity_bucket(capacity: int, rows: int, slots: int) -> int:
     """The compiled size for a budget: a multiple of 8 (a few programs), never more than the grid."""
     return max(0, min(-(-capacity // 8) * 8, rows * slots))

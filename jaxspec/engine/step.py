@@ -264,7 +264,7 @@ def _tetris_verify(program: Program, plan: StepPlan, target_params, state: Decod
     j = jnp.arange(k)[None, :]
     remaining_b = state.max_new_b - state.n_out_b
     usable_bk = (j < proposal.num_drafts_b[:, None]) & ~state.done_b[:, None] & (j + 2 <= remaining_b[:, None])
-    verify_b = tetris.select(tetris.acceptance_logprobs(proposal, usable_bk), plan.capacity, budget)
+    verify_b = tetris.select(jnp.where(usable_bk, proposal.logprob_bk, -jnp.inf), plan.capacity, budget)
     return verify_b, forward_packed(program.target, target_params, window_bk1, verify_b + 1, state.target_cache,
                                     b + plan.capacity, program.features)
 

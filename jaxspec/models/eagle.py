@@ -59,15 +59,6 @@ class EagleConfig:
     feature_layers: tuple[int, ...]
     norm_before_residual: bool = False
 
-    def __post_init__(self):
-        if self.layer.num_layers != 1:
-            raise ValueError(f"EagleConfig.layer must have num_layers 1, got {self.layer.num_layers}")
-        if not self.feature_layers or list(self.feature_layers) != sorted(self.feature_layers):
-            raise ValueError(f"feature_layers must be a non-empty ascending tuple, got {self.feature_layers}")
-        if self.layer.vocab_size > self.target_vocab_size:
-            raise ValueError(f"draft_vocab_size ({self.layer.vocab_size}) must not exceed the target's vocabulary "
-                             f"({self.target_vocab_size})")
-
     @property
     def feature_size(self) -> int:
         return len(self.feature_layers) * self.target_hidden_size
@@ -195,7 +186,7 @@ class EagleHead:
         """
         tc = target.config
         layers = default_feature_layers(tc.num_layers) if feature_layers is None else tuple(feature_layers)
-        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < tc.num_layers for i in layers):
+        if not layers or any(not isinstance(i, (int, np.integer)) or not 0 <= i < tc.num_layers for i in layers):
             raise ValueError(f"feature_layers must be target layer indices in [0, {tc.num_layers}), got {layers}")
         w = tc.vocab_size if draft_vocab_size is None else int(draft_vocab_size)
         if not 1 <= w <= tc.vocab_size:
