@@ -132,8 +132,7 @@ def _step_keys(state_or_view, tag: int):
 
 @struct.dataclass
 class DraftView:
-    """What the drafter's side reads of the target's: token ids, positions and RNG, so that
-    drafting can run on another device slice (`jaxspec.engine.sliced`)."""
+    """What the drafter's side reads of the target's state (so drafting can run on another slice)."""
 
     seq_bl: jax.Array
     pending_b: jax.Array      # each row's last emitted token's position
@@ -147,8 +146,8 @@ class DraftView:
 
 
 def draft_phase(program: Program, plan: StepPlan, draft_params, draft_state, view: DraftView):
-    """Step part 1, the drafter's side: propose `plan.k` tokens (or a tree) per row; returns the
-    Proposal (or Tree), all the target's side needs, and the drafter's state."""
+    """Step part 1, the drafter's side: (the Proposal of `plan.k` tokens, or a Tree, per row; the
+    drafter's state)."""
     drafter, sampling = program.drafter, program.sampling
     if plan.k == 0:
         return empty_proposal(view.seq_bl.shape[0]), draft_state
@@ -250,8 +249,7 @@ def plain_step(program: Program, params, state: DecodeState) -> DecodeState:
 
 
 def speculative_step(program: Program, plan: StepPlan, params, state: DecodeState, budget=None) -> DecodeState:
-    """One draft -> select -> verify -> accept -> commit step for every row: `draft_phase`, then
-    `verify_phase` (which the two-slice engine runs on two device slices)."""
+    """One draft -> select -> verify -> accept -> commit step for every row."""
     proposal, draft_state = draft_phase(program, plan, params[1], state.draft_state, DraftView.of(state))
     return verify_phase(program, plan, params, state.replace(draft_state=draft_state), proposal, budget)
 

@@ -96,11 +96,8 @@ def rotary(x_mah, pos_m, theta: float, scaling: tuple | None = None):
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder block: attention with GQA and RoPE, then a SwiGLU MLP.
-
-    The block is split at attention so the caller decides where keys and values come from (the
-    cache, or the tokens themselves) and in which layout attention runs.
-    """
+    """One pre-norm decoder block: attention with GQA and RoPE, then a SwiGLU MLP, split at attention
+    so the caller decides where keys and values come from and in which layout attention runs."""
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantized: bool = False, layer: int = 0):
         d, n, k = config.hidden_size, config.num_heads, config.num_kv_heads
@@ -134,11 +131,8 @@ class Block(nnx.Module):
                                 quant.BLOCK_MATRICES[name])
 
     def qkv(self, x_md, pos_m):
-        """Queries, keys and values (rotated) of m tokens at positions pos_m, from one dot.
-
-        Token-wise work runs on a flat [m, d] buffer with 2-D weight views: XLA's CPU dot is
-        slower on the equivalent multi-axis einsums.
-        """
+        """Queries, keys and values (rotated) of m tokens at positions pos_m, from one dot over a flat
+        [m, d] buffer (XLA's CPU dot is slower on the equivalent multi-axis einsums)."""
         m, kv = x_md.shape[0], self.qkv_kxhd.shape[0]
         qkv = self._mm(self.attn_norm(x_md), "qkv_kxhd").reshape(m, kv, -1, self.head_dim)
         qkv = qkv if self.qkv_bias_kxh is None else qkv + self.qkv_bias_kxh[...]   # Qwen2's biases, fused alike

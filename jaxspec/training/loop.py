@@ -76,10 +76,8 @@ class HParams:
 
 @dataclasses.dataclass(frozen=True)
 class Trainer:
-    """A trainer's static half (as gemma's sampler passes a frozen `self` to jit): `hparams`, and in
-    subclasses the graphs and settings that `loss(params, frozen, batch) -> (loss, metrics)` needs;
-    `frozen` are the traced inputs that are not trained (the target's params ...). Equal trainers
-    share one compiled step."""
+    """A trainer's static half, jit's static `self`: `hparams`, and in subclasses what
+    `loss(params, frozen, batch) -> (loss, metrics)` needs (`frozen`: traced inputs not trained)."""
     hparams: HParams | None
 
     def loss(self, params, frozen, batch):
