@@ -1,12 +1,8 @@
 """Logical axes -> mesh axes: the one table, and what it gives for params, caches and inputs.
 
-Megatron-style tensor parallelism: attention heads (query and kv), the MLP hidden width and the
-vocabulary are split over `tensor`; batch rows over `data`; everything else is replicated. XLA's
-SPMD partitioner inserts the collectives (an all-reduce after the attention output and MLP down
-projections, a gather of vocabulary-sharded logits where a full row is needed).
-
-Every logical name a model or cache uses must appear in `RULES`: an unknown name is an error, never
-a silent replica.
+Megatron-style tensor parallelism: attention heads, the MLP hidden width and the vocabulary are
+split over `tensor`, batch rows over `data`, everything else replicated; XLA's SPMD partitioner
+inserts the collectives. A logical name missing from `RULES` is an error, never a silent replica.
 """
 
 from __future__ import annotations

@@ -103,8 +103,7 @@ class _Eagle(training.Trainer):
     ttt_steps: int
 
     def loss(self, params, frozen, batch):
-        """`eagle_loss` of a batch of the feature cache (`feature_cache.stored` arrays), with the
-        per-step agreement; frozen: (the target's params, the draft ids)."""
+        """`eagle_loss` of a batch of the feature cache; frozen: (the target's params, the draft ids)."""
         target_params, draft_ids = frozen
         labels_btw = nnx.merge(self.target_graphdef, target_params).head(stored(batch["hidden"]), ids=draft_ids)
         loss, agree = eagle_loss(params, jax.lax.stop_gradient(labels_btw), batch["choice"], stored(batch["features"]),
