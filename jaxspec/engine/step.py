@@ -8,7 +8,8 @@ distributions); `verify_phase` scores [pending, d_1 .. d_k] in one padded forwar
 windows TETRIS picks across the batch in a packed one, accepts a prefix plus one token (greedy or
 lossless rejection sampling), writes the emitted tokens (cut at eos and the budget) and commits
 exactly those to the target's cache. `speculative_step` composes the two phases (the two-slice
-engine runs them on two slices); `plain_step` is a lean step without drafts (the general path costs more at k = 0).
+engine runs them on two slices); `plain_step` is a lean step without drafts (the general path
+costs more at k = 0).
 """
 
 from __future__ import annotations
