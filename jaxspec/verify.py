@@ -73,15 +73,12 @@ def accept_tree(key_b, tokens_bw, parent_bw, used_bw, target_logits_bwv, samplin
                 width: int):
     """Acceptance of a draft tree per row: the path the target's own choices follow, then one token.
 
-    Column 0 is the root (the last committed token); column j's token was proposed after its
-    parent column's path, and target_logits_bwv[b, j] scores the token after column j. The
-    children of a node must be deterministic given its path (a dynamic tree's top-W choices),
-    so each child is a one-hot proposal. Greedy: follow the child equal to the target's argmax.
-    Sampling: at a node with target distribution p, try its children in column order; child x is
-    accepted with probability p(x), else p <- normalize(p with x removed); with every child
-    rejected (or none) the next token is drawn from what remains of p. This draws exactly from p
-    at every node (SpecInfer's multi-candidate rule with one-hot proposals), so the output
-    follows the target's distribution.
+    Column 0 is the root (the last committed token); target_logits_bwv[b, j] scores the token after
+    column j. Children are deterministic given their path, so each is a one-hot proposal. Greedy:
+    follow the child equal to the target's argmax. Sampling: at a node with target distribution p,
+    try its children in column order; child x is accepted with probability p(x), else p <-
+    normalize(p with x removed); with every child rejected the next token is drawn from what
+    remains of p. This draws exactly from p at every node (SpecInfer's rule with one-hot proposals).
 
     parent_bw: each column's parent column (-1 at the root); used_bw: the verified columns (closed
     under ancestors); depth, width: static bounds on the path below the root and on a node's

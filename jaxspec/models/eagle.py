@@ -3,15 +3,12 @@
 Shape key: b rows, t tokens, m flat tokens, s cache slots, d the head's width, f fused target
 features, n / k query / kv heads, h head dim, u MLP width, v target vocabulary, w draft vocabulary.
 
-EAGLE-3 (Li et al., 2025): the residual stream entering three target layers (low, middle, high;
-`Decoder._run_blocks`) is concatenated and mapped by `fc` to the head's width. That is the
-hidden input of the first draft step; each later step feeds the head's own pre-norm output. A
-step normalises the embedding of its token (the target's embedding, shared, not copied) and the
-hidden input separately (`input_norm`, `hidden_norm`), concatenates them [embedding, hidden] into
-a 2d-wide input to attention, adds attention's output to the hidden input (the residual is the
-hidden input, not the concatenation), runs an MLP block, and scores the draft vocabulary after a
-final norm. Draft token i is target token `draft_ids[i]` (published checkpoints store
-d2t[i] = draft_ids[i] - i); tokens outside the draft vocabulary get probability 0.
+EAGLE-3 (Li et al., 2025): the residual stream entering three target layers is concatenated and
+mapped by `fc` to the head's width: the hidden input of the first draft step (later steps feed the
+head's own pre-norm output). A step normalises its token's embedding (the target's, shared) and the
+hidden input apart, concatenates them into attention's 2d-wide input, adds attention's output to the
+hidden input, runs an MLP block and scores the draft vocabulary. Draft token i is target token
+`draft_ids[i]` (checkpoints store d2t[i] = draft_ids[i] - i); other tokens get probability 0.
 
 The head's row for target position p pairs the target's features of the token at p with the
 embedding of the token at p + 1, at rotary position p, and predicts the token at p + 2.

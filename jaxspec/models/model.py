@@ -1,9 +1,8 @@
 """`jaxspec.Model`: a decoder's structure, its weights as a pytree, its config and tokenizer.
 
-The Flax NNX module is split into a static graph definition and a pure-dict parameter pytree
-(`nnx.split` / `nnx.to_pure_dict`). Every compiled function takes the parameters as a traced
-argument and rebuilds the module inside the trace with `nnx.merge`, so weights are never baked
-into a program and one compilation serves any weights of the same shapes.
+The NNX module is split into a static graph definition and a pure-dict parameter pytree; compiled
+functions take the parameters as a traced argument and `nnx.merge` them inside the trace, so one
+compilation serves any weights of the same shapes.
 """
 
 from __future__ import annotations

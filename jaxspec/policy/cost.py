@@ -9,11 +9,10 @@ shapes it has not run. The model is linear in the work that scales:
                                  + target_per_attention * attention_pairs
     speculation (any k >= 1)   = speculation_fixed + speculation_per_row * batch
 
-batched_tokens: the tokens the target runs (N * (k + 1) padded, N + C packed); context_tokens: the
-key/value slots attention reads (rows * cache length); attention_pairs: query x key products (rows
-* window * cache length: attention runs in the padded per-row layout even when the token-wise work
-is packed). The speculation terms are what a step that drafts at all pays on top (catch-up, draft
-sampling, acceptance: steps jump from k = 0 to 1 by more than from 1 to 2). Seconds.
+batched_tokens: the tokens the target runs (N * (k + 1) padded, N + C packed); context_tokens: rows
+* cache length; attention_pairs: rows * window * cache length (attention stays padded per row). The
+speculation terms are what a drafting step pays on top (steps jump from k = 0 to 1 by more than
+from 1 to 2). Seconds.
 
 `CostModel.profile` times the real decode step with the engine's step timer (`jaxspec.engine.timing`
 registers itself here) and fits the coefficients by non-negative least squares on relative errors.

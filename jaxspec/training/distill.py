@@ -2,11 +2,9 @@
 
 Shape key: b batch rows, t sequence positions, v vocabulary, n training sequences.
 
-The data are the target's own continuations of the prompts (generated once, optionally cached on
-disk): speculative decoding only asks the draft to predict the target's text. Each training step
-computes the target's logits inside it, under `stop_gradient`, so no [n, t, v] tensor is stored.
-The loss is a divergence between the two next-token distributions at the continuation positions.
-Settings, data order, checkpoints and the loop are `jaxspec.training.loop`'s.
+The data are the target's own continuations of the prompts (speculative decoding only asks the
+draft to predict the target's text). Each step computes the target's logits inside it, under
+`stop_gradient`, so no [n, t, v] tensor is stored. The loop is `jaxspec.training.loop`'s.
 """
 
 from __future__ import annotations
