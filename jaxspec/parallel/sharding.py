@@ -87,9 +87,3 @@ def constrain_cache(cache, mesh: Mesh):
     return cache.replace(k=tuple(jax.lax.with_sharding_constraint(x, spec) for x in cache.k),
                          v=tuple(jax.lax.with_sharding_constraint(x, spec) for x in cache.v),
                          lengths=jax.lax.with_sharding_constraint(cache.lengths, rows))
-
-
-def is_sharded(array) -> bool:
-    """True if no single device holds the whole array."""
-    largest = max(np.prod(s.data.shape) for s in array.addressable_shards)
-    return not array.sharding.is_fully_replicated and largest < array.size
