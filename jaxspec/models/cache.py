@@ -43,9 +43,8 @@ class KVCache:
         return self.replace(lengths=lengths.astype(jnp.int32))
 
     def move(self, src_bd: jax.Array, count_b: jax.Array, dst_start_b: jax.Array) -> KVCache:
-        """Copies, in every row b, the keys and values at slots src_bd[b, :count_b[b]] to slots
-        dst_start_b[b], dst_start_b[b] + 1, ... (an accepted draft-tree path into the contiguous
-        slots its tokens now occupy); `lengths` is unchanged. All reads happen before any write."""
+        """Copies, in every row b, the keys and values at slots src_bd[b, :count_b[b]] to the slots
+        from dst_start_b[b] on (an accepted draft-tree path); all reads happen before any write."""
         rows_b1 = jnp.arange(self.batch)[:, None]
         step_d = jnp.arange(src_bd.shape[1])
         dst_bd = jnp.where(step_d < count_b[:, None], dst_start_b[:, None] + step_d, self.max_len)

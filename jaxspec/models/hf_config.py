@@ -130,9 +130,8 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
 
 def _gemma_from_gguf(metadata: Mapping[str, Any], arch: str, num_layers: int, width_per_head: float,
                      head_dim: int | None) -> dict[str, Any]:
-    """The Gemma 2 / 3 options of a GGUF file, read as llama.cpp reads them: what the metadata
-    may not hold (the local / global layer pattern, the sliding layers' rotary base) and never
-    holds (the query scale) follows llama.cpp's fixed rules per architecture and size."""
+    """The Gemma 2 / 3 options of a GGUF file, read as llama.cpp reads them (what the metadata may
+    not hold follows llama.cpp's fixed rules per architecture and size)."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
     if not isinstance(pattern, (list, tuple)):   # a list: true for a sliding layer; n: every n-th layer is global

@@ -1,8 +1,7 @@
 """`jaxspec.load` and `Model.save`: GGUF files, HF safetensors folders, jaxspec checkpoints.
 
 A jaxspec checkpoint is a folder with `jaxspec.json` (format version, config, dtype), `params/`
-(an orbax checkpoint of the parameter pytree) and, when the model has one, `tokenizer/`
-(`save_pretrained` output).
+(an orbax checkpoint) and, when the model has one, `tokenizer/`.
 """
 
 from __future__ import annotations

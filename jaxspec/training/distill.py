@@ -115,7 +115,6 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
     tokens_nt, mask_nt = _pack(sequences, prompt_lens)
     if data_cache is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so a run killed mid-write never leaves a cache that looks complete.
         tmp = folder / "data.tmp.npz"
         np.savez(tmp, tokens=tokens_nt, mask=mask_nt)
         os.replace(tmp, data_path)
