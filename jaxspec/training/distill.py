@@ -115,7 +115,7 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
     tokens_nt, mask_nt = _pack(sequences, prompt_lens)
     if data_cache is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "data.tmp.npz"
+        tmp = folder / "data.tmp.npz"   # then renamed: a run killed mid-write leaves no cache that looks complete
         np.savez(tmp, tokens=tokens_nt, mask=mask_nt)
         os.replace(tmp, data_path)
         training.write_json(meta_path, {"settings": meta, "sequences": len(sequences)})
