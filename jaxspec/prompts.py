@@ -1,8 +1,7 @@
 """Turning user prompts into fixed-shape device inputs, with validation at the boundary.
 
-Every engine takes prompts through `prepare`, so they all accept the same inputs, reject the same
-mistakes with the same messages, and share shape buckets: prompt lengths, batch sizes and
-generation lengths are rounded up to a few sizes, so a new batch usually reuses a program.
+Every engine takes prompts through `prepare`, so they all accept and reject the same inputs, and
+share shape buckets (lengths and batch sizes rounded up to a few sizes: programs get reused).
 """
 
 from __future__ import annotations

@@ -48,9 +48,6 @@ class GenerationStats:
     mean_draft_length: float = 0.0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass
 class GenerationResult:

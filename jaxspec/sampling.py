@@ -1,8 +1,7 @@
 """Logits -> probabilities -> tokens, in float32, identical for draft and target models.
 
-Speculative decoding is lossless only if the draft distribution q and the target distribution p
-go through exactly the same transforms, so there is one function for it: `probabilities`.
-Order of transforms (as in transformers' logits warpers): temperature, then top-k, then top-p.
+Speculative decoding is lossless only if q and p go through exactly the same transforms, so one
+function, `probabilities`, applies them (as transformers' warpers): temperature, top-k, top-p.
 
 Shape key: v vocabulary; leading axes are arbitrary.
 """

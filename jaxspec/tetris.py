@@ -2,19 +2,12 @@
 
 Shape key: n rows, k draft slots per row.
 
-Wu et al. (ACL 2025) verify at most C draft tokens per step over a batch. Draft slot j of a row can
-only be accepted if slots 1..j are, so its value is the cumulative product a_1 * ... * a_j of
-per-token acceptance estimates, which never increases along a row: the C slots with the largest
-products maximise the expected accepted tokens and are a prefix of each row (the paper's heap).
-
-Here the heap is one `lax.top_k` over the [n, k] grid of cumulative log-probabilities, flattened
-position-major: `top_k` puts the lower index first among equal values, so ties go to earlier
-positions (selections stay prefixes) and equal confidences (an n-gram drafter) split the budget
-evenly across rows.
-
-The estimate a_j is a surrogate, by default the draft model's own probability (see
-`drafting.Proposal.logprob_bk` for why it stays lossless under sampling); `acceptance_logprobs`
-turns a proposal into the logprobs `select` ranks.
+Wu et al. (ACL 2025) verify at most C draft tokens per step over a batch. Slot j of a row is worth
+the cumulative product a_1 * ... * a_j of per-token acceptance estimates (by default the draft's own
+probability: `drafting.Proposal.logprob_bk`), which never increases along a row, so the C best slots
+are a prefix of each row (the paper's heap). Here the heap is one `lax.top_k` over the grid
+flattened position-major: ties go to earlier positions (selections stay prefixes), and equal
+confidences (an n-gram drafter) split the budget evenly across rows.
 """
 
 from __future__ import annotations
@@ -57,23 +50,12 @@ def select(draft_logprobs, capacity: int, budget=None) -> jax.Array:
 
 
 def select_nodes(cum_logprobs, capacity: int, budget=None, *, per_row: bool = False) -> jax.Array:
-    """Which nodes of each row's draft tree to verify: the `capacity` best of the whole batch
-    (or, with `per_row`, each row's own `capacity` best), by cumulative log-probability.
+    """bool [n, t]: the nodes of each row's draft tree to verify, the `capacity` best of the whole
+    batch (`budget` as in `select`) or, with `per_row`, of each row, by cumulative log-probability
+    `cum_logprobs` [n, t] (ancestors numbered before descendants; -inf: not to be verified).
 
-    A node can only be accepted if its ancestors are, and its cumulative estimate (the sum of log
-    estimates along its path) never exceeds its parent's: so the best C nodes maximise the
-    expected number of accepted tokens and always include their ancestors (ties go to the lower
-    node index, an ancestor's, as `select`'s go to earlier slots).
-
-    Args:
-      cum_logprobs: float [n, t]: each node's cumulative log acceptance estimate, the nodes of a
-        row numbered so that ancestors come before descendants; -inf: not to be verified.
-      capacity: static int >= 0.
-      budget: optional traced int <= capacity (the batch-wide selection only), as in `select`.
-      per_row: select `capacity` nodes in each row instead of across the batch.
-
-    Returns:
-      bool [n, t]: the selected nodes.
+    A node's cumulative estimate never exceeds its parent's, so the best C nodes maximise the
+    expected accepted tokens and include their ancestors (ties go to the lower index, an ancestor's).
     """
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
         raise ValueError(f"capacity must be a static int >= 0, got {capacity!r}")
@@ -93,18 +75,6 @@ def select_nodes(cum_logprobs, capacity: int, budget=None, *, per_row: bool = Fa
     if budget is not None:
         take &= jnp.arange(top) < budget
     return chosen.at[index % n, index // n].set(take)
-
-
-def expected_accepted(draft_logprobs, counts) -> jax.Array:
-    """Expected accepted drafts of windows `counts` under the surrogate: sum of cumulative products."""
-    cum_nk = cumulative_logprobs(draft_logprobs)
-    inside = jnp.arange(cum_nk.shape[1])[None, :] < jnp.asarray(counts)[:, None]
-    return jnp.sum(jnp.where(inside, jnp.exp(cum_nk), 0.0))
-
-
-def acceptance_logprobs(proposal, usable_bk) -> jax.Array:
-    """The default surrogate: the proposal's own log-probabilities, -inf where not usable."""
-    return jnp.where(usable_bk, proposal.logprob_bk, _NEG_INF)
 
 
 def capacity_bucket(capacity: int, rows: int, slots: int) -> int:

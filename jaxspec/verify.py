@@ -21,17 +21,9 @@ def accepted_prefix(accept_bk: jax.Array) -> jax.Array:
 
 
 def greedy_accept(draft_bk, target_logits_bkv, num_drafts_b):
-    """Longest prefix equal to the target's argmax, then the target's own token.
-
-    Args:
-      draft_bk: int [b, k] draft tokens.
-      target_logits_bkv: [b, k + 1, v]: position j scores the token after draft j (j = 0: after
-        the last committed token).
-      num_drafts_b: int [b]: how many leading drafts of each row may be accepted.
-
-    Returns:
-      (accepted count [b], next token [b]): the correction at the first mismatch, or the bonus.
-    """
+    """Longest prefix of the first `num_drafts_b` drafts equal to the target's argmax (logits
+    position j scores the token after draft j; j = 0: after the last committed token). Returns
+    (accepted count [b], next token [b]: the correction at the first mismatch, or the bonus)."""
     k = draft_bk.shape[1]
     choice_bk1 = jnp.argmax(target_logits_bkv, axis=-1).astype(jnp.int32)
     usable_bk = jnp.arange(k)[None, :] < num_drafts_b[:, None]
@@ -45,19 +37,8 @@ def rejection_accept(key_b, draft_bk, q_bkv, target_logits_bkv, num_drafts_b, sa
     Draft token x_j (drawn from q_j) is accepted with probability min(1, p_j(x_j) / q_j(x_j)).
     At the first rejection the next token is drawn from normalize(max(0, p_j - q_j)); after a full
     accept (of the row's usable drafts) the bonus token is drawn from p. The output then follows
-    the target's distribution exactly, whatever q is. p goes through the same transforms as q.
-
-    Args:
-      key_b: one PRNG key per row.
-      draft_bk: int [b, k] draft tokens.
-      q_bkv: float [b, k, v] draft distributions the tokens were drawn from (one-hot for a
-        deterministic drafter).
-      target_logits_bkv: [b, k + 1, v] target logits.
-      num_drafts_b: int [b] usable drafts per row.
-      sampling: the SamplingConfig applied to the target logits (the draft used the same).
-
-    Returns:
-      (accepted count [b], next token [b]).
+    the target's distribution exactly, whatever q is (one-hot for a deterministic drafter). p
+    goes through the same transforms (`sampling`) as q. Returns (accepted count [b], next token [b]).
     """
     b, k = draft_bk.shape
     p_bkv = probabilities(target_logits_bkv, sampling)
@@ -92,26 +73,16 @@ def accept_tree(key_b, tokens_bw, parent_bw, used_bw, target_logits_bwv, samplin
                 width: int):
     """Acceptance of a draft tree per row: the path the target's own choices follow, then one token.
 
-    Column 0 is the root (the last committed token); column j's token was proposed after its
-    parent column's path, and target_logits_bwv[b, j] scores the token after column j. The
-    children of a node must be deterministic given its path (a dynamic tree's top-W choices),
-    so each child is a one-hot proposal. Greedy: follow the child equal to the target's argmax.
-    Sampling: at a node with target distribution p, try its children in column order; child x is
-    accepted with probability p(x), else p <- normalize(p with x removed); with every child
-    rejected (or none) the next token is drawn from what remains of p. This draws exactly from p
-    at every node (SpecInfer's multi-candidate rule with one-hot proposals), so the output
-    follows the target's distribution.
+    Column 0 is the root (the last committed token); target_logits_bwv[b, j] scores the token after
+    column j. Children are deterministic given their path, so each is a one-hot proposal. Greedy:
+    follow the child equal to the target's argmax. Sampling: at a node with target distribution p,
+    try its children in column order; child x is accepted with probability p(x), else p <-
+    normalize(p with x removed); with every child rejected the next token is drawn from what
+    remains of p. This draws exactly from p at every node (SpecInfer's rule with one-hot proposals).
 
-    Args:
-      key_b: one PRNG key per row.
-      tokens_bw, parent_bw: int [b, w] each column's token and parent column (-1 at the root).
-      used_bw: bool [b, w] the verified columns (closed under ancestors).
-      target_logits_bwv: [b, w, v] target logits at every column.
-      sampling: the SamplingConfig applied to the target logits.
-      depth, width: static bounds: the longest path below the root, the most children of a node.
-
-    Returns:
-      (path [b, depth] accepted columns (0 past the count), accepted count [b], next token [b]).
+    parent_bw: each column's parent column (-1 at the root); used_bw: the verified columns (closed
+    under ancestors); depth, width: static bounds on the path below the root and on a node's
+    children. Returns (path [b, depth]: accepted columns, 0 past the count; count [b]; next token [b]).
     """
     b, w = tokens_bw.shape
     rows_b = jnp.arange(b)

@@ -126,6 +126,12 @@ def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[i
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
+def is_sharded(array) -> bool:
+    """True if no single device holds the whole array."""
+    largest = max(np.prod(s.data.shape) for s in array.addressable_shards)
+    return not array.sharding.is_fully_replicated and largest < array.size
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory, tiny_model):
     """The tiny random model as a jaxspec checkpoint folder (no tokenizer: token-id prompts)."""

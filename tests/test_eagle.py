@@ -326,7 +326,7 @@ def test_a_head_under_a_chain_level_follows_that_levels_model(vocab6_heads):
 def test_eagle_on_a_tensor_parallel_target_is_lossless(vocab6_heads):
     """The head on the target's (data 2 x tensor 2) mesh, sharded by the same rules; a separate
     draft slice is refused."""
-    from jaxspec.parallel.sharding import is_sharded
+    from conftest import is_sharded
 
     target, _, reduced = vocab6_heads
     rng = np.random.default_rng(15)

@@ -7,11 +7,10 @@ engine must reproduce the sequential one exactly under sampling too (per-request
 import jax
 import numpy as np
 import pytest
-from conftest import random_prompts
+from conftest import is_sharded, random_prompts
 
 import jaxspec
 from jaxspec.engine.sliced import balanced_split
-from jaxspec.parallel import sharding
 from jaxspec.tools.benchmarking import layer_skip_pair
 
 CFG = jaxspec.ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=4,
@@ -57,8 +56,8 @@ def test_mesh_greedy_equals_single_device(pair, prompts, reference, mesh, select
     # The big weights really are split over the target's tensor axis, not replicated.
     layer = decoder.target.params["layers"][0]
     for name in ("qkv_kxhd", "o_dnh", "gate_up_fxd", "down_df"):
-        assert sharding.is_sharded(layer[name]), name
-    assert sharding.is_sharded(decoder.target.params["lm_head_vd"])
+        assert is_sharded(layer[name]), name
+    assert is_sharded(decoder.target.params["lm_head_vd"])
     target_devices = set(mesh.target_mesh().devices.flat)
     assert layer["qkv_kxhd"].sharding.device_set == target_devices
     if mesh.separate_draft:

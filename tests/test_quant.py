@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_prompts
+from conftest import is_sharded, random_prompts
 from test_loading import write_hf_folder
 
 import jaxspec
@@ -101,10 +101,9 @@ def test_int8_speculative_greedy_equals_int8_target(int8_pair, mode):
     assert result.tokens == want
     assert result.stats.accepted_tokens > 0
     if mesh is not None:
-        from jaxspec.parallel import sharding
         layer = decoder.target.params["layers"][0]
         assert layer["gate_up_fxd"].dtype == jnp.int8
-        assert sharding.is_sharded(layer["gate_up_fxd"]) and sharding.is_sharded(layer["gate_up_fxd_scale"])
+        assert is_sharded(layer["gate_up_fxd"]) and is_sharded(layer["gate_up_fxd_scale"])
 
 
 def test_int8_loads_tensor_by_tensor_and_round_trips(tmp_path):

@@ -3,16 +3,12 @@
 A chain M1 -> M2 -> target: M1 drafts for M2, and M2's verified output (k tokens per row) is the
 draft the target verifies. Each level runs the same `speculative_step` as the outermost one.
 
-Exactness. Greedy chains reproduce the target's greedy output (every level is greedy-exact).
-With sampling, the tokens a level emits follow its model's (transformed) distribution exactly,
-which the level reports as q to the level above, whose rejection sampling is then lossless too:
-the output follows the target's distribution; only the acceptance rates depend on the levels.
+Exactness: the tokens a level emits follow its model's distribution exactly, which it reports as q
+to the level above, whose rejection sampling is then lossless too.
 
-Bookkeeping. The middle model's cache is trusted as far as the tokens it was fed agree with the
-row (it also holds this level's proposals, of which the level above keeps a prefix; plain steps
-above may have emitted others since: `catch_up` feeds those). Each propose rolls back to that
-prefix, re-feeds the token before the pending one, then runs `inner_steps(k)` inner steps; a
-row's proposal is what it emitted. An EAGLE head as the middle model's drafter follows suit.
+Bookkeeping: the middle model's cache is trusted as far as the tokens it was fed agree with the
+row (`catch_up` feeds what plain steps above emitted). Each propose rolls back to that prefix,
+re-feeds the token before the pending one, then runs `inner_steps(k)` inner steps.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """XLA:CPU matrix kernels chosen per compiled program, by measurement on the machine that decodes.
 
-XLA:CPU runs a product of a few rows (a verification of k + 1 tokens per row, a batch of rows)
-with one of several kernels (YNN's dot fusion, its own dot emitter, a library call), and the
-fastest depends on the machine and the shape. So before an engine program compiles on a CPU,
-`Probed` reads its matrix products (`dot_general`s and their shapes) from the lowered program,
-times each distinct product under every candidate option set in `CANDIDATES` (each compiled
-alone, the best of interleaved runs), and compiles the program with the candidate whose products
-take least in all, when that beats XLA's default by more than `MARGIN` (the machines' noise).
-The options reach that program alone, as its `compiler_options`; nothing process-wide changes.
-Timings are kept in `kernels.json` under `$JAXSPEC_CACHE_DIR` (default `~/.cache/jaxspec`) per
-machine (CPU model, cores, jaxlib, XLA_FLAGS) and product, so a shape is timed once per machine.
+XLA:CPU runs a product of a few rows with one of several kernels (YNN's dot fusion, its own dot
+emitter), and the fastest depends on the machine and the shape. So before an engine program
+compiles on a CPU, `Probed` times each distinct matrix product of the lowered program under every
+candidate in `CANDIDATES`, and compiles it with the options (its own `compiler_options`) whose
+products take least in all, when that beats XLA's default by more than `MARGIN` (the noise).
+Timings are kept per machine and product in `$JAXSPEC_CACHE_DIR/kernels.json` (`~/.cache/jaxspec`).
 
 `JAXSPEC_KERNELS`: unset or "probe", the above on a CPU; "xla", XLA's defaults and no probe; a
 candidate's name, that candidate for every program. Other backends always get XLA's defaults.

@@ -1,12 +1,9 @@
 """The decode loop on device: the compiled programs around the step (`jaxspec.engine.step`).
 
-Each takes the static `plans.Program`, params = (target params, draft params), and small pytrees:
-`start_on_device` prefills a batch, `run_on_device` runs a segment (steps of one plan),
-`catch_up_on_device` feeds the drafter what it missed, `refill_on_device` prefills new requests
-into rows. A segment's loop has a static trip count and no branch: rows that finish inside it are
-masked (they emit nothing) and wait for its end. Each program returns the state and a `Report`,
-the few arrays the host reads (copies: the state can be donated to the next program before the
-host reads them). The host chooses what runs next between segments (`jaxspec.engine.segments`).
+Each takes the static `plans.Program`, params = (target params, draft params) and small pytrees,
+and returns the state and a `Report`, the few arrays the host reads (copies: the state may be
+donated to the next program first). A segment's loop has a static trip count and no branch: rows
+that finish inside it are masked and wait for its end.
 """
 
 from __future__ import annotations
@@ -94,8 +91,8 @@ def open_policy(program: Program, state: DecodeState, control: Control, prior=po
 def _fresh_rows(program: Program, params, requests: Requests, control: Control,
                 prior=policy_lib.PRIOR_ALPHA) -> DecodeState:
     """Loop state for freshly prefilled rows: target and drafter caches and, under the goodput
-    policy, the acceptance counts (from `prior`) and the opening choice; the drafter then skips
-    its prefill (`Drafter.init_deferred`) and catches up if and when drafting starts."""
+    policy, the acceptance counts (from `prior`) and the opening choice (the drafter's prefill is
+    then deferred: `Drafter.init_deferred`)."""
     schedule, drafter = program.schedule, program.drafter
     tokens_bp, prompt_len_b = requests.tokens_bp, requests.prompt_len_b
     state, features_bpf = initial_state(program, params[0], requests)
@@ -123,10 +120,8 @@ def start_on_device(program: Program, params, requests: Requests, control: Contr
 
 @functools.partial(kernels.Probed, static_argnames=("program", "segment"), donate_argnums=(2,))
 def run_on_device(program: Program, params, state: DecodeState, control: Control, segment: Segment):
-    """`segment.steps` steps of plan `program.schedule.plans[segment.plan]` (a static trip count:
-    steps over rows already done change nothing but the time they take). Under the goodput
-    policy each drafting step updates the acceptance counts, plain steps age them, and the policy
-    chooses the next segment's plan at the end."""
+    """`segment.steps` steps of plan `program.schedule.plans[segment.plan]`; under the goodput
+    policy, plain steps age the acceptance counts and the policy chooses the next plan at the end."""
     plan, entry_steps = program.schedule.plans[segment.plan], state.steps
     with attention.live_slots(segment.live):
         state = jax.lax.fori_loop(0, segment.steps, lambda _, s: speculative_step(program, plan, params, s,
@@ -150,9 +145,8 @@ def catch_up_on_device(program: Program, params, state: DecodeState, width: int)
 
 @functools.partial(kernels.Probed, static_argnames=("program",), donate_argnums=(2,))
 def refill_on_device(program: Program, params, state: DecodeState, slots_r, requests: Requests, control: Control):
-    """Prefills new requests into rows `slots_r` of a running state (an out-of-range slot drops
-    its row). Everything per row is replaced; new rows start from the prior acceptance, and the
-    running plan carries on unless no row was running (the new rows' opening choice then decides)."""
+    """Prefills new requests into rows `slots_r` of a running state (an out-of-range slot drops its
+    row); the running plan carries on unless no row was running (the new rows' choice decides)."""
     prior = policy_lib.PRIOR_ALPHA if state.policy is None else state.policy.prior
     fresh = _fresh_rows(program, params, requests, control, prior)
 

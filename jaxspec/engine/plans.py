@@ -21,17 +21,10 @@ from jaxspec.spec import SpecConfig
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """The static shape of one speculative step (a compiled program).
-
-    Attributes:
-      k: draft tokens proposed per row (k + extra under TETRIS; 0 = a plain decoding step).
-      capacity: None for standard selection (every row verifies all its drafts in a padded
-        [b, k + 1] pass); else TETRIS, compiled for a packed pass of b + capacity tokens (the
-        step selects the traced `budget` <= capacity drafts).
-      threshold: confidence-threshold drafting (SpecConfig.threshold).
-      tree: a TreeShape: a draft tree per row, of which k nodes per row (standard) or `capacity`
-        across the batch (TETRIS) are verified in one packed pass.
-    """
+    """The static shape of one speculative step (a compiled program): k drafts per row (0: plain
+    decoding); `capacity` None for standard selection (a padded [b, k + 1] pass), else TETRIS (a
+    packed pass of b + capacity tokens); `threshold` (SpecConfig.threshold); `tree`, a TreeShape of
+    which k nodes per row (standard) or `capacity` across the batch (TETRIS) are verified."""
 
     k: int
     capacity: int | None = None
@@ -93,12 +86,10 @@ class Program:
 
 
 def schedule_for(spec: SpecConfig, rows: int, num_prompts: int) -> tuple[Schedule, tuple[int, ...]]:
-    """The compiled step shapes of a call over `rows` rows holding `num_prompts` requests, and
-    each plan's TETRIS budget C per step (0 for standard). A fixed TETRIS program is compiled for
-    `spec.tetris_budget` rounded up to a capacity bucket and selects exactly that budget inside it.
-    The goodput policy's candidates are every draft length 0..k (standard), or with TETRIS
-    0..k+extra-1 and the TETRIS window at a few budgets around C, each a bucket of its own; with a
-    tree, plain decoding and the tree."""
+    """The compiled step shapes of a call over `rows` rows holding `num_prompts` requests, and each
+    plan's TETRIS budget C per step (0 for standard), run in a program compiled for C's capacity
+    bucket. The goodput policy's candidates: draft lengths 0..k (standard), or with TETRIS 0..k+extra-1
+    and the TETRIS window at budgets C / 2, C and 2C; with a tree, plain decoding and the tree."""
     big_k, tetris_on = spec.draft_len, spec.selection == "tetris" and spec.draft_len > 0
     budget = spec.tetris_budget(rows, num_prompts) if tetris_on else 0
     capacity = tetris.capacity_bucket(budget, rows, big_k) if tetris_on else None
@@ -133,8 +124,6 @@ def plan_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelined: b
 
 
 def cache_length(prompt_width: int, out_len: int, max_new: int, k: int) -> int:
-    """Slots of a decode call's caches: the padded prompts, then at least max_new + k + 1 (a row
-    with one token left verifies a window of k drafts past it), rounded up to 8. The output
-    bucket, a power of two, mostly has that room already (a chain's inner level may write
-    further; those writes are dropped and would hold only tokens past a row's budget)."""
+    """Slots of a decode call's caches: the padded prompts, then the output bucket or at least
+    max_new + k + 1 (a row with one token left verifies k drafts past it), rounded up to 8."""
     return prompt_width + max(out_len, -(-(max_new + k + 1) // 8) * 8)

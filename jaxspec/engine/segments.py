@@ -1,15 +1,10 @@
 """The host's side of the segment loop: which segment runs next, when to read, what to refill.
 
-The device runs segments (`loop.run_on_device`: S steps of one plan, no branch, no host round
-trip inside). The host reads each segment's `loop.Report` once. It keeps one segment ahead: while
-segment n runs, n + 1 is already queued (the next segment of the same plan needs nothing from the
-host), so reading and bookkeeping overlap the device's work. It reads everything in flight before
-queuing more where the device needs the host: a finished row to refill, the policy's choice of
-another plan (which so takes effect one segment late), or a batch that may finish meanwhile.
-
-Attention reads a static number of cache slots per segment (`loop.Segment.live`): the padded
-prompts, the most tokens a row had emitted, and what the segments in flight may add, rounded up
-to a power of two blocks (`attention.BLOCK`): a few programs per plan, the same for calls alike.
+The host reads each segment's `loop.Report` once and keeps one segment ahead: while segment n runs,
+n + 1 of the same plan is already queued, so reading overlaps the device's work. It reads all in
+flight first where the device needs the host: a row to refill, another plan chosen by the policy
+(which so takes effect one segment late), or a batch that may finish meanwhile. Attention reads a
+static number of cache slots per segment (`loop.Segment.live`), rounded up to a power of two blocks.
 """
 
 from __future__ import annotations

@@ -3,18 +3,13 @@
 Shape key: b rows, p padded prompt length, l sequence-buffer slots, k draft tokens, o output slots,
 v vocabulary.
 
-One step, for every row at its own length:
-  1. draft: the drafter proposes k tokens (and the distributions they came from);
-  2. select and verify: standard selection scores [pending, d_1 .. d_k] in one padded forward;
-     TETRIS picks each row's window across the batch and scores those tokens in a packed forward;
-  3. accept: greedy matching or lossless rejection sampling picks a prefix plus one token;
-  4. bookkeeping: emitted tokens go to the output and sequence buffers (cut at eos and at the
-     row's budget); the target cache commits exactly the tokens it kept (rolling back the rest is
-     not covering them with `lengths`).
-`draft_phase` is 1, `verify_phase` 2-4; `speculative_step` composes them, and the two-slice engine
-(`jaxspec.engine.sliced`) runs them on two device slices. `plain_step` is a step without drafts.
-Every function takes the static `plans.Program`, the step's `StepPlan`, params = (target params,
-draft params) and the state (which carries each row's budget, RNG key and the stop token).
+One step, for every row at its own length: `draft_phase` proposes k tokens (and their
+distributions); `verify_phase` scores [pending, d_1 .. d_k] in one padded forward (standard) or the
+windows TETRIS picks across the batch in a packed one, accepts a prefix plus one token (greedy or
+lossless rejection sampling), writes the emitted tokens (cut at eos and the budget) and commits
+exactly those to the target's cache. `speculative_step` composes the two phases (the two-slice
+engine runs them on two slices); `plain_step` is a lean step without drafts (the general path
+costs more at k = 0).
 """
 
 from __future__ import annotations
@@ -138,8 +133,7 @@ def _step_keys(state_or_view, tag: int):
 
 @struct.dataclass
 class DraftView:
-    """What the drafter's side reads of the target's: token ids, positions and RNG, so that
-    drafting can run on another device slice (`jaxspec.engine.sliced`)."""
+    """What the drafter's side reads of the target's state (so drafting can run on another slice)."""
 
     seq_bl: jax.Array
     pending_b: jax.Array      # each row's last emitted token's position
@@ -153,8 +147,8 @@ class DraftView:
 
 
 def draft_phase(program: Program, plan: StepPlan, draft_params, draft_state, view: DraftView):
-    """Step part 1, the drafter's side: propose `plan.k` tokens (or a tree) per row; returns the
-    Proposal (or Tree), all the target's side needs, and the drafter's state."""
+    """Step part 1, the drafter's side: (the Proposal of `plan.k` tokens, or a Tree, per row; the
+    drafter's state)."""
     drafter, sampling = program.drafter, program.sampling
     if plan.k == 0:
         return empty_proposal(view.seq_bl.shape[0]), draft_state
@@ -166,15 +160,9 @@ def draft_phase(program: Program, plan: StepPlan, draft_params, draft_state, vie
 
 def verify_phase(program: Program, plan: StepPlan, params, state: DecodeState, proposal: Proposal,
                  budget=None) -> DecodeState:
-    """Step part 2, the target's side: select -> verify -> accept -> commit, for every row.
-
-    Args:
-      plan: the step's static shape; plan.k must equal the proposal's length.
-      params: (target params, draft params); the draft's are used only by a drafter with
-        `feature_layers` (EAGLE), which absorbs the target's features of the kept tokens here.
-      proposal: what `draft_phase` proposed from this same state.
-      budget: traced number of drafts TETRIS may select (<= plan.capacity; default all of it).
-    """
+    """Step part 2, the target's side: select -> verify -> accept -> commit, for every row, of what
+    `draft_phase` proposed from this state (an EAGLE drafter also absorbs the target's features of
+    the kept tokens). `budget`: the drafts TETRIS may select (traced, <= plan.capacity; default all)."""
     if plan.tree is not None:
         return tree_verify_phase(program, plan, params, state, proposal, budget)
     if plan.k == 0 and not program.record:
@@ -262,32 +250,29 @@ def plain_step(program: Program, params, state: DecodeState) -> DecodeState:
 
 
 def speculative_step(program: Program, plan: StepPlan, params, state: DecodeState, budget=None) -> DecodeState:
-    """One draft -> select -> verify -> accept -> commit step for every row: `draft_phase`, then
-    `verify_phase` (which the two-slice engine runs on two device slices)."""
+    """One draft -> select -> verify -> accept -> commit step for every row."""
     proposal, draft_state = draft_phase(program, plan, params[1], state.draft_state, DraftView.of(state))
     return verify_phase(program, plan, params, state.replace(draft_state=draft_state), proposal, budget)
 
 
 def _tetris_verify(program: Program, plan: StepPlan, target_params, state: DecodeState, proposal: Proposal,
                    window_bk1, budget):
-    """TETRIS: choose each row's window across the batch, then verify exactly those tokens, packed.
-    A slot is usable if it is a real proposal, its row is live, and what it could emit fits in the
-    row's budget. Returns (window lengths, (logits [b, k + 1, v], target cache[, features]))."""
+    """TETRIS: choose each row's window across the batch among the usable slots (real proposals of
+    live rows whose emission fits the budget), then verify exactly those tokens, packed."""
     b, k = window_bk1.shape[0], plan.k
     j = jnp.arange(k)[None, :]
     remaining_b = state.max_new_b - state.n_out_b
     usable_bk = (j < proposal.num_drafts_b[:, None]) & ~state.done_b[:, None] & (j + 2 <= remaining_b[:, None])
-    verify_b = tetris.select(tetris.acceptance_logprobs(proposal, usable_bk), plan.capacity, budget)
+    verify_b = tetris.select(jnp.where(usable_bk, proposal.logprob_bk, -jnp.inf), plan.capacity, budget)
     return verify_b, forward_packed(program.target, target_params, window_bk1, verify_b + 1, state.target_cache,
                                     b + plan.capacity, program.features)
 
 
 def tree_verify_phase(program: Program, plan: StepPlan, params, state: DecodeState, tree: Tree,
                       budget=None) -> DecodeState:
-    """`verify_phase` for a draft tree: select nodes (each row's k best, or the batch's `capacity`
-    best), verify them with the root in one packed pass, accept a path (`verify.accept_tree`),
-    move its keys and values into the slots after the pending token, commit; an EAGLE drafter
-    absorbs the target's features of the root and the accepted path."""
+    """`verify_phase` for a draft tree: verify the selected nodes with the root in one packed pass,
+    accept a path (`verify.accept_tree`) and move its keys and values into the slots after the
+    pending token."""
     b, shape = state.seq_bl.shape[0], plan.tree
     depth_w = jnp.asarray(shape.depth_w())
     live_b = ~state.done_b
@@ -347,9 +332,8 @@ def prefill(graphdef, params, requests: Requests, sampling: SamplingConfig, cach
 
 
 def initial_state(program: Program, target_params, requests: Requests) -> tuple[DecodeState, jax.Array | None]:
-    """The target's prefill and first token, and the loop state before the first step (no
-    drafter state yet); also the prompt's features of the drafter's `features` layers, or None.
-    The target's cache is laid out on `program.mesh` (rows over data, kv heads over tensor)."""
+    """The target's prefill and the loop state before the first step (no drafter state yet), and
+    the prompt's features of the drafter's `features` layers, or None."""
     tokens_bp, (b, p) = requests.tokens_bp, requests.tokens_bp.shape
     cache, first_b, n_out_b, done_b, features_bpf = prefill(program.target, target_params, requests, program.sampling,
                                                             program.cache_len, program.features)

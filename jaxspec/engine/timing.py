@@ -1,9 +1,7 @@
 """Timing of real decode steps, for the cost model's profiler (`CostModel.profile`).
 
-A step is timed as the decode loop runs it (`loop.run_on_device`, a segment of that many steps),
-after warm-up, as the difference between a loop of 1 + `iterations` steps and one of 1 step, so a
-call's own cost (dispatch, the round trip) is not counted as a step's. `time_points` times a grid
-of shapes in shuffled passes and registers itself with `jaxspec.policy.cost`, which only fits.
+A step is timed inside the decode loop (`loop.run_on_device`) as the difference between a segment
+of 1 + `iterations` steps and one of 1 step, so a call's own cost is not counted as a step's.
 """
 
 from __future__ import annotations
@@ -52,9 +50,8 @@ def cache_len_for(context: int, k: int, iterations: int) -> int:
 def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, iterations: int, seed: int,
                context: int | None = None, compiler_options: dict | None = None):
     """Prefills `batch` rows (`context` tokens each; default: as many as leave room for the timed
-    steps) and returns a function timing `steps` steps from them, compiled on first use (with XLA's
-    `compiler_options`) and kept with that moment's settings (`attention.ATTENTION`); `hlo_text()`
-    gives its text."""
+    steps) and returns a function timing `steps` steps from them, compiled on first use (with
+    `compiler_options`); `hlo_text()` gives its text."""
     out_len = prompts_lib.bucket_length((iterations + 1) * (k + 1) + 2)
     room = cache_len - out_len - prompts_lib.bucket_length(k + 2, 8)
     prompt_len = room if context is None else context
@@ -94,10 +91,9 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
 
 
 def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0) -> list[tuple]:
-    """Times the decode step at each `(batch, k, cache_len)` shape in `passes` passes over all the
-    shapes, each in a fresh shuffled order (a machine's drift spreads as noise), and returns
-    `(batch, k, cache_len, seconds)` with the median over passes (which drops a stalled pass).
-    `draft`: a Model, a drafter (an `EagleDrafter`), or None: drafts come from n-gram lookup."""
+    """`(batch, k, cache_len, seconds)` of the decode step at each `(batch, k, cache_len)` shape: the
+    median of `passes` passes in fresh shuffled orders (a machine's drift spreads as noise). `draft`:
+    a Model, a drafter (an `EagleDrafter`), or None: drafts come from n-gram lookup."""
     if not isinstance(target, Model):
         raise ValueError(f"target must be a jaxspec.Model, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, (Model, Drafter)):
@@ -119,10 +115,9 @@ def time_points(target: Model, draft, shapes, *, passes: int = 3, seed: int = 0)
 
 
 def side_by_side(jobs) -> list:
-    """Runs zero-argument callables in threads, one per core this process may use, and returns
-    their results in order (JAX's compilation and dispatch are thread-safe; one compilation
-    leaves cores idle). On CPU only: on a GPU one thread's first run of a program aborts the
-    process while another captures a CUDA graph (XLA 0.11, H200), so there they run in turn."""
+    """Runs zero-argument callables in threads, one per core, and returns their results in order
+    (one compilation leaves cores idle). On CPU only: on a GPU one thread's first run of a program
+    aborts the process while another captures a CUDA graph (XLA 0.11), so there they run in turn."""
     jobs = list(jobs)
     if len(jobs) < 2 or jax.default_backend() != "cpu":
         return [job() for job in jobs]

@@ -17,12 +17,10 @@ import jax.numpy as jnp
 
 _F32 = jnp.float32
 
-# How attention over the cache runs: "plain" (batched dots over the whole buffer, the reference), "blocked" (the
-# same over a static count of `BLOCK`-slot blocks up to the `live_slots` bound, merged with an online softmax),
-# "xla" / "cudnn" (`jax.nn.dot_product_attention`; cuDNN's flash attention skips the key blocks past each row's
-# live length), or "auto": cuDNN on a GPU in bfloat16 / float16 where its head sizes allow, else blocked
-# (docs/results/bench_attention.md). Attention without a cache (prefill, `Model.logits`) runs plain unless an
-# SDPA implementation is chosen. Read when a program is traced: set it before the first compile (or clear caches).
+# How attention over the cache runs: "plain" (batched dots over the whole buffer), "blocked" (`BLOCK`-slot blocks
+# up to the `live_slots` bound, merged with an online softmax), "xla" / "cudnn" (`jax.nn.dot_product_attention`),
+# or "auto": cuDNN on a GPU in bfloat16 / float16 where its head sizes allow, else blocked (without a cache: plain).
+# Read when a program is traced: set it before the first compile (or clear caches).
 ATTENTION = "auto"
 BLOCK = 128
 _LIVE_SLOTS = contextvars.ContextVar("live_slots", default=None)   # per thread: parallel traces
@@ -30,10 +28,9 @@ _LIVE_SLOTS = contextvars.ContextVar("live_slots", default=None)   # per thread:
 
 @contextlib.contextmanager
 def live_slots(n: int | None):
-    """Trace under the contract that no row of any cache attended has more than n live slots (a Python int;
-    None: no bound), so the blocked path reads ceil(n / BLOCK) blocks, a static trip count (a traced one blocks
-    a GPU's host every iteration). A row past n silently loses keys: the engine guarantees n, and keys its
-    programs on n (a jitted function's cache does not see it)."""
+    """Trace under the contract that no row of any cache attended has more than n live slots (None: no
+    bound), so the blocked path reads a static ceil(n / BLOCK) blocks. A row past n silently loses keys:
+    the engine guarantees n, and keys its programs on n (a jitted function's cache does not see it)."""
     token = _LIVE_SLOTS.set(n)
     try:
         yield
@@ -74,13 +71,10 @@ def attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, opts: Options = Options()
 
 
 def attend_cache(q_btnh, k_bskh, v_bskh, q_pos_bt, live_b, opts: Options = Options(), tree=None):
-    """`attend` against a cache buffer, whose slot j holds the token at position j; no key past `live_b[b]`
-    slots can be visible to row b, so only those need reading (cuDNN reads up to the longest live row, the
-    blocked path up to `live_slots` from the window's first block, the plain path the whole buffer).
-
-    `tree` = (base_b, ancestor_btt): the t queries are the nodes of a draft tree written at slots base_b + j
-    (their positions q_pos_bt need not be their slots); query i sees the committed slots below base_b (within
-    the window) and tree slot j iff ancestor_btt[b, i, j] (its ancestors and itself)."""
+    """`attend` against a cache buffer whose slot j holds the token at position j; no key past `live_b[b]`
+    slots can be visible to row b. `tree` = (base_b, ancestor_btt): the queries are a draft tree's nodes,
+    written at slots base_b + j; query i sees the committed slots below base_b and tree slot j iff
+    ancestor_btt[b, i, j]."""
     impl = attention_impl(q_btnh.dtype, q_btnh.shape[-1])
     with jax.named_scope("attention"):
         if impl == "blocked":

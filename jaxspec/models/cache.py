@@ -2,14 +2,10 @@
 
 Shape key: b batch rows, s cache slots (= positions), k kv heads, h head dim.
 
-Per layer, one key and one value buffer of shape [b, s, k, h] (tuples indexed by layer): separate
-buffers let each block update its own in place.
-
-Slot j of row b holds the key/value of the token at position j. A forward pass *writes* the new
-tokens at slots `lengths[b] + t` but does not move `lengths`; the caller *commits* how many of them
-to keep (all of a prefill, the accepted prefix of a speculative window). Undoing rejected tokens is
-therefore only lowering `lengths`; entries past a row's length are stale and are never read,
-because attention only looks at slots at or before each query's own position.
+Per layer, one key and one value buffer [b, s, k, h], so each block updates its own in place. Slot
+j of row b holds the token at position j. A forward pass writes new tokens at slots `lengths[b] + t`
+without moving `lengths`; the caller commits how many to keep, so undoing rejected tokens is only
+lowering `lengths` (entries past it are stale and never read).
 """
 
 from __future__ import annotations
@@ -47,9 +43,8 @@ class KVCache:
         return self.replace(lengths=lengths.astype(jnp.int32))
 
     def move(self, src_bd: jax.Array, count_b: jax.Array, dst_start_b: jax.Array) -> KVCache:
-        """Copies, in every row b, the keys and values at slots src_bd[b, :count_b[b]] to slots
-        dst_start_b[b], dst_start_b[b] + 1, ... (an accepted draft-tree path into the contiguous
-        slots its tokens now occupy); `lengths` is unchanged. All reads happen before any write."""
+        """Copies, in every row b, the keys and values at slots src_bd[b, :count_b[b]] to the slots
+        from dst_start_b[b] on (an accepted draft-tree path); all reads happen before any write."""
         rows_b1 = jnp.arange(self.batch)[:, None]
         step_d = jnp.arange(src_bd.shape[1])
         dst_bd = jnp.where(step_d < count_b[:, None], dst_start_b[:, None] + step_d, self.max_len)

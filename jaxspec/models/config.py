@@ -1,7 +1,6 @@
 """Model configuration: one frozen dataclass for every supported family, and the presets.
 
-Field names follow Hugging Face's (`hidden_size`, `num_kv_heads`, ...) so a config reads the same
-here as in a `config.json`; reading HF config dicts and GGUF metadata is `jaxspec.models.hf_config`.
+Field names follow Hugging Face's; reading HF config dicts and GGUF metadata is `hf_config`'s.
 """
 
 from __future__ import annotations

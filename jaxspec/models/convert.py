@@ -1,11 +1,9 @@
 """Checkpoint conversion as one declarative table: jaxspec param <-> HF tensor <-> GGUF tensor.
 
 Each row names a jaxspec weight, its tensor name in a transformers checkpoint and in a llama.cpp
-GGUF file (`{i}` = layer index), and how the HF layout ([out, in] matrices, fused head axes)
-maps onto ours (the same [out, in] order, head axes apart: q [n, h, d]; an EAGLE-3 head's is
-[in, out]). Loaders and writers walk this table
-(and `EAGLE3_RULES`, an EAGLE-3 head's); nothing else knows tensor names. The table and checkpoints
-keep q/k/v and gate/up apart; `fuse_layers` / `unfuse_layers` map to and from the fused blocks.
+GGUF file (`{i}` = layer index), and how the HF layout maps onto ours (`_LAYOUTS`). Loaders and
+writers walk this table (and `EAGLE3_RULES`); nothing else knows tensor names. Checkpoints keep
+q/k/v and gate/up apart; `fuse_layers` / `unfuse_layers` map to and from the fused blocks.
 """
 
 from __future__ import annotations
@@ -20,47 +18,19 @@ import numpy as np
 
 from jaxspec.models.config import ModelConfig
 
-# --- layout transforms: HF layout -> ours, and the shape HF uses for a given jaxspec shape ---
-
-
-def _identity(x, cfg):
-    return x
-
-
-def _in_heads(x, cfg):  # [heads*h, d] -> [d, heads, h] (an EAGLE-3 head's layout)
-    return x.T.reshape(x.shape[1], -1, cfg.resolved_head_dim)
-
-
-def _in_heads_inv(x, cfg):  # [d, heads, h] -> [heads*h, d]
-    return x.reshape(x.shape[0], -1).T
-
-
-def _out_heads(x, cfg):  # [d, n*h] -> [n, h, d]
-    return x.T.reshape(-1, cfg.resolved_head_dim, x.shape[0])
-
-
-def _out_heads_inv(x, cfg):  # [n, h, d] -> [d, n*h]
-    return x.reshape(-1, x.shape[-1]).T
-
-
-def _transpose(x, cfg):
-    return x.T
-
-
-def _heads(x, cfg):  # [heads*h, ...] -> [heads, h, ...] (q/k/v weights and biases)
-    return x.reshape(-1, cfg.resolved_head_dim, *x.shape[1:])
-
-
-def _heads_inv(x, cfg):
-    return x.reshape(-1, *x.shape[2:])
-
-
-def _last_heads(x, cfg):  # [d, n*h] -> [d, n, h] (the output projection)
-    return x.reshape(x.shape[0], -1, cfg.resolved_head_dim)
-
-
-def _last_heads_inv(x, cfg):
-    return x.reshape(x.shape[0], -1)
+# Layouts: name -> (HF layout -> ours, ours -> HF), given the head dim h.
+_LAYOUTS = {
+    "": (lambda x, h: x, lambda x, h: x),
+    "T": (lambda x, h: x.T, lambda x, h: x.T),
+    # [n*h, ...] <-> [n, h, ...] (q/k/v weights and biases)
+    "heads": (lambda x, h: x.reshape(-1, h, *x.shape[1:]), lambda x, h: x.reshape(-1, *x.shape[2:])),
+    # [d, n*h] <-> [d, n, h] (the output projection)
+    "last_heads": (lambda x, h: x.reshape(x.shape[0], -1, h), lambda x, h: x.reshape(x.shape[0], -1)),
+    # [n*h, d] <-> [d, n, h] (an EAGLE-3 head's q/k/v)
+    "in_heads": (lambda x, h: x.T.reshape(x.shape[1], -1, h), lambda x, h: x.reshape(x.shape[0], -1).T),
+    # [d, n*h] <-> [n, h, d] (an EAGLE-3 head's output projection)
+    "out_heads": (lambda x, h: x.T.reshape(-1, h, x.shape[0]), lambda x, h: x.reshape(-1, x.shape[-1]).T),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +40,7 @@ class WeightRule:
     ours: tuple[str, ...]  # per-layer rules: ("layers", <name>...) means params["layers"][i][<name>...]
     hf: str                # or, per architecture, `hf_by_arch`
     gguf: str
-    to_ours: Callable = _identity
-    to_hf: Callable = _identity
+    layout: str = ""       # a `_LAYOUTS` name
     per_layer: bool = False
     present: Callable[[ModelConfig], bool] = lambda cfg: True
     # llama.cpp stores Llama q/k rows permuted for its rope layout; None = no permutation.
@@ -80,6 +49,12 @@ class WeightRule:
 
     def hf_name(self, cfg: ModelConfig) -> str:
         return dict(self.hf_by_arch).get(cfg.architecture, self.hf)
+
+    def to_ours(self, x, cfg: ModelConfig):
+        return _LAYOUTS[self.layout][0](x, cfg.resolved_head_dim)
+
+    def to_hf(self, x, cfg: ModelConfig):
+        return _LAYOUTS[self.layout][1](x, cfg.resolved_head_dim)
 
 
 # Fused block weight -> the separate ones checkpoints hold, in its order (`decoder.Block`); int8 scales alike.
@@ -96,8 +71,8 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule(("layers", "attn_norm", "scale"), _L + "input_layernorm.weight", "blk.{i}.attn_norm.weight",
                per_layer=True),
     # q, k, v and their biases (Qwen2): apart here and in checkpoints, fused in blocks (`_FUSED`).
-    *(WeightRule(("layers", ours), _L + f"self_attn.{x}_proj.{kind}", f"blk.{{i}}.attn_{x}.{kind}", _heads,
-                 _heads_inv, per_layer=True, gguf_heads=heads, **({"present": _has_bias} if kind == "bias" else {}))
+    *(WeightRule(("layers", ours), _L + f"self_attn.{x}_proj.{kind}", f"blk.{{i}}.attn_{x}.{kind}", "heads",
+                 per_layer=True, gguf_heads=heads, **({"present": _has_bias} if kind == "bias" else {}))
       for kind, fused in (("weight", "qkv_kxhd"), ("bias", "qkv_bias_kxh"))
       for ours, x, heads in zip(_FUSED[fused], "qkv", (_q_heads, _kv_heads, None))),
     WeightRule(("layers", "q_norm", "scale"), _L + "self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight",
@@ -105,7 +80,7 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule(("layers", "k_norm", "scale"), _L + "self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight",
                per_layer=True, present=_qk_norm),
     WeightRule(("layers", "o_dnh"), _L + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight",
-               _last_heads, _last_heads_inv, per_layer=True),
+               "last_heads", per_layer=True),
     WeightRule(("layers", "mlp_norm", "scale"), _L + "post_attention_layernorm.weight",
                "blk.{i}.ffn_norm.weight", per_layer=True,
                hf_by_arch=tuple((a, _L + "pre_feedforward_layernorm.weight") for a in ("gemma2", "gemma3_text"))),
@@ -121,19 +96,19 @@ RULES: tuple[WeightRule, ...] = (
 # weights as vLLM and SGLang read them; it has no GGUF form.
 _M = "midlayer."
 EAGLE3_RULES: tuple[WeightRule, ...] = (
-    WeightRule(("fc_fd",), "fc.weight", "", _transpose, _transpose),
-    WeightRule(("q_xnh",), _M + "self_attn.q_proj.weight", "", _in_heads, _in_heads_inv),
-    WeightRule(("k_xkh",), _M + "self_attn.k_proj.weight", "", _in_heads, _in_heads_inv),
-    WeightRule(("v_xkh",), _M + "self_attn.v_proj.weight", "", _in_heads, _in_heads_inv),
-    WeightRule(("o_nhd",), _M + "self_attn.o_proj.weight", "", _out_heads, _out_heads_inv),
-    WeightRule(("gate_du",), _M + "mlp.gate_proj.weight", "", _transpose, _transpose),
-    WeightRule(("up_du",), _M + "mlp.up_proj.weight", "", _transpose, _transpose),
-    WeightRule(("down_ud",), _M + "mlp.down_proj.weight", "", _transpose, _transpose),
+    WeightRule(("fc_fd",), "fc.weight", "", "T"),
+    WeightRule(("q_xnh",), _M + "self_attn.q_proj.weight", "", "in_heads"),
+    WeightRule(("k_xkh",), _M + "self_attn.k_proj.weight", "", "in_heads"),
+    WeightRule(("v_xkh",), _M + "self_attn.v_proj.weight", "", "in_heads"),
+    WeightRule(("o_nhd",), _M + "self_attn.o_proj.weight", "", "out_heads"),
+    WeightRule(("gate_du",), _M + "mlp.gate_proj.weight", "", "T"),
+    WeightRule(("up_du",), _M + "mlp.up_proj.weight", "", "T"),
+    WeightRule(("down_ud",), _M + "mlp.down_proj.weight", "", "T"),
     WeightRule(("input_norm", "scale"), _M + "input_layernorm.weight", ""),
     WeightRule(("hidden_norm", "scale"), _M + "hidden_norm.weight", ""),
     WeightRule(("mlp_norm", "scale"), _M + "post_attention_layernorm.weight", ""),
     WeightRule(("final_norm", "scale"), "norm.weight", ""),
-    WeightRule(("lm_head_dw",), "lm_head.weight", "", _transpose, _transpose),
+    WeightRule(("lm_head_dw",), "lm_head.weight", "", "T"),
 )
 
 def _unpermute_gguf(x: np.ndarray, n_head: int) -> np.ndarray:
@@ -144,19 +119,10 @@ def _unpermute_gguf(x: np.ndarray, n_head: int) -> np.ndarray:
 
 def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.ndarray],
                     names: Collection[str], *, source: str, convert_leaf: Callable) -> dict:
-    """Builds jaxspec params from named checkpoint tensors.
-
-    Args:
-      cfg: the model config (decides which weights exist).
-      our_shapes: nested dict of the expected jaxspec params (anything with `.shape`).
-      get: reads one tensor (float numpy, HF layout) by name.
-      names: every tensor name in the checkpoint (to report unexpected ones).
-      source: "hf" or "gguf" (which name column of `RULES` to use), or "eagle" (`EAGLE3_RULES`).
-      convert_leaf: (numpy weight in our layout, its params path) -> what the params store.
-
-    Raises:
-      ValueError: a tensor is missing, unexpected, or of the wrong shape (named, both shapes).
-    """
+    """jaxspec params (`our_shapes` gives their shapes) from the checkpoint tensors `names`, read
+    by `get(name)` (float numpy, HF layout) and stored as `convert_leaf(weight in our layout, its
+    path)`; `source`: "hf" or "gguf" (a name column of `RULES`), or "eagle" (`EAGLE3_RULES`). A
+    ValueError names a missing, unexpected or misshapen tensor."""
     names = set(names)
     used: set[str] = set()
     params: dict = {}

@@ -4,19 +4,11 @@ whose differences are options of `ModelConfig`.
 Shape key: b batch, t new tokens, s cache slots, d model width, n query heads, k kv heads,
 g query heads per kv head, h head dim, f MLP width, v vocabulary, l layers, x fused: a block runs
 q/k/v as one matrix [k, g + 2, h, d] and gate/up as one [f, 2, d], one dot each (checkpoints keep
-them apart: `convert.fuse_layers`); behind the sharded axis, so tensor-parallel shards stay whole.
-Matrices are stored [out axes..., in axes...] (as HF stores them), the layout whose dot is fastest
-for a few rows on a CPU (`quant.matmul`).
-
-Every parameter carries logical axis names in its `axes` metadata (`embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`, `fused`); `jaxspec.parallel` maps them to mesh axes. Blocks are kept as separate
-modules and unrolled: decoding is bound by reading weights, and slicing one layer out of stacked
-weights under `lax.scan` costs a copy of that layer on CPU. The KV cache is a tuple of per-layer
-buffers; each block writes and reads its own.
-
-Numerics: weights and activations in the compute dtype (float32 or bfloat16); RMSNorm statistics,
-rotary angles, attention softmax and logits in float32. With `quantized`, the matrices are int8
-with per-output-channel float32 scales (`jaxspec.models.quant`).
+them apart: `convert.fuse_layers`). Matrices are stored [out axes..., in axes...], as HF stores
+them (`quant.matmul`). Every parameter carries logical axis names (`axes` metadata) for
+`jaxspec.parallel`. Blocks are unrolled, not scanned: slicing one layer out of stacked weights
+costs a copy of it on CPU. Weights and activations are in the compute dtype; norm statistics,
+rotary angles, softmax and logits in float32.
 """
 
 from __future__ import annotations
@@ -104,11 +96,8 @@ def rotary(x_mah, pos_m, theta: float, scaling: tuple | None = None):
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder block: attention with GQA and RoPE, then a SwiGLU MLP.
-
-    The block is split at attention so the caller decides where keys and values come from (the
-    cache, or the tokens themselves) and in which layout attention runs.
-    """
+    """One pre-norm decoder block: attention with GQA and RoPE, then a SwiGLU MLP, split at attention
+    so the caller decides where keys and values come from and in which layout attention runs."""
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, quantized: bool = False, layer: int = 0):
         d, n, k = config.hidden_size, config.num_heads, config.num_kv_heads
@@ -142,11 +131,8 @@ class Block(nnx.Module):
                                 quant.BLOCK_MATRICES[name])
 
     def qkv(self, x_md, pos_m):
-        """Queries, keys and values (rotated) of m tokens at positions pos_m, from one dot.
-
-        Token-wise work runs on a flat [m, d] buffer with 2-D weight views: XLA's CPU dot is
-        slower on the equivalent multi-axis einsums.
-        """
+        """Queries, keys and values (rotated) of m tokens at positions pos_m, from one dot over a flat
+        [m, d] buffer (XLA's CPU dot is slower on the equivalent multi-axis einsums)."""
         m, kv = x_md.shape[0], self.qkv_kxhd.shape[0]
         qkv = self._mm(self.attn_norm(x_md), "qkv_kxhd").reshape(m, kv, -1, self.head_dim)
         qkv = qkv if self.qkv_bias_kxh is None else qkv + self.qkv_bias_kxh[...]   # Qwen2's biases, fused alike
@@ -209,10 +195,9 @@ class Decoder(nnx.Module):
             return logits.reshape(*lead, -1)
 
     def _run_blocks(self, x_md, body, features=()):
-        """Runs the blocks, `body(block, x_md, i)` -> (x_md, anything: this layer's keys and values);
-        returns the last x_md, the list of the bodies' second outputs, and with `features` (static
-        layer indices) the residual stream entering each of those layers, concatenated in the given
-        order along the last axis ([m, len(features) * d]; the inputs of EAGLE-3 heads), else None."""
+        """Runs the blocks, `body(block, x_md, i)` -> (x_md, this layer's keys and values); returns the
+        last x_md, the bodies' second outputs, and the residual stream entering each of the `features`
+        layers, concatenated in that order ([m, len(features) * d], an EAGLE-3 head's input), or None."""
         captured, outputs = [], []
         for i, block in enumerate(self.layers):
             captured += [x_md] * features.count(i)
@@ -235,14 +220,9 @@ class Decoder(nnx.Module):
         return x_md.reshape(b, t, -1), _rows(feats, b)
 
     def hidden_cached(self, tokens_bt, cache: KVCache, empty: bool = False, features=()):
-        """Final hidden states of t new tokens per row, written at slots lengths[b] + t.
-
-        Returns the hidden states and the cache with the new keys/values written; `lengths` is
-        unchanged (the caller commits how many tokens to keep). `empty` (static): the cache holds
-        nothing yet (every length 0, a prefill), so the tokens attend to each other only, not to
-        the whole buffer: a prefill then costs the same whatever the cache's size. Also returns
-        the `features` layers' inputs [b, t, f], or None (`_run_blocks`).
-        """
+        """Final hidden states of t new tokens per row, the cache with their keys and values written
+        at slots lengths[b] + t (`lengths` unchanged), and the `features` layers' inputs or None.
+        `empty` (static, a prefill): the tokens attend to each other only, not to the whole buffer."""
         b, t = tokens_bt.shape
         pos_bt = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
         rows_bt = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
@@ -265,15 +245,9 @@ class Decoder(nnx.Module):
         return x_md.reshape(b, t, -1), cache.replace(k=ks, v=vs), _rows(feats, b)
 
     def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int, features=(), tree=None):
-        """Final hidden states of ragged windows packed into one flat buffer of m tokens.
-
-        Token m is column col_m of row row_m's window, written at slot lengths[row] + col and, for
-        a chain, at that position; a column of `width` marks an unused slot of the buffer.
-        Token-wise work (projections, MLP) runs on the m packed tokens only; attention alone
-        scatters the queries into a padded [b, width] layout and gathers its outputs back. Keys
-        and values of used slots are written to the cache; `lengths` is unchanged. `tree`: a draft
-        tree, as for `forward_packed`. Also returns the `features` layers' inputs [m, f], or None.
-        """
+        """`hidden_cached` of ragged windows packed into one flat buffer: token m is column col_m
+        (`width`: unused) of row row_m's window, at slot lengths[row] + col. Only attention runs in
+        the padded [b, width] layout. `tree`: as for `forward_packed`."""
         b = cache.batch
         used_m = col_m < width
         read_col_m = jnp.minimum(col_m, width - 1)

@@ -3,19 +3,15 @@
 Shape key: b rows, t tokens, m flat tokens, s cache slots, d the head's width, f fused target
 features, n / k query / kv heads, h head dim, u MLP width, v target vocabulary, w draft vocabulary.
 
-EAGLE-3 (Li et al., 2025): the residual stream entering three target layers (low, middle, high;
-`Decoder._run_blocks`) is concatenated and mapped by `fc` to the head's width. That is the
-hidden input of the first draft step; each later step feeds the head's own pre-norm output. A
-step normalises the embedding of its token (the target's embedding, shared, not copied) and the
-hidden input separately (`input_norm`, `hidden_norm`), concatenates them [embedding, hidden] into
-a 2d-wide input to attention, adds attention's output to the hidden input (the residual is the
-hidden input, not the concatenation), runs an MLP block, and scores the draft vocabulary after a
-final norm. Draft token i is target token `draft_ids[i]` (published checkpoints store
-d2t[i] = draft_ids[i] - i); tokens outside the draft vocabulary get probability 0.
+EAGLE-3 (Li et al., 2025): the residual stream entering three target layers is concatenated and
+mapped by `fc` to the head's width: the hidden input of the first draft step (later steps feed the
+head's own pre-norm output). A step normalises its token's embedding (the target's, shared) and the
+hidden input apart, concatenates them into attention's 2d-wide input, adds attention's output to the
+hidden input, runs an MLP block and scores the draft vocabulary. Draft token i is target token
+`draft_ids[i]` (checkpoints store d2t[i] = draft_ids[i] - i); other tokens get probability 0.
 
-Positions: the head's row for target position p pairs the target's features of the token at p
-with the embedding of the token at p + 1, at rotary position p, and predicts the token at p + 2.
-The head keeps its own one-layer KV cache (`KVCache`, ragged like the target's).
+The head's row for target position p pairs the target's features of the token at p with the
+embedding of the token at p + 1, at rotary position p, and predicts the token at p + 2.
 """
 
 from __future__ import annotations
@@ -49,30 +45,16 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EagleConfig:
-    """Attributes:
-      layer: the head's one decoder layer (width, heads, MLP, norms, rotary) as a one-layer
-        ModelConfig whose vocab_size is the draft vocabulary's.
-      target_hidden_size: the width of each target feature.
-      target_vocab_size: the target's vocabulary.
-      feature_layers: target layers whose inputs are fused, ascending.
-      norm_before_residual: the residual around attention is the normalised hidden input (a
-        variant of the speculators format), not the hidden input itself.
-    """
+    """`layer`: the head's one decoder layer as a one-layer ModelConfig whose vocab_size is the
+    draft vocabulary's; `feature_layers`: the target layers whose inputs are fused, ascending;
+    `norm_before_residual`: the residual around attention is the normalised hidden input (a variant
+    of the speculators format), not the hidden input itself."""
 
     layer: ModelConfig
     target_hidden_size: int
     target_vocab_size: int
     feature_layers: tuple[int, ...]
     norm_before_residual: bool = False
-
-    def __post_init__(self):
-        if self.layer.num_layers != 1:
-            raise ValueError(f"EagleConfig.layer must have num_layers 1, got {self.layer.num_layers}")
-        if not self.feature_layers or list(self.feature_layers) != sorted(self.feature_layers):
-            raise ValueError(f"feature_layers must be a non-empty ascending tuple, got {self.feature_layers}")
-        if self.layer.vocab_size > self.target_vocab_size:
-            raise ValueError(f"draft_vocab_size ({self.layer.vocab_size}) must not exceed the target's vocabulary "
-                             f"({self.target_vocab_size})")
 
     @property
     def feature_size(self) -> int:
@@ -136,20 +118,14 @@ def fuse(graphdef, params, features_btf):
 
 
 def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCache, tree=None):
-    """One draft step for t tokens per row at positions cache.lengths[b] + t.
+    """One draft step of the head for t tokens per row at positions cache.lengths[b] + t (keys and
+    values written, `lengths` not advanced): hidden_btd are fused target features (`fuse`) or the
+    head's own outputs, tokens_bt the token after each one's. Returns (float32 draft-vocabulary
+    logits [b, t, w], pre-norm outputs [b, t, d] that feed the next step, cache).
 
-    Args:
-      graphdef, params: the head (`EagleHead.graphdef`, `.params`).
-      embed_vd: the target's token embedding (shared).
-      hidden_btd: the hidden inputs: fused target features (`fuse`), or the head's own output.
-      tokens_bt: the tokens paired with them (the token after each feature's token).
-      cache: the head's KVCache; the keys and values are written, `lengths` not advanced.
-      tree: None, or (slot_bt, offset_bt, ancestor_btn) for nodes of a draft tree: token i is
-        written at slot lengths + slot_bt[b, i], sits at position lengths + offset_bt[b, i], and
-        sees the committed cache and the n tree slots (from lengths on) ancestor_btn marks.
-
-    Returns (draft-vocabulary logits [b, t, w] in float32, pre-norm outputs [b, t, d] that feed
-    the next step, cache).
+    tree: None, or (slot_bt, offset_bt, ancestor_btn) for nodes of a draft tree: token i is written
+    at slot lengths + slot_bt[b, i], sits at position lengths + offset_bt[b, i], and sees the
+    committed cache and the n tree slots (from lengths on) ancestor_btn marks.
     """
     module = nnx.merge(graphdef, params)
     b, t = tokens_bt.shape
@@ -180,16 +156,9 @@ def to_target_logits(logits_btw, draft_ids_w, vocab_size: int):
 
 
 class EagleHead:
-    """An EAGLE-3 head for one target: structure, weights (a pure-dict pytree), config and the
-    draft vocabulary's target ids.
-
-    Attributes:
-      config: EagleConfig.
-      graphdef, params: the module split as `jaxspec.Model` splits its decoder.
-      draft_ids: int32 numpy [w], ascending target ids of the draft vocabulary.
-      embed_vd: the target's token embedding (the same array as the target's, not a copy), or
-        None for a head not bound to a target.
-    """
+    """An EAGLE-3 head for one target: its `config`, `graphdef` and `params` (split as `jaxspec.Model`
+    splits its decoder), `draft_ids` (int32 numpy [w], the draft vocabulary's ascending target ids)
+    and `embed_vd`, the target's token embedding (the same array, or None for an unbound head)."""
 
     def __init__(self, config: EagleConfig, graphdef, params, draft_ids, embed_vd=None):
         draft_ids = np.asarray(draft_ids, np.int32)
@@ -203,20 +172,18 @@ class EagleHead:
     @classmethod
     def init(cls, target, feature_layers=None, draft_vocab_size=None, seed: int = 0, token_counts=None,
              dtype=None) -> EagleHead:
-        """A fresh head for `target` (a `jaxspec.Model`), shaped like one of its layers.
+        """A fresh head for `target` (a `jaxspec.Model`, whose embedding it shares), shaped like one
+        of its layers, its LM head the target's over the draft ids.
 
         Args:
-          target: the model the head drafts for; its embedding is shared at run time.
-          feature_layers: three (or any number of) target layer indices, ascending; None: EAGLE-3's
-            low / middle / high (`default_feature_layers`).
+          feature_layers: target layer indices; None: EAGLE-3's low / middle / high.
           draft_vocab_size: None for the full vocabulary, else the most frequent ids of
             `token_counts` (int [v]), or the lowest ids without counts.
-          seed: initialisation seed. The LM head starts as the target's head over the draft ids.
-          dtype: parameter dtype (default: the target's).
+          seed: initialisation seed; dtype: the parameters' (default: the target's).
         """
         tc = target.config
         layers = default_feature_layers(tc.num_layers) if feature_layers is None else tuple(feature_layers)
-        if any(not isinstance(i, (int, np.integer)) or not 0 <= i < tc.num_layers for i in layers):
+        if not layers or any(not isinstance(i, (int, np.integer)) or not 0 <= i < tc.num_layers for i in layers):
             raise ValueError(f"feature_layers must be target layer indices in [0, {tc.num_layers}), got {layers}")
         w = tc.vocab_size if draft_vocab_size is None else int(draft_vocab_size)
         if not 1 <= w <= tc.vocab_size:
@@ -303,11 +270,7 @@ def _speculators(hf: dict, tensors: dict) -> tuple[dict, dict]:
 
 def load_head(path, target) -> EagleHead:
     """Reads an EAGLE-3 folder (`EagleHead.save`'s layout, the reference's) as a head bound to `target`,
-    in the target's dtype.
-
-    Raises ValueError naming the field or tensor when the folder does not fit the target or
-    misses a tensor, or a tensor has the wrong shape.
-    """
+    in the target's dtype; a ValueError names a field or tensor that does not fit."""
     path = Path(path)
     hf = json.loads((path / "config.json").read_text())
     tensors = _read_tensors(path)

@@ -1,10 +1,9 @@
 """A fast tokenizer rebuilt from a GGUF file's `tokenizer.ggml.*` metadata, without torch.
 
-GGUF files carry no tokenizer.json; they store the vocabulary, merges, token types and special
-ids. For byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`, which covers Llama-3,
-SmolLM and Qwen2) we rebuild the same `tokenizers` pipeline transformers builds from such a file:
-BPE over the byte alphabet, a pre-tokenizer split chosen by `tokenizer.ggml.pre`, control tokens
-as special tokens. Other vocabulary types fall back to transformers' own GGUF path.
+For byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: Llama-3, SmolLM, Qwen2) the
+same `tokenizers` pipeline transformers builds from such a file: BPE over the byte alphabet, the
+pre-tokenizer split `tokenizer.ggml.pre` names, control tokens as special tokens. Other vocabulary
+types fall back to transformers' own GGUF path.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Which families and options jaxspec supports, and how checkpoints name them: `ModelConfig`
-fields from a Hugging Face `config.json` dict or GGUF metadata, and back to `config.json`, so
-every loader agrees on what a checkpoint means.
-"""
+"""Which families and options jaxspec supports: `ModelConfig` fields from a Hugging Face
+`config.json` dict or GGUF metadata, and back to `config.json`."""
 
 from __future__ import annotations
 
@@ -85,11 +83,8 @@ def to_hf(cfg) -> dict[str, Any]:
 
 def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] = (),
                      name: str | None = None, rope_freqs=None) -> dict[str, Any]:
-    """`ModelConfig` fields from GGUF key/values (llama.cpp names) and the file's tensor names.
-
-    Whether the head is tied and whether q/k/v carry a bias are read from which tensors exist,
-    because GGUF metadata does not state them.
-    """
+    """`ModelConfig` fields from GGUF key/values (llama.cpp names) and the file's tensor names (from
+    which a tied head and q/k/v biases are read: the metadata does not state them)."""
     arch = metadata.get("general.architecture")
     supported = [a for a in SUPPORTED_ARCHITECTURES if a != "gemma3_text"] + ["gemma3"]   # llama.cpp's names
     if arch not in supported:
@@ -135,9 +130,8 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
 
 def _gemma_from_gguf(metadata: Mapping[str, Any], arch: str, num_layers: int, width_per_head: float,
                      head_dim: int | None) -> dict[str, Any]:
-    """The Gemma 2 / 3 options of a GGUF file, read as llama.cpp reads them: what the metadata
-    may not hold (the local / global layer pattern, the sliding layers' rotary base) and never
-    holds (the query scale) follows llama.cpp's fixed rules per architecture and size."""
+    """The Gemma 2 / 3 options of a GGUF file, read as llama.cpp reads them (what the metadata may
+    not hold follows llama.cpp's fixed rules per architecture and size)."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
     if not isinstance(pattern, (list, tuple)):   # a list: true for a sliding layer; n: every n-th layer is global

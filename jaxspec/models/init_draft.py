@@ -3,17 +3,11 @@
 Shape key: v vocabulary, d target width, e draft width.
 
 A draft that starts from the target's own embedding and head already speaks the target's token
-space, so distillation only has to teach the blocks. Two cases:
-
-- Same width (`hidden_size` None or equal to the target's): the draft is the target's first
-  `num_layers` blocks plus its embedding, final norm and LM head, copied exactly. With every layer
-  kept, the draft *is* the target.
-- Narrower width e < d: the blocks cannot be reused, so they are freshly initialised. The embedding
-  is projected onto its top-e right singular vectors (truncated SVD), which keeps the most variance
-  of the token vectors that fits in e dimensions. An untied head is projected the same way, with
-  the target's final-norm scale folded into it (the norm's per-dimension scale does not survive a
-  rotation of the basis), and the draft's final norm starts at one. A tied head is the projected
-  embedding itself; its final-norm scale starts at the RMS of the target's.
+space, so distillation only has to teach the blocks. At the target's width the draft is its first
+`num_layers` blocks, embedding, final norm and head, copied. Narrower (e < d), the blocks are fresh
+and the embedding is projected onto its top-e right singular vectors (truncated SVD: the most
+variance that fits in e dimensions); an untied head likewise, with the target's final-norm scale
+folded in (it does not survive a rotation of the basis); a tied head's norm starts at its RMS.
 """
 
 from __future__ import annotations

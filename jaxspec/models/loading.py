@@ -1,8 +1,7 @@
 """`jaxspec.load` and `Model.save`: GGUF files, HF safetensors folders, jaxspec checkpoints.
 
 A jaxspec checkpoint is a folder with `jaxspec.json` (format version, config, dtype), `params/`
-(an orbax checkpoint of the parameter pytree) and, when the model has one, `tokenizer/`
-(`save_pretrained` output).
+(an orbax checkpoint) and, when the model has one, `tokenizer/`.
 """
 
 from __future__ import annotations
@@ -72,9 +71,8 @@ def _our_shapes(config: ModelConfig, dtype, quantize: str | None = None) -> dict
 
 
 def _from_tensors(config: ModelConfig, get, names, source: str, dtype, quantize: str | None) -> Model:
-    """A Model, without a tokenizer, from named checkpoint tensors (`convert_tensors`): each finished
-    float weight becomes an array in `dtype`, or for a matrix that int8 quantizes, its (int8
-    values, scales) pair (`quant.split_pairs`)."""
+    """A Model, without a tokenizer, from named checkpoint tensors (`convert_tensors`), each weight
+    converted (or int8-quantized) as it is read."""
     def convert(value: np.ndarray, path: tuple):
         in_axes = quant.quantized_leaf(path) if quantize else None
         if in_axes is not None:
@@ -87,8 +85,7 @@ def _from_tensors(config: ModelConfig, get, names, source: str, dtype, quantize:
 
 
 def _fused(params: dict) -> dict:
-    """`fuse_layers` of params the loader alone holds (it empties them), layer by layer: each layer's separate
-    matrices are dropped once fused, so loading never holds the block weights twice."""
+    """`fuse_layers` layer by layer, emptying `params` as it goes: loading never holds the block weights twice."""
     layers = params.pop("layers")
     return {**params, "layers": {i: fuse_layers({"layers": {i: layers.pop(i)}})["layers"][i] for i in sorted(layers)}}
 

@@ -1,9 +1,8 @@
 """`jaxspec.Model`: a decoder's structure, its weights as a pytree, its config and tokenizer.
 
-The Flax NNX module is split into a static graph definition and a pure-dict parameter pytree
-(`nnx.split` / `nnx.to_pure_dict`). Every compiled function takes the parameters as a traced
-argument and rebuilds the module inside the trace with `nnx.merge`, so weights are never baked
-into a program and one compilation serves any weights of the same shapes.
+The NNX module is split into a static graph definition and a pure-dict parameter pytree; compiled
+functions take the parameters as a traced argument and `nnx.merge` them inside the trace, so one
+compilation serves any weights of the same shapes.
 """
 
 from __future__ import annotations
@@ -73,21 +72,11 @@ def _logits_uncached(graphdef, params, tokens_bt):
 
 
 def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empty: bool = False, features=()):
-    """Runs t new tokens per row through the cache; returns (float32 logits, cache), and with
-    `features` also the residual stream entering those layers (`features_btf`, [b, t, f]).
-
-    Args:
-      graphdef: the decoder's static structure (`Model.graphdef`; hashable, a static jit arg).
-      params: the parameter pytree (traced).
-      tokens_bt: int [b, t], written at positions cache.lengths[b] + t.
-      cache: the KVCache; its lengths are not advanced (commit with `cache.commit`).
-      logits_at_bm: optional int [b, m]: only compute logits at these token indices
-        (saves the LM head on positions whose logits are not needed).
-      empty: static; the cache holds nothing yet (all lengths 0): attention runs over the t new
-        tokens only, not over the whole buffer (`Decoder.hidden_cached`).
-      features: static tuple of layer indices whose inputs to return, concatenated in that order
-        (an EAGLE-3 head's features, `jaxspec.models.eagle`); () computes nothing extra.
-    """
+    """Runs tokens_bt [b, t] through the cache at positions cache.lengths[b] + t (lengths are not
+    advanced: `cache.commit`); returns (float32 logits, cache), and with `features` (static layer
+    indices: an EAGLE-3 head's) also the residual stream entering those layers ([b, t, f]).
+    `logits_at_bm` [b, m]: the LM head runs at these token indices only. `empty` (static): the cache
+    holds nothing yet, so attention runs over the new tokens only (`Decoder.hidden_cached`)."""
     decoder = nnx.merge(graphdef, params)
     hidden_btd, cache, features_btf = decoder.hidden_cached(tokens_bt, cache, empty, features)
     if logits_at_bm is not None:
@@ -98,26 +87,15 @@ def forward(graphdef, params, tokens_bt, cache: KVCache, logits_at_bm=None, empt
 
 
 def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed_len: int, features=(), tree=None):
-    """Runs the first `counts_b` tokens of each row's window through the cache, packed.
+    """`forward` of the first `counts_b` tokens of each row's window_bw [b, w] (written at slots
+    cache.lengths[b] + j), laid end to end in a buffer of `packed_len` (static) slots, so the
+    token-wise work costs packed_len tokens however the windows are shaped. Logits (and features)
+    come back padded, [b, w, ...]; unused columns hold nothing meaningful.
 
-    The used tokens of all rows are laid end to end in a buffer of `packed_len` (static) slots, so
-    the embedding, projections, MLP and LM head cost packed_len tokens however the windows are
-    shaped; the number of used tokens must not exceed it. Logits come back in the padded layout
-    [b, w, v] for the acceptance rules; entries of unused columns are meaningless. With `features`
-    (as for `forward`), also those layers' inputs in the same padded layout [b, w, f].
-
-    Args:
-      graphdef, params: as for `forward`.
-      window_bw: int [b, w] each row's tokens, written at slots cache.lengths[b] + j.
-      counts_b: int [b] leading tokens of each row to run (the rest are not written), or, for a
-        tree, bool [b, w]: the columns to run (ancestors of a used column must be used).
-      cache: the KVCache; its lengths are not advanced.
-      packed_len: static size of the packed buffer.
-      features: static layer indices, as for `forward`.
-      tree: None (each window is a chain: column j at position lengths + j, seeing columns <= j)
-        or (depth_bw, ancestor_bww): column j of a draft tree sits at position lengths +
-        depth_bw[b, j] and sees the committed cache and the columns ancestor_bww[b, j] marks (its
-        ancestors and itself; column 0, depth 0, is the root).
+    tree: None (a chain: column j at position lengths + j sees columns <= j), or (depth_bw,
+    ancestor_bww) with counts_b the used columns, bool [b, w] (closed under ancestors): column j
+    sits at position lengths + depth_bw[b, j] and sees the committed cache and the columns
+    ancestor_bww[b, j] marks (column 0, depth 0, is the root).
     """
     b, w = window_bw.shape
     col_w = jnp.arange(w, dtype=jnp.int32)
@@ -149,8 +127,7 @@ class Model:
       params: the weights, a nested dict of jax.Arrays (one entry per block under "layers").
       tokenizer: a transformers tokenizer, or None (random models).
       dtype: the compute dtype (and the storage dtype of every weight that is not quantized).
-      quantization: None, or "int8": the matrices are int8 with per-channel scales
-        (`jaxspec.models.quant`; `Model.quantize`).
+      quantization: None, or "int8" (`Model.quantize`).
       logical_axes: nested dict parallel to `params` of logical axis-name tuples.
     """
 

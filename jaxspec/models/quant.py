@@ -1,14 +1,9 @@
 """Weight-only int8 quantization with one scale per output channel.
 
-A quantized matrix is stored as int8 values `w` and float32 scales `s` over its output axes, with
-w * s approximating the float weight (symmetric, scale = max |w| over the input axes / 127). A
-matmul runs on the int8 values converted to the compute dtype and multiplies its float32 output by
-the scales, so no float copy of a weight is ever stored; on a GPU the conversion fuses into the
-matmul and a decode step reads half the bytes of bfloat16.
-
-Which weights: every matrix of the blocks and an untied LM head, i.e. everything a decode step
-reads that is bigger than a vector. The embedding table stays in the compute dtype: a step gathers
-only b rows of it, and an EAGLE-3 head shares it (a tied LM head therefore reads it unquantized).
+A quantized matrix is int8 values `w` and float32 scales `s` over its output axes (symmetric,
+scale = max |w| over the input axes / 127); a matmul converts w to the compute dtype inside the dot
+and scales its output. Every matrix of the blocks and an untied LM head is quantized; the
+embedding stays in the compute dtype (a step gathers only b rows of it, and EAGLE-3 heads share it).
 """
 
 from __future__ import annotations
@@ -77,13 +72,9 @@ def split_pairs(params: dict) -> dict:
 
 
 def matmul(x_mi, w, scale, in_axes: int = 1):
-    """x [m, i] times the weight w [out axes..., in axes...] -> [m, o] in x's dtype; with `scale`
-    (int8 w) the int8 values are converted inside the dot and the output is scaled in float32.
-
-    The dot is w [o, i] . x [m, i] -> [o, m], transposed after: XLA's CPU kernels then read each
-    weight row once for all m rows, and a product of a few rows costs about one of a single row
-    (as x [m, i] . w [i, o], four rows cost two to four times one).
-    """
+    """x [m, i] times the weight w [out axes..., in axes...] -> [m, o] in x's dtype (an int8 w's
+    output scaled by `scale` in float32). The dot is w . x -> [o, m], transposed after: XLA's CPU
+    kernels then read each weight row once for all m rows (as x . w, four rows cost up to four)."""
     w_oi = w.reshape(-1, math.prod(w.shape[w.ndim - in_axes:]))
     dims = (((1,), (1,)), ((), ()))
     if scale is None:

@@ -1,12 +1,9 @@
 """`MeshConfig`: which devices hold the target (a data x tensor mesh) and which the draft.
 
-The target's slice is the first target_dp * target_tp devices, laid out as a (data, tensor) mesh;
-the draft's slice is the next draft_tp devices, a (data=1, tensor=draft_tp) mesh. draft_tp = 0
-puts the draft on the target's own mesh (one compiled program per generate, no cross-slice
-traffic; the draft's weights are then sharded by the same rules).
-
-Devices come from `jax.devices()`, which under `jax.distributed` lists every process's devices, so
-the same config spans hosts; nothing here counts local devices.
+The target's slice is the first target_dp * target_tp devices, a (data, tensor) mesh; the draft's
+the next draft_tp devices, a (data=1, tensor=draft_tp) mesh, or with draft_tp = 0 the target's own
+(one compiled program per generate). Devices come from `jax.devices()`, which under
+`jax.distributed` lists every process's, so the same config spans hosts.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Logical axes -> mesh axes: the one table, and what it gives for params, caches and inputs.
 
-Megatron-style tensor parallelism: attention heads (query and kv), the MLP hidden width and the
-vocabulary are split over `tensor`; batch rows over `data`; everything else is replicated. XLA's
-SPMD partitioner inserts the collectives (an all-reduce after the attention output and MLP down
-projections, a gather of vocabulary-sharded logits where a full row is needed).
-
-Every logical name a model or cache uses must appear in `RULES`: an unknown name is an error, never
-a silent replica.
+Megatron-style tensor parallelism: attention heads, the MLP hidden width and the vocabulary are
+split over `tensor`, batch rows over `data`, everything else replicated; XLA's SPMD partitioner
+inserts the collectives. A logical name missing from `RULES` is an error, never a silent replica.
 """
 
 from __future__ import annotations
@@ -43,15 +39,6 @@ def param_shardings(model, mesh: Mesh) -> dict:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, partition_spec(CACHE_AXES))
-
-
-def rows_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
-    """Per-row arrays ([b], [b, ...]) split over `data`."""
-    return NamedSharding(mesh, PartitionSpec(DATA, *([None] * (ndim - 1))))
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
@@ -80,11 +67,8 @@ def place_head(head, mesh: Mesh, target):
 
 
 def put(tree, sharding: NamedSharding):
-    """Places host or device values on `sharding`, also when its mesh spans processes.
-
-    A mesh over several processes is not addressable from one of them: every process then passes
-    the same full value and contributes the shards its devices hold.
-    """
+    """Places host or device values on `sharding`, also when its mesh spans processes (every process
+    then passes the same full value and contributes the shards its devices hold)."""
     if sharding.is_fully_addressable:
         return jax.device_put(tree, sharding)
 
@@ -98,14 +82,8 @@ def put(tree, sharding: NamedSharding):
 
 
 def constrain_cache(cache, mesh: Mesh):
-    """Inside a trace: lay the KV cache out over (data, tensor) by CACHE_AXES."""
-    spec = cache_sharding(mesh)
+    """Inside a trace: lay the KV cache out over (data, tensor) by CACHE_AXES, its lengths over data."""
+    spec, rows = NamedSharding(mesh, partition_spec(CACHE_AXES)), NamedSharding(mesh, PartitionSpec(DATA))
     return cache.replace(k=tuple(jax.lax.with_sharding_constraint(x, spec) for x in cache.k),
                          v=tuple(jax.lax.with_sharding_constraint(x, spec) for x in cache.v),
-                         lengths=jax.lax.with_sharding_constraint(cache.lengths, rows_sharding(mesh)))
-
-
-def is_sharded(array) -> bool:
-    """True if no single device holds the whole array."""
-    largest = max(np.prod(s.data.shape) for s in array.addressable_shards)
-    return not array.sharding.is_fully_replicated and largest < array.size
+                         lengths=jax.lax.with_sharding_constraint(cache.lengths, rows))

@@ -9,16 +9,15 @@ shapes it has not run. The model is linear in the work that scales:
                                  + target_per_attention * attention_pairs
     speculation (any k >= 1)   = speculation_fixed + speculation_per_row * batch
 
-batched_tokens: the tokens the target runs (N * (k + 1) padded, N + C packed); context_tokens: the
-key/value slots attention reads (rows * cache length); attention_pairs: query x key products (rows
-* window * cache length: attention runs in the padded per-row layout even when the token-wise work
-is packed). The speculation terms are what a step that drafts at all pays on top (catch-up, draft
-sampling, acceptance: steps jump from k = 0 to 1 by more than from 1 to 2). Seconds.
+batched_tokens: the tokens the target runs (N * (k + 1) padded, N + C packed); context_tokens: rows
+* cache length; attention_pairs: rows * window * cache length (attention stays padded per row). The
+speculation terms are what a drafting step pays on top (steps jump from k = 0 to 1 by more than
+from 1 to 2). Seconds.
 
-`CostModel.profile` times the real decode step over a grid of shapes with the engine's step timer
-(`jaxspec.engine.timing` registers itself here) and fits every coefficient by non-negative least
-squares on relative errors. A cost model is valid where it was measured: the JSON records model
-names, dtype, mesh shape and device kind, and loading one measured elsewhere warns.
+`CostModel.profile` times the real decode step with the engine's step timer (`jaxspec.engine.timing`
+registers itself here) and fits the coefficients by non-negative least squares on relative errors.
+The JSON records where it was measured (models, dtype, mesh, device kind); loading one measured
+elsewhere warns.
 """
 
 from __future__ import annotations
@@ -143,17 +142,10 @@ class CostModel:
     @classmethod
     def profile(cls, target, draft=None, *, batches=(1, 2, 4, 8, 16), ks=(0, 1, 2, 4), cache_lens=(128, 512),
                 passes: int = 3, seed: int = 0, mesh_shape: tuple = ()) -> CostModel:
-        """Times speculative steps on this device and fits the model to them.
-
-        Each point is the real decode step at a (batch, k, cache size), timed inside the compiled
-        decode loop: the median over `passes` passes over the grid, each in its own shuffled order
-        (`seed`; `jaxspec.engine.timing.time_points`).
-
-        Args:
-          target: the target jaxspec.Model.
-          draft: the draft jaxspec.Model, an `EagleDrafter`, or None (n-gram lookup drafts).
-          batches, ks, cache_lens: the grid of shapes timed (ks must include 0 and two values >= 1).
-        """
+        """Times the real decode step of `target` with `draft` (a Model, an `EagleDrafter`, or None:
+        n-gram drafts) on this device over the grid `batches` x `ks` x `cache_lens` (ks must include
+        0 and two values >= 1), the median of `passes` shuffled passes
+        (`jaxspec.engine.timing.time_points`), and fits the model to it."""
         if 0 not in ks or len({k for k in ks if k >= 1}) < 2:
             raise ValueError(f"ks must include 0 and at least two values >= 1 to separate drafting, speculation "
                              f"and verification costs, got {ks}")
@@ -189,30 +181,24 @@ class CostModel:
 OUTLIER_RATIO = 4.0   # a profile's timings that its absolute fit misses by more than this are noise
 
 
-def fit_linear(x: np.ndarray, y: np.ndarray, holdout_every: int = 4, relative: bool = True) -> tuple[np.ndarray, dict]:
-    """Non-negative least squares of y on the columns of x, with a held-out check.
-
-    Every `holdout_every`-th point is held out of a first fit to measure the worst relative error
-    of predictions on shapes the fit has not seen; the returned coefficients then use all points.
-    Coefficients are >= 0 (a negative cost is noise). `relative`: minimise squared relative errors
-    (each point weighted by 1 / y), not absolute ones.
+def fit_linear(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict]:
+    """Non-negative least squares of y on the columns of x, minimising squared relative errors
+    (each point weighted by 1 / y); every fourth point is held out of a first fit to measure the
+    worst relative error on shapes the fit has not seen, then all points fit the coefficients.
 
     Weighted 1 / y, one timing that noise made near zero would outweigh all others; so points that
     an absolute fit (which such a point cannot sway) predicts more than OUTLIER_RATIO times off are
-    left out of a relative fit (`fit["outliers"]` counts them), unless too few points would remain.
+    left out (`fit["outliers"]` counts them), unless too few points would remain.
     """
     x, y = np.asarray(x, float), np.asarray(y, float)
-    kept = np.ones(len(y), bool)
-    if relative:
-        ratio = (x @ _nonnegative_lstsq(x, y)) / np.maximum(np.abs(y), 1e-300)
-        outlier = (ratio > OUTLIER_RATIO) | (ratio * OUTLIER_RATIO < 1)
-        if (~outlier).sum() >= x.shape[1]:
-            kept = ~outlier
+    ratio = (x @ _nonnegative_lstsq(x, y)) / np.maximum(np.abs(y), 1e-300)
+    outlier = (ratio > OUTLIER_RATIO) | (ratio * OUTLIER_RATIO < 1)
+    kept = ~outlier if (~outlier).sum() >= x.shape[1] else np.ones(len(y), bool)
     x, y = x[kept], y[kept]
-    w = 1.0 / np.abs(y) if relative else np.ones_like(y)
+    w = 1.0 / np.abs(y)
     held = np.zeros(len(y), bool)
-    if len(y) >= 2 * x.shape[1] and holdout_every > 1:
-        held[holdout_every - 1::holdout_every] = True
+    if len(y) >= 2 * x.shape[1]:
+        held[3::4] = True
     coef_train = _nonnegative_lstsq(x[~held] * w[~held, None], y[~held] * w[~held])
     worst = float(np.max(np.abs(x[held] @ coef_train - y[held]) / y[held])) if held.any() else None
     coef = _nonnegative_lstsq(x * w[:, None], y * w)

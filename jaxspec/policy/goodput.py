@@ -4,21 +4,13 @@
 
 Shape key: b rows, j plans, k draft positions.
 
-- Plans are compiled step shapes, written `(k, budget)`: plain decoding (k = 0), standard windows
-  (every row verifies k drafts; budget None) and TETRIS plans (the batch's best `budget` drafts).
-- Expected tokens come from reach_bk, the chance that row b's j-th draft is accepted (its
-  predecessors too): a window of w drafts emits 1 + sum_{j<=w} reach_bk tokens, the bonus
-  included; a TETRIS plan verifies the largest reach_bk over the batch. reach_bk scales a per-row
-  rate alpha_b by how slot j's rate compares with the batch's overall one (deeper drafts are often
-  harder); with flat rates it is alpha_b^j (`expected_tokens_per_step`).
-- The rates are decayed counts kept on device (`PolicyState`), per row shrunk toward the batch's,
-  itself shrunk toward an optimistic prior (so drafting gets tried), and per window slot.
-  `observe` folds in each verified window; plain decoding observes nothing, so `age` fades the
-  counts back toward the prior, and a batch that stopped drafting tries again (a probe).
-- With requests waiting, a finished row is refilled at once; a draining batch is done when its
-  slowest rows are (`goodput`). A drafting plan entered after plain steps pays once for the
-  drafter's catch-up; `choose` leaves the running plan only for a gain above `MARGIN` (a switch
-  costs a host round trip).
+- Plans are compiled step shapes `(k, budget)`: plain decoding (k = 0), standard windows (budget
+  None) and TETRIS plans (the batch's best `budget` drafts).
+- Expected tokens come from reach_bk, the chance that row b's j-th draft and its predecessors are
+  accepted (`PolicyState.reach_bk`): a window of w drafts emits 1 + sum_{j<=w} reach_bk tokens.
+- The rates are decayed counts on device (`PolicyState`): `observe` folds in each verified window;
+  plain decoding observes nothing, so `age` fades them back toward an optimistic prior, and a
+  batch that stopped drafting tries again.
 - Predicted seconds come from a `CostModel` profiled on the machine that decodes.
 
 `jaxspec.tools.policy_sim` runs these functions against simulated acceptance with a cost model as
@@ -35,7 +27,7 @@ PRIOR_ALPHA = 0.8   # acceptance assumed before a row has been observed (optimis
 PRIOR_WEIGHT = 4.0  # trials the prior is worth (in the batch's rate; the batch's, in a row's and a slot's)
 DECAY = 0.9         # per verified window: the counts are a moving average over about ten windows
 OFF_DECAY = 0.97    # per plain step: how fast the evidence fades while nothing is observed
-MARGIN = 0.04       # predicted gain a switch of plan must promise
+MARGIN = 0.04       # predicted gain a switch of plan must promise (a switch costs a host round trip)
 DRAIN_QUANTILE = 0.9  # a draining batch is done when this share of its rows is (`tokens_and_steps`)
 CHOOSE_EVERY = 4    # plain steps between two choices on device; a drafting plan chooses after every step
 HORIZON = 16        # steps over which a plan's cost of starting (the drafter's catch-up) is spread while requests wait
@@ -64,12 +56,11 @@ class PolicyState:
     choice: jax.Array       # int32 index of the plan the next step runs
 
     @classmethod
-    def init(cls, b: int, slots: int, prior=PRIOR_ALPHA, behind=0.0) -> PolicyState:
+    def init(cls, b: int, slots: int, prior=PRIOR_ALPHA) -> PolicyState:
         """Counts for `b` rows and windows of up to `slots` drafts."""
         rows, window = jnp.zeros((b,), jnp.float32), jnp.zeros((max(slots, 1),), jnp.float32)
         return cls(accepted_b=rows, tried_b=rows, accepted_k=window, tried_k=window,
-                   prior=jnp.asarray(prior, jnp.float32), behind=jnp.asarray(behind, jnp.float32),
-                   choice=jnp.int32(0))
+                   prior=jnp.asarray(prior, jnp.float32), behind=jnp.float32(0), choice=jnp.int32(0))
 
     def alpha_b(self, live_b=None) -> jax.Array:
         """Each row's acceptance estimate: its counts shrunk toward the batch's (the live rows'
@@ -83,9 +74,9 @@ class PolicyState:
         return (self.accepted_b + PRIOR_WEIGHT * pooled) / (self.tried_b + PRIOR_WEIGHT)
 
     def reach_bk(self, live_b, k: int) -> jax.Array:
-        """Probability that row b's j-th draft (j = 1..k) is accepted, its predecessors included
-        (module docstring): the cumulative product of alpha_b * slot_j / overall, slot_j the batch's
-        rate at slot j (shrunk toward overall) and overall its rate over every slot."""
+        """Probability that row b's j-th draft (j = 1..k) is accepted, its predecessors included: the
+        cumulative product of alpha_b * slot_j / overall (deeper drafts are often harder), slot_j the
+        batch's rate at slot j (shrunk toward overall) and overall its rate over every slot."""
         overall = ((jnp.sum(self.accepted_k) + PRIOR_WEIGHT * self.prior)
                    / (jnp.sum(self.tried_k) + PRIOR_WEIGHT))
         slot_k = (self.accepted_k + PRIOR_WEIGHT * overall) / (self.tried_k + PRIOR_WEIGHT)
@@ -181,20 +172,9 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
 
 def choose(state: PolicyState, live_b, plans, seconds_j, current=None, *, remaining_b=None, draining=True,
            catch_up_seconds=0.0, margin: float = MARGIN) -> jax.Array:
-    """The plan the next steps run (int32 index into `plans`).
-
-    Args:
-      state: the acceptance estimate.
-      live_b: rows still decoding.
-      plans: static tuple of (k, budget) per plan.
-      seconds_j: predicted seconds of one step of each plan at the batch's shape.
-      current: the running plan (traced or static index), which is kept unless another promises
-        more than `margin` more goodput; None: no plan is running (the opening choice).
-      remaining_b: tokens each row has left, or None; draining (traced bool): no request waits
-        for a slot, so the batch is judged by its slowest rows (`goodput`).
-      catch_up_seconds: one forward of the drafter over the batch (`goodput`).
-      margin: the hysteresis (`jaxspec.tools.policy_sim` varies it to measure its worth).
-    """
+    """The plan the next steps run (int32 index into `plans`, static (k, budget) pairs): the one of
+    most `goodput`, but the running plan `current` (None: the opening choice) is kept unless another
+    promises more than `margin` more (`jaxspec.tools.policy_sim` varies it to measure its worth)."""
     goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:

@@ -2,11 +2,9 @@
 
 Shape key: b batch rows, t sequence positions, v vocabulary, n training sequences.
 
-The data are the target's own continuations of the prompts (generated once, optionally cached on
-disk): speculative decoding only asks the draft to predict the target's text. Each training step
-computes the target's logits inside it, under `stop_gradient`, so no [n, t, v] tensor is stored.
-The loss is a divergence between the two next-token distributions at the continuation positions.
-Settings, data order, checkpoints and the loop are `jaxspec.training.loop`'s.
+The data are the target's own continuations of the prompts (speculative decoding only asks the
+draft to predict the target's text). Each step computes the target's logits inside it, under
+`stop_gradient`, so no [n, t, v] tensor is stored. The loop is `jaxspec.training.loop`'s.
 """
 
 from __future__ import annotations
@@ -36,18 +34,10 @@ _DATA_FORMAT = 1
 
 
 def distribution_loss(target_logits, draft_logits, loss: str = "tvd") -> jax.Array:
-    """Per-position divergence between the target's and the draft's next-token distributions.
-
-    Args:
-      target_logits: float [..., v], the target's logits (p = softmax).
-      draft_logits: float [..., v], the draft's logits (q = softmax).
-      loss: "forward_kl" = KL(p || q) (mass-covering; the usual distillation loss), "reverse_kl" =
-        KL(q || p) (mode-seeking), or "tvd" = 0.5 * sum |p - q|. Speculative sampling accepts a
-        draft token with probability exactly 1 - TVD, so "tvd" optimises acceptance directly.
-
-    Returns:
-      float32 [...]: the divergence at each position.
-    """
+    """float32 [...]: the divergence at each position between the target's (p) and the draft's (q)
+    next-token distributions, from logits [..., v]: "forward_kl" KL(p || q) (mass-covering),
+    "reverse_kl" KL(q || p) (mode-seeking), or "tvd" 0.5 * sum |p - q| (speculative sampling accepts
+    a draft token with probability exactly 1 - TVD, so "tvd" optimises acceptance directly)."""
     _check_loss(loss)
     logp = jax.nn.log_softmax(jnp.asarray(target_logits, jnp.float32), axis=-1)
     logq = jax.nn.log_softmax(jnp.asarray(draft_logits, jnp.float32), axis=-1)
@@ -96,13 +86,9 @@ def _pack(sequences, prompt_lens):
 
 def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
                           max_len, data_cache=None, generate_batch_size=64, progress=True):
-    """The packed training data: the target's continuations of `prompt_ids`, one set per temperature,
-    generated `generate_batch_size` prompts at a time; read from `data_cache` when it holds data made
-    the same way.
-
-    Returns:
-      (tokens int32 [n, t], mask float32 [n, t], digest str of the data).
-    """
+    """(tokens int32 [n, t], mask float32 [n, t], their digest): the target's continuations of
+    `prompt_ids`, one set per temperature, `generate_batch_size` prompts at a time; read from
+    `data_cache` when it holds data made the same way."""
     meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(),
             "target_params": training.params_digest(target.params),
             "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
@@ -129,8 +115,7 @@ def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperat
     tokens_nt, mask_nt = _pack(sequences, prompt_lens)
     if data_cache is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so a run killed mid-write never leaves a cache that looks complete.
-        tmp = folder / "data.tmp.npz"
+        tmp = folder / "data.tmp.npz"   # then renamed: a run killed mid-write leaves no cache that looks complete
         np.savez(tmp, tokens=tokens_nt, mask=mask_nt)
         os.replace(tmp, data_path)
         training.write_json(meta_path, {"settings": meta, "sequences": len(sequences)})

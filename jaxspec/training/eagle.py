@@ -3,10 +3,9 @@
 Shape key: n sequences, b batch rows, t positions, f fused features, d widths, w draft
 vocabulary, v target vocabulary, s training-time-test steps.
 
-The target runs once over the corpus (`feature_cache`), so training steps never run it: the labels,
-the target's distribution renormalised over the draft vocabulary, are its LM head over the draft
-ids applied to the stored final hidden state. Soft labels teach the head to predict the target,
-not the text's author.
+The target runs once over the corpus (`feature_cache`); the labels, the target's distribution over
+the draft vocabulary, are its LM head over the draft ids applied to the stored final hidden state
+(soft labels teach the head to predict the target, not the text's author).
 
 Training-time test (EAGLE-3): the head is unrolled over `ttt_steps` steps as it drafts. At step s,
 row j feeds the head's own output of step s - 1 (the fused target features at step 0) with the
@@ -104,8 +103,7 @@ class _Eagle(training.Trainer):
     ttt_steps: int
 
     def loss(self, params, frozen, batch):
-        """`eagle_loss` of a batch of the feature cache (`feature_cache.stored` arrays), with the
-        per-step agreement; frozen: (the target's params, the draft ids)."""
+        """`eagle_loss` of a batch of the feature cache; frozen: (the target's params, the draft ids)."""
         target_params, draft_ids = frozen
         labels_btw = nnx.merge(self.target_graphdef, target_params).head(stored(batch["hidden"]), ids=draft_ids)
         loss, agree = eagle_loss(params, jax.lax.stop_gradient(labels_btw), batch["choice"], stored(batch["features"]),

@@ -2,12 +2,10 @@
 
 Shape key: n sequences, b rows per chunk, t positions, f fused features, d the target's width.
 
-For sequences `tokens` [n, t] with `lengths` [n], the target runs once (no cache, whole sequences)
-and the folder keeps, as memory-mapped `.npy` files: `features` [n, t, f] (the residual entering
-the chosen layers), `hidden` [n, t, d] (the final hidden state, before the final norm) and
-`choice` [n, t] (the target's argmax next token), with `tokens` and `lengths`. Floats are stored
-as bfloat16 bits in uint16 (`stored` reads them back). `meta.json` records the rows done after
-each chunk is flushed, so a killed build resumes at the first missing chunk.
+The target runs once over `tokens` [n, t]; memory-mapped `.npy` files keep `features` [n, t, f]
+(the residual entering the chosen layers), `hidden` [n, t, d] (before the final norm) and `choice`
+[n, t] (the target's argmax), floats as bfloat16 bits in uint16 (`stored`). `meta.json` records
+the rows done after each chunk, so a killed build resumes at the first missing chunk.
 """
 
 from __future__ import annotations

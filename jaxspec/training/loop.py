@@ -1,9 +1,8 @@
-"""What the trainers (`distill`, `train_eagle`) share: their settings (`HParams`: the optimizer, the
-data order, the cadence), orbax checkpoints, the loop itself (`train`) and held-out acceptance.
+"""What the trainers (`distill`, `train_eagle`) share: settings (`HParams`), orbax checkpoints, the
+loop (`train`) and held-out acceptance.
 
-Everything a run depends on is a function of the seed and the step number: the data order is a
-per-epoch permutation drawn from (seed, epoch), so batch s is known without replaying batches
-0..s-1. A checkpoint therefore needs only the params, the optimizer state, the step and the
+The data order is a per-epoch permutation drawn from (seed, epoch), so batch s is known without
+replaying batches 0..s-1: a checkpoint needs only the params, the optimizer state, the step and the
 history, and a resumed run continues exactly as an uninterrupted one would.
 """
 
@@ -31,17 +30,11 @@ from jaxspec.spec import SpecConfig
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HParams:
-    """A training run's settings, checked when made: a bad one is a ValueError naming it.
-
-    steps: optimizer steps of the run (a resumed run counts those done). learning_rate: AdamW's
-    peak rate, reached by linear warm-up over `warmup_steps` (None: 5% of the steps, at least 1),
-    then cosine decay to 10% of it at `steps`. weight_decay: AdamW's. clip_norm: global-norm
-    gradient clipping (None: none). seed: the data order (`batch_indices`). batch_size: sequences
-    per step. checkpoint_every, eval_every: steps between checkpoints (and one at the end), between
-    held-out evaluations (None: before and after training only).
-
-    Part of a `Trainer`, the jitted step's static argument, which rebuilds the optimizer inside the
-    trace: only the optimizer's fields are compared, so runs differing in the others share a program.
+    """A training run's settings, checked when made (a ValueError names a bad one). AdamW's peak
+    `learning_rate` is reached by linear warm-up over `warmup_steps` (None: 5% of the steps), then
+    decays (cosine) to 10% of it at `steps`; `clip_norm`: global-norm gradient clipping (None: none);
+    `seed`: the data order; `eval_every`: None evaluates before and after training only. Only the
+    optimizer's fields are compared, so runs differing in the others share a compiled step.
     """
     steps: int
     learning_rate: float
@@ -83,10 +76,8 @@ class HParams:
 
 @dataclasses.dataclass(frozen=True)
 class Trainer:
-    """A trainer's static half (as gemma's sampler passes a frozen `self` to jit): `hparams`, and in
-    subclasses the graphs and settings that `loss(params, frozen, batch) -> (loss, metrics)` needs;
-    `frozen` are the traced inputs that are not trained (the target's params ...). Equal trainers
-    share one compiled step."""
+    """A trainer's static half, jit's static `self`: `hparams`, and in subclasses what
+    `loss(params, frozen, batch) -> (loss, metrics)` needs (`frozen`: traced inputs not trained)."""
     hparams: HParams | None
 
     def loss(self, params, frozen, batch):
@@ -192,21 +183,12 @@ class Checkpoints:
 def train(trainer: Trainer, frozen, data: dict, params, *, settings: dict, history: dict, checkpoint_dir,
           evaluate: Callable | None, progress: bool, desc: str, callback: Callable | None):
     """Trains a float32 copy of `params` (Adam's small updates vanish in bfloat16) with
-    `trainer.step(params, opt_state, frozen, batch)`; returns (params, history).
-
-    `data` holds numpy arrays of one row per sequence; step s trains on the rows
-    `batch_indices(seed, s, batch_size, n)` of each. Each metric of a step is appended to
-    `history[name]` as a float or a list of floats, with "step" and "learning_rate".
-    `evaluate(step, params)` returns a dict of floats appended with "eval_step", before a fresh
-    run, every `eval_every` steps and after the last.
-
-    The trainers pass these of their arguments on:
-      checkpoint_dir: where orbax checkpoints go, every `checkpoint_every` steps and at the end;
-        an existing run there resumes if made with the same hparams and `settings` (the trainer's
-        own: its data, model, loss ...), or else is refused with a ValueError.
-      progress: show a tqdm bar with the loss and the last evaluation.
-      callback: called as `callback(step, metrics)` after each step (and its checkpoint); raising
-        from it stops the run, which a later call with the same checkpoint_dir resumes.
+    `trainer.step`, step s on rows `batch_indices(seed, s, batch_size, n)` of each array of `data`;
+    returns (params, history). Each step's metrics are appended to `history` with "step" and
+    "learning_rate"; `evaluate(step, params)`'s, with "eval_step", before a fresh run, every
+    `eval_every` steps and after the last. An existing run in `checkpoint_dir` resumes if made with
+    the same hparams and `settings` (the trainer's data, model, loss ...), else is refused.
+    `callback(step, metrics)` runs after each step; raising from it stops the run (resumable).
     """
     hparams = trainer.hparams
     optimizer, schedule = hparams.optimizer()
