@@ -125,7 +125,7 @@ def check(paths, now: dict, allow_mixed: bool, warn: Callable[[str], None]) -> N
     for path in paths:
         record = read(path)
         if record is None:
-            if Path(path).exists() and Path(path).stat().st_size:
+            if Path(path).is_file() and Path(path).stat().st_size:
                 warn(f"{path} has no settings record (written by an older jaxspec): its settings are not checked")
             continue
         found = differences(record["settings"], now)
@@ -170,7 +170,7 @@ def merged(paths, allow_mixed: bool, warn: Callable[[str], None]) -> dict | None
         `allow_mixed`; the merged record then lists the others under "mixed".
     """
     records = [(Path(p), read(p)) for p in paths]
-    unrecorded = [str(p) for p, r in records if r is None and p.exists() and p.stat().st_size]
+    unrecorded = [str(p) for p, r in records if r is None and p.is_file() and p.stat().st_size]
     if unrecorded:
         warn(f"no settings record for {', '.join(unrecorded)} (an older jaxspec): not checked")
     records = [(p, r) for p, r in records if r is not None]
