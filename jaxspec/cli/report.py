@@ -1,7 +1,7 @@
 """What `jaxspec generate` says while it works and when it ends.
 
-While it works: one line per stage on stderr (`Stages`), with the seconds since the command
-started, so a long model load is not silence. At the end: one summary row per process
+While it works: one line per stage on stderr (`Stages`), with the seconds since the first stage
+(the target's loading) began, so a long model load is not silence. At the end: one summary row per process
 (`summary`), with load time, compile and decode time, tokens per second over decoding, and the
 requests' latency (median and 95th percentile of the seconds from handing the requests to the
 decoder to each one's line being written: what a caller waiting on a request sees).
