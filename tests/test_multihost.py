@@ -59,6 +59,7 @@ def test_two_processes_merge_into_the_single_process_output(job, tiny_path, tmp_
     out = tmp_path / "out.jsonl"
     outs = finish(launch(2, generate_args(tiny_path, prompts, out, *OPTIONS)))
     assert "| 0       |" in outs[0] and "| 1       |" in outs[0]   # process 0 prints every process's counts
+    assert "setup_s" in outs[0] and "latency_p95_s" in outs[0]   # coordination time: only with several processes
     parts = [read_output(p) for p in multihost.parts(out)]
     assert len(parts) == 2 and all(len(p) == 7 for p in parts)   # round-robin shares
     subprocess.run(CLI + ["merge", str(out)], env=ENV, check=True, capture_output=True, timeout=60)

@@ -26,11 +26,11 @@ from tqdm import tqdm
 
 import jaxspec
 from jaxspec import prompts as prompts_lib
+from jaxspec.cli import checks, multihost, report
 from jaxspec.cli import jobs as jobs_lib
-from jaxspec.cli import multihost
+from jaxspec.cli import settings as settings_lib
 from jaxspec.cli.eagle import add_train_eagle
 from jaxspec.cli.tools import (
-    NO_DRAFT_MODEL,
     add_bench,
     add_distill,
     add_model_args,
@@ -46,9 +46,10 @@ from jaxspec.policy.cost import CostModel
 from jaxspec.tools.benchmarking import table
 
 
-def _build_spec(args) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxspec.MeshConfig | None]:
+def _build_spec(args, form: checks.DraftForm
+                ) -> tuple[jaxspec.SpecConfig, jaxspec.SamplingConfig, jaxspec.MeshConfig | None]:
     """Decoding settings from the arguments; bad values fail here, before any model is loaded."""
-    plain = args.draft == "none"
+    plain = form.plain
     if plain and args.policy == "goodput":
         raise ValueError("--policy goodput chooses draft lengths and needs a drafter; got --draft none")
     if args.extra and args.selection != "tetris":
@@ -115,7 +116,11 @@ def _encode_jobs(todo: list[jobs_lib.Job], model: jaxspec.Model, args, max_posit
 
 def generate(args) -> int:
     """`jaxspec generate`: a JSONL batch job, resumable (see jaxspec.cli.jobs), over one process or
-    several (see jaxspec.cli.multihost)."""
+    several (see jaxspec.cli.multihost), that refuses to mix settings (see jaxspec.cli.settings)."""
+    # Everything that can be checked without the models is checked first, so a typo fails in a
+    # second: the --draft form, the values, the output folder, the input (read whole), the cost
+    # model, the target's path; then the job's recorded settings.
+    form = checks.parse_draft(args.draft)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size < 1:
@@ -124,15 +129,17 @@ def generate(args) -> int:
         raise ValueError("--output must differ from --prompts")
     output = output_path(args.output)
     placement = multihost.placement(args.coordinator, args.num_processes, args.process_id)
-    # Everything that can be checked without the models is checked first: a typo fails in a second.
     jobs = jobs_lib.read_jobs(args.prompts, skip_bad_lines=args.skip_bad_lines, warn=warn)
-    settings = _build_spec(args)
+    spec = _build_spec(args, form)
+    checks.check_model("--target", args.target)
+    now = settings_lib.job_settings(args, spec[0], form)
     n, me, peers, began = 1, 0, None, time.perf_counter()
     if placement is not None:
         multihost.start(*placement)
         n, me = placement[1], placement[2]
         multihost.agree({**{k: v for k, v in vars(args).items() if k not in _OWN_ARGS},
-                         "prompts": multihost.digest(args.prompts)})
+                         "prompts": multihost.digest(args.prompts), "settings": now})
+    settings_lib.check([output, *multihost.parts(output)], now, args.allow_mixed_settings, warn)
     done = multihost.finished(args.output)   # the output and every part file of earlier runs
     if placement is not None:
         peers = multihost.PeerProgress(args.output, me, n)
@@ -141,27 +148,37 @@ def generate(args) -> int:
             multihost.write_manifest(args.output, args.prompts)
     pending = jobs_lib.pending(jobs, done)
     own = multihost.part_path(args.output, me) if placement is not None else output
-    share = _Share(todo=pending[me::n], output=own, scan=jobs_lib.scan_output(own), total=len(pending), peers=peers)
+    share = _Share(todo=pending[me::n], output=own, scan=jobs_lib.scan_output(own), total=len(pending),
+                   peers=peers, settings=now)
     if me == 0 and len(pending) < len(jobs):
         print(f"resuming: skipped {len(jobs) - len(pending)} of {len(jobs)} requests already in {args.output}"
               + (" and its parts" if placement is not None else ""), flush=True)
     coordination = time.perf_counter() - began   # the job's reading and agreeing, before any decoding
-    summary = {"process": me, "requests": 0, "new_tokens": 0, "seconds": 0.0}
+    summary = {"process": me, "requests": 0, "new_tokens": 0}
     if share.todo:
-        summary = {"process": me, **_decode(args, jobs, share, settings)}
+        stages = report.Stages(me if n > 1 else None)
+        summary = {"process": me, "requests": len(share.todo), **_decode(args, jobs, share, spec, form, stages),
+                   "output": str(share.output)}
     elif share.scan.torn or share.scan.needs_newline:
         _repair(own, share.scan)
-    summary["setup_s"] = coordination
-    everyone = multihost.gather(summary) if placement is not None else [summary]
-    if me == 0:
-        if not pending:
-            print(f"nothing to do: all {len(jobs)} requests are in {args.output}")
-        else:
-            print(table(everyone if n > 1 else [{k: v for k, v in summary.items() if k != "process"}]))
-        if placement is not None:
-            print(f"parts written: `jaxspec merge {args.output}` gathers them in input order once every request "
-                  "is done", flush=True)
+    if n > 1:
+        summary["setup_s"] = coordination   # multi-process coordination: meaningless with one process
+    _print_summary(multihost.gather(summary) if placement is not None else [summary], args, len(jobs), pending)
     return 0
+
+
+def _print_summary(everyone: list[dict], args, total: int, pending: list) -> None:
+    if jax.process_index() != 0:
+        return
+    if not pending:
+        print(f"nothing to do: all {total} requests are in {args.output}")
+    else:
+        rows = everyone if len(everyone) > 1 else [{k: v for k, v in everyone[0].items() if k != "process"}]
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        print(table(rows, columns))
+    if len(everyone) > 1:
+        print(f"parts written: `jaxspec merge {args.output}` gathers them in input order once every request "
+              "is done", flush=True)
 
 
 # Options that may differ between the processes of one job (none changes a request's tokens).
@@ -178,6 +195,7 @@ class _Share:
       scan: what that file already holds (`jobs.scan_output`).
       total: the requests left in the whole job (what the progress bar counts).
       peers: the other processes' progress (`multihost.PeerProgress`); None: a single-process job.
+      settings: the job's settings (`settings.job_settings`), recorded before the first line.
     """
 
     todo: list[jobs_lib.Job]
@@ -185,11 +203,14 @@ class _Share:
     scan: jobs_lib.OutputScan
     total: int
     peers: multihost.PeerProgress | None
+    settings: dict
 
 
-def _decode(args, jobs: list[jobs_lib.Job], share: _Share, settings) -> dict:
+def _decode(args, jobs: list[jobs_lib.Job], share: _Share, settings, form: checks.DraftForm,
+            stages: report.Stages) -> dict:
     """Loads the models and runs this process's requests, appending to `share.output`; `settings`:
-    `_build_spec`'s. The processes of a multi-process job each run a replica on their local devices."""
+    `_build_spec`'s. The processes of a multi-process job each run a replica on their local devices.
+    Returns the summary row (`report.summary`)."""
     spec, sampling, mesh = settings
     device = None
     if share.peers is not None:
@@ -200,22 +221,32 @@ def _decode(args, jobs: list[jobs_lib.Job], share: _Share, settings) -> dict:
         mesh = None if mesh is None else dataclasses.replace(mesh, devices=local)
         device = jax.default_device(local[0])
     with device or contextlib.nullcontext():
+        loading = time.perf_counter()
+        stages(f"loading target {args.target}")
         target = load_model(args.target, args.dtype, quantize=args.quantize)
-        drafter = jaxspec.NgramDrafter(max_ngram=3)
-        max_positions = target.config.max_position_embeddings
-        if args.draft not in NO_DRAFT_MODEL and is_eagle_folder(args.draft):
-            drafter = jaxspec.EagleDrafter(jaxspec.load(args.draft, target=target))
-        elif args.draft not in NO_DRAFT_MODEL:
-            drafter = load_model(args.draft, args.dtype, seed=1, quantize=args.quantize)
-            max_positions = min(max_positions, drafter.config.max_position_embeddings)
+        model, max_positions = None, target.config.max_position_embeddings
+        if form.model is not None and is_eagle_folder(form.model):
+            stages(f"loading draft {form.model} (EAGLE-3 head)")
+            model = jaxspec.EagleDrafter(jaxspec.load(form.model, target=target))
+        elif form.model is not None:
+            stages(f"loading draft {form.model}")
+            model = load_model(form.model, args.dtype, seed=1, quantize=args.quantize)
+            max_positions = min(max_positions, model.config.max_position_embeddings)
+        load_s = time.perf_counter() - loading
         prompts, budgets = _encode_jobs(share.todo, target, args, max_positions)
-        decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=spec, sampling=sampling, mesh=mesh)
+        decoder = jaxspec.SpeculativeDecoder(target, checks.make_drafter(form, model), spec=spec, sampling=sampling,
+                                             mesh=mesh)
         _repair(share.output, share.scan)
+        settings_lib.record(share.output, share.settings, args.prompts)
         # Each request samples from the RNG stream of its position in the input file, so a resumed
         # run, or another process, draws the same tokens an uninterrupted one would have.
         position = {jobs_lib.id_key(job.id): i for i, job in enumerate(jobs)}
         streams = [position[jobs_lib.id_key(job.id)] for job in share.todo]
-        return _run(decoder, share, prompts, budgets, streams, args)
+        # Until the engine reports compile time (report.compile_seconds), one stage covers both.
+        stages(f"compiling and decoding {len(prompts)} requests")
+        stats, run_s, finished = _run(decoder, share, prompts, budgets, streams, args)
+        stages(f"done: {stats.new_tokens} tokens in {run_s:.1f} s")
+        return report.summary(stats, load_s, run_s, finished)
 
 
 def _repair(path, scan: jobs_lib.OutputScan) -> None:
@@ -227,12 +258,14 @@ def _repair(path, scan: jobs_lib.OutputScan) -> None:
 
 
 def _run(decoder: jaxspec.SpeculativeDecoder, share: _Share, prompts: list[list[int]], budgets: list[int],
-         streams: list[int], args) -> dict:
+         streams: list[int], args) -> tuple[jaxspec.GenerationStats, float, list[float]]:
     """Runs the requests, appending each one's line to `share.output` as soon as it finishes. Process 0
-    of a multi-process job shows the whole run's progress (the other processes' parts, read as it goes)."""
+    of a multi-process job shows the whole run's progress (the other processes' parts, read as it goes).
+    Returns the call's stats, its wall time (compilation included) and each request's finish time."""
     tok = decoder.target.tokenizer
     eos = tok.eos_token_id if args.eos and tok is not None else None
     totals = {"all_tokens": 0, "drafted": 0, "accepted": 0}
+    finished: list[float] = []
     lead = share.peers is None or jax.process_index() == 0
     start = time.perf_counter()
     with jobs_lib.ResultWriter(share.output) as writer, \
@@ -243,11 +276,12 @@ def _run(decoder: jaxspec.SpeculativeDecoder, share: _Share, prompts: list[list[
             stats["finish"] = "eos" if eos is not None and tokens and tokens[-1] == eos else "length"
             text = tok.decode(tokens, skip_special_tokens=False) if tok is not None else None
             writer.write({"id": share.todo[index].id, "text": text, "tokens": tokens, "stats": stats})
+            elapsed = time.perf_counter() - start
+            finished.append(elapsed)
             totals["drafted"] += counters["drafted"]
             totals["accepted"] += counters["accepted"]
             others, other_tokens = share.peers.poll() if share.peers is not None and lead else (0, 0)
             totals["all_tokens"] += counters["emitted"] + other_tokens
-            elapsed = time.perf_counter() - start
             postfix = {"tok/s": f"{totals['all_tokens'] / elapsed:.1f}"}
             if totals["drafted"]:
                 postfix["accept"] = f"{totals['accepted'] / totals['drafted']:.2f}"
@@ -257,11 +291,7 @@ def _run(decoder: jaxspec.SpeculativeDecoder, share: _Share, prompts: list[list[
         result = decoder.generate(prompts, max_new_tokens=budgets, seed=args.seed, eos_token_id=eos,
                                   batch_size=min(args.batch_size, len(prompts)), on_finish=on_finish,
                                   request_ids=streams)
-    s, seconds = result.stats, time.perf_counter() - start
-    # Seconds include compilation: this is the job's wall time, not a steady-state benchmark.
-    return {"requests": len(share.todo), "new_tokens": s.new_tokens, "seconds": seconds,
-            "tokens/s": s.new_tokens / seconds, "acceptance": s.acceptance_rate,
-            "tokens/step": s.mean_accepted_length, "output": str(share.output)}
+    return result.stats, time.perf_counter() - start, finished
 
 
 def _add_generate(sub) -> None:
@@ -282,8 +312,9 @@ def _add_generate(sub) -> None:
     add_model_args(models, quantize=True)
     models.add_argument("--draft", default="ngram",
                         help="a draft model (path or preset:NAME; its tokenizer may differ), an EAGLE-3 head folder "
-                             "(jaxspec train-eagle), 'ngram' (prompt lookup, the default) or 'none' (plain "
-                             "autoregressive decoding)")
+                             "(jaxspec train-eagle), 'ngram' (prompt lookup, the default), 'none' (plain "
+                             "autoregressive decoding), or, where this version has them, 'suffix' (suffix decoding) "
+                             f"and suffix+PATH (suffix decoding, then a model). Here: {checks.valid_forms()}")
     io = p.add_argument_group("input and output")
     io.add_argument("--prompts", required=True, metavar="IN.jsonl", help="requests, one JSON object per line")
     io.add_argument("--output", required=True, metavar="OUT.jsonl", help="results, appended (resumable)")
@@ -291,6 +322,9 @@ def _add_generate(sub) -> None:
                     help="skip malformed input lines with a warning instead of failing")
     io.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     io.add_argument("--no-progress", action="store_true", help="no progress bar")
+    io.add_argument("--allow-mixed-settings", action="store_true",
+                    help="append to an output written with other settings (each output records the settings that "
+                         "change tokens, in OUT.settings.json; without this flag a rerun with others is refused)")
     _add_decoding_args(p.add_argument_group("decoding"))
     par = p.add_argument_group("devices")
     par.add_argument("--target-tp", type=int, default=1, help="tensor-parallel degree of the target")
@@ -336,8 +370,11 @@ def _add_decoding_args(dec) -> None:
 
 
 def merge(args) -> int:
-    """`jaxspec merge`: a finished multi-process job's output, in input order."""
-    print(table([multihost.merge(args.output, args.prompts)]))
+    """`jaxspec merge`: a finished multi-process job's output, in input order, once the parts' settings
+    agree (checked before anything is written)."""
+    files = [Path(args.output), *multihost.parts(args.output)]
+    record = settings_lib.merged(files, args.allow_mixed_settings, warn)
+    print(table([multihost.merge(args.output, args.prompts, record)]))
     return 0
 
 
@@ -345,6 +382,8 @@ def _add_merge(sub) -> None:
     p = sub.add_parser("merge", help="gather a multi-process job's part files into OUT.jsonl, in input order")
     p.add_argument("output", metavar="OUT.jsonl", help="the job's --output")
     p.add_argument("--prompts", metavar="IN.jsonl", help="the job's input (default: named in OUT.jsonl.job.json)")
+    p.add_argument("--allow-mixed-settings", action="store_true",
+                   help="merge parts written with other settings (each part's are in OUT.part-I.settings.json)")
     p.set_defaults(run=merge)
 
 

@@ -17,7 +17,8 @@ requests:
   A request samples from the stream of its input position, so its tokens do not depend on which
   process ran it.
 - **Merging.** `merge` writes OUT with every request once, in input order (the input file is
-  named in the manifest `OUT.job.json` the job writes), and removes the parts.
+  named in the manifest `OUT.job.json` the job writes), and removes the parts, once their
+  settings records (`OUT.part-I.settings.json`, see `settings`) agree.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxspec.cli import jobs as jobs_lib
+from jaxspec.cli import settings as settings_lib
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -157,9 +159,10 @@ class PeerProgress:
         return requests, tokens
 
 
-def merge(output, prompts=None) -> dict:
+def merge(output, prompts=None, record: dict | None = None) -> dict:
     """Writes `output` with every request of the job once, in input order, from the output and its
-    part files, then removes the parts. `prompts`: the input file (default: from the manifest).
+    part files, then removes the parts. `prompts`: the input file (default: from the manifest);
+    `record`: the merged settings record (`settings.merged`), written with it (the parts' go).
     Raises ValueError naming what is missing if the job has not finished."""
     manifest = Path(f"{output}.job.json")
     if prompts is None:
@@ -185,7 +188,9 @@ def merge(output, prompts=None) -> dict:
         f.write(b"".join(lines[key] + b"\n" for key in order))
         f.flush()
         os.fsync(f.fileno())
+    settings_lib.write_merged(output, record)
     os.replace(merged, output)
     for path in parts(output):
+        settings_lib.sidecar(path).unlink(missing_ok=True)
         path.unlink()
     return {"requests": len(order), "parts": len(sources) - (Path(output) in sources), "output": str(output)}
