@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxspec import prompts as prompts_lib
-from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, crossvocab
+from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, SuffixDrafter, crossvocab
 from jaxspec.engine import batching, loop, segments, sliced, timing
 from jaxspec.engine import plans as plans_lib
 from jaxspec.engine.chain import ChainDrafter
@@ -98,8 +98,8 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
         if self.spec.tree is not None and type(self.drafter).propose_tree is Drafter.propose_tree:
-            raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head or n-gram "
-                             f"lookup, got {type(self.drafter).__name__}")
+            raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head, n-gram "
+                             f"or suffix lookup, got {type(self.drafter).__name__}")
         if isinstance(self.drafter, crossvocab.CrossVocabDrafter) and self._draft_mesh is not None:
             self.drafter = self.drafter.placed(sharding_lib.replicated(self._draft_mesh))
         self.draft = draft
@@ -200,6 +200,8 @@ class SpeculativeDecoder:
 
     def _result(self, queue, steps: int, seconds: float, step_ks: list[int], extra: dict) -> GenerationResult:
         tokens = queue.results()
+        batch = queue.batch
+        self.drafter.remember(list(batch.tokens_bp[i, :batch.lengths_b[i]]) + t for i, t in enumerate(tokens))
         stats = _stats(Counters(**queue.counters), queue.batch.num_prompts, steps, seconds, step_ks, self.drafter)
         stats.extra.update(extra)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
@@ -286,7 +288,7 @@ def _as_drafter(draft, target: Model, spec: SpecConfig) -> Drafter:
                              f"vocab_size ({vocab_size}) and the two have no tokenizers to bridge them "
                              "(or pass a jaxspec.CrossVocabDrafter)")
         return ModelDrafter(draft, greedy=spec.greedy_draft)
-    if isinstance(draft, NgramDrafter):
+    if isinstance(draft, (NgramDrafter, SuffixDrafter)):
         return draft.bind_vocab(vocab_size)
     if isinstance(draft, SpeculativeDecoder):
         tokenizers = (draft.target.tokenizer, target.tokenizer)

@@ -1,0 +1,300 @@
+"""`SuffixDrafter`: suffix decoding (SuffixDecoding, arXiv 2411.04975) from a corpus of earlier
+requests and each row's own context, with no model.
+
+Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary, c candidates (a source
+and a match length each), x points read at once, o occurrences, d match lengths, w tree columns.
+
+Both sources are lists of token strings in lexicographic order, so the strings that begin with a
+pattern are one contiguous range, and those of them that go on with a given token a sub-range,
+found by a fixed number of halvings: a node of SuffixDecoding's suffix tree (depth max_depth) is a
+range, its count the range's size. The corpus is every position of a buffer of earlier requests
+(each followed by a separator, -1), sorted on the host by its next max_depth tokens when requests
+come in. The row's own context gives, for each match length m, the continuations of the latest
+`_OCCURRENCES` earlier ends of its last m tokens, sorted in the step.
+
+A node's most frequent child is read among the continuations at s = ceil(1 / min_token_prob)
+evenly spaced points of its range (at most 16): a child holding a share >= 1/s of the range covers
+one of them, so every child above min_token_prob is found and counted exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.drafting.base import Drafter, Proposal
+from jaxspec.drafting.trees import Tree, TreeShape, grow_tree_from
+from jaxspec.prompts import check_int
+from jaxspec.sampling import SamplingConfig
+
+_F32 = jnp.float32
+_OCCURRENCES = 16   # earlier occurrences of a suffix in the row's own context that are counted
+
+
+class SuffixDrafter(Drafter):
+    """Suffix decoding: continue the row's last tokens the way they went on most often before.
+
+    For each match length m = 1..max_depth and each source (the row's own prompt and output, and
+    the corpus of earlier requests), the path follows the most frequent next token while the
+    running product of the count ratios (child count / node count) stays >= min_token_prob, for
+    at most min(k, floor(max_spec_factor * m), max_depth - m) tokens; the row proposes the path
+    with the largest sum of running products (ties: its own context, then the longer match). The
+    proposal is deterministic (q one-hot); each token's log-probability is its log count ratio.
+
+    Args:
+      max_depth: the longest suffix matched (the suffix tree's depth).
+      corpus_tokens: slots of the device corpus (a request takes its length plus one); when full,
+        the oldest requests are evicted first. Memory: 8 bytes per slot.
+      min_token_prob: a path stops where its running product falls below this.
+      max_spec_factor: tokens drafted per matched token (SuffixDecoding's alpha).
+
+    `SpeculativeDecoder.generate` adds each call's finished requests (prompt and output) to the
+    corpus when the call ends, so later calls draft from them; `forget()` empties it.
+    """
+
+    def __init__(self, max_depth: int = 24, corpus_tokens: int = 262144, min_token_prob: float = 0.1,
+                 max_spec_factor: float = 1.0, vocab_size: int | None = None, corpus=None):
+        check_int("max_depth", max_depth, 1)
+        check_int("corpus_tokens", corpus_tokens, 1)
+        if isinstance(min_token_prob, bool) or not isinstance(min_token_prob, (int, float)) or not 0 <= min_token_prob < 1:
+            raise ValueError(f"min_token_prob must be in [0, 1), got {min_token_prob!r}")
+        if isinstance(max_spec_factor, bool) or not isinstance(max_spec_factor, (int, float)) or not max_spec_factor > 0:
+            raise ValueError(f"max_spec_factor must be a number > 0, got {max_spec_factor!r}")
+        self.max_depth, self.corpus_tokens = max_depth, corpus_tokens
+        self.min_token_prob, self.max_spec_factor, self._vocab = float(min_token_prob), float(max_spec_factor), vocab_size
+        self.samples = 16 if min_token_prob < 1 / 16 else math.ceil(1 / min_token_prob - 1e-9)
+        self.corpus = corpus if corpus is not None else _Corpus(corpus_tokens, max_depth)
+
+    weights = {"text": "corpus.text", "order": "corpus.order"}
+
+    def __repr__(self):
+        return (f"SuffixDrafter(max_depth={self.max_depth}, corpus_tokens={self.corpus_tokens}, "
+                f"min_token_prob={self.min_token_prob}, max_spec_factor={self.max_spec_factor})")
+
+    def _key(self):
+        return (self.max_depth, self.corpus_tokens, self.min_token_prob, self.max_spec_factor, self._vocab)
+
+    @property
+    def vocab_size(self):
+        return self._vocab
+
+    def bind_vocab(self, vocab_size: int) -> SuffixDrafter:
+        """This drafter for a target vocabulary, sharing its corpus."""
+        return SuffixDrafter(self.max_depth, self.corpus_tokens, self.min_token_prob, self.max_spec_factor,
+                             vocab_size, self.corpus)
+
+    def remember(self, sequences) -> None:
+        """Adds requests (token-id lists, each a prompt and its output) to the corpus, evicting the
+        oldest past `corpus_tokens`; the device index is rebuilt once per call."""
+        self.corpus.add(sequences)
+
+    def forget(self) -> None:
+        """Empties the corpus."""
+        self.corpus.clear()
+
+    def _paths(self, params, seq_bl, pending_b, steps: int):
+        """Every candidate's path (`_walk`) and the reader of its strings: sources x match lengths."""
+        read, lo_bc, hi_bc = _candidates(params, seq_bl, pending_b, self.max_depth, steps)
+        m_c = jnp.tile(jnp.arange(1, self.max_depth + 1), 2)
+        budget_bc = jnp.minimum(jnp.floor(self.max_spec_factor * m_c + 1e-6).astype(jnp.int32), self.max_depth - m_c)
+        budget_bc = jnp.where(m_c <= pending_b[:, None] + 1, budget_bc, 0)   # rows shorter than m
+        c_bc = jnp.broadcast_to(jnp.arange(m_c.shape[0]), lo_bc.shape)
+        path = _walk(read, c_bc, lo_bc, hi_bc, budget_bc, steps, self.samples, self.min_token_prob)
+        return read, lo_bc, hi_bc, budget_bc, path
+
+    def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        steps = max(1, min(k, self.max_depth - 1))
+        _, _, _, _, (tokens, logq, est) = self._paths(params, seq_bl, pending_b, steps)
+        best_b = _best(est)
+        pick = (lambda x: jnp.take_along_axis(x, best_b[:, None, None], 1)[:, 0])
+        tokens_bk, logq_bk, used_bk = pick(tokens), pick(logq), pick(est) > 0
+        pad = ((0, 0), (0, k - steps))
+        tokens_bk, logq_bk = jnp.pad(jnp.where(used_bk, tokens_bk, 0), pad), jnp.pad(jnp.where(used_bk, logq_bk, 0), pad)
+        proposal = Proposal(tokens_bk=tokens_bk, q_bkv=jax.nn.one_hot(tokens_bk, self._vocab, dtype=_F32),
+                            num_drafts_b=jnp.sum(used_bk, axis=1).astype(jnp.int32), logprob_bk=logq_bk)
+        return proposal, state
+
+    def propose_tree(self, params, state, seq_bl, pending_b, shape: TreeShape, sampling: SamplingConfig):
+        """The tree of the candidate `propose` would take (its best path scored over the tree's
+        depth), grown best-first on the running products of count ratios: depth 1 the W most
+        frequent continuations, every later depth those of the W most probable nodes above (ties:
+        the smaller token). Nodes below min_token_prob or past the candidate's budget are unusable."""
+        b, rows_b1, width = seq_bl.shape[0], jnp.arange(seq_bl.shape[0])[:, None], shape.width
+        steps = max(1, min(shape.depth, self.max_depth - 1))
+        read, lo_bc, hi_bc, budget_bc, (_, _, est) = self._paths(params, seq_bl, pending_b, steps)
+        best_b1 = _best(est)[:, None]
+        pick = (lambda x: jnp.take_along_axis(x, best_b1, 1))
+        starts = shape.starts()
+
+        def children(carry, d, expand_be, *_):
+            lo_bw, hi_bw = carry
+            lo_be, hi_be = jnp.take_along_axis(lo_bw, expand_be, 1), jnp.take_along_axis(hi_bw, expand_be, 1)
+            token, logq, first, last = _top_children(read, jnp.broadcast_to(best_b1, lo_be.shape), lo_be, hi_be,
+                                                     d, self.samples, width)
+            cols = starts[d] + jnp.arange(lo_be.shape[1] * width)
+            carry = (lo_bw.at[:, cols].set(first.reshape(b, -1)), hi_bw.at[:, cols].set(last.reshape(b, -1)))
+            return token, logq, carry
+
+        lo_bw = jnp.zeros((b, shape.columns), jnp.int32).at[:, :1].set(pick(lo_bc))
+        hi_bw = jnp.zeros((b, shape.columns), jnp.int32).at[:, :1].set(pick(hi_bc))
+        token, logq, carry = children((lo_bw, hi_bw), 0, jnp.zeros((b, 1), jnp.int32))
+        root_b = seq_bl[rows_b1[:, 0], pending_b]
+        tree, _ = grow_tree_from(root_b, (token, logq), shape, children, carry)
+        depth_w = jnp.asarray(shape.depth_w())
+        unusable = (tree.cum_bw < math.log(max(self.min_token_prob, 1e-30))) | (depth_w > pick(budget_bc))
+        return tree.replace(cum_bw=jnp.where(unusable, -jnp.inf, tree.cum_bw)), state
+
+
+def _best(est_bck):
+    """Each row's candidate with the largest score, the sum of its running products (the last of
+    equal ones: the row's own context, then the longer match)."""
+    score_bc = jnp.sum(est_bck, axis=-1)
+    return score_bc.shape[1] - 1 - jnp.argmax(score_bc[:, ::-1], axis=1)
+
+
+class _Corpus:
+    """The corpus on the host (requests, oldest first) and its device index: `text` (tokens with
+    -1 after each request, and -1 padding) and `order` (text positions sorted by their next
+    `depth` tokens)."""
+
+    def __init__(self, slots: int, depth: int):
+        self.slots, self.depth = slots, depth
+        self.clear()
+
+    def clear(self) -> None:
+        self.requests, self.used = collections.deque(), 0
+        self._index()
+
+    def add(self, sequences) -> None:
+        for seq in sequences:
+            seq = np.asarray(seq, np.int64).reshape(-1)
+            if seq.size and (seq.min() < 0 or seq.max() >= 2 ** 31 - 1):
+                raise ValueError("corpus sequences must hold token ids >= 0")
+            seq = seq[max(0, seq.size - (self.slots - 1)):]   # longer than the corpus: its end
+            if seq.size:
+                self.requests.append(seq)
+                self.used += seq.size + 1
+        while self.used > self.slots:
+            self.used -= self.requests.popleft().size + 1
+        self._index()
+
+    def _index(self) -> None:
+        text = np.full((self.slots + 2 * self.depth,), -1, np.int64)
+        if self.requests:
+            text[:self.used] = np.concatenate([np.r_[r, -1] for r in self.requests])
+        end = self.used + self.depth
+        order = np.concatenate([np.arange(end, self.slots + self.depth), _suffix_order(text[:end], self.depth)])
+        self.text, self.order = jnp.asarray(text, jnp.int32), jnp.asarray(order, jnp.int32)
+
+
+def _suffix_order(text: np.ndarray, depth: int) -> np.ndarray:
+    """The positions of `text` sorted by their next `depth` tokens (-1 first; reads past the end
+    count as -1), by prefix doubling: ranks of the first h tokens, then of pairs of ranks."""
+    rank, h = text + 1, 1
+    while h < depth and rank.size:
+        shifted = np.concatenate([rank[h:], np.zeros(min(h, rank.size), np.int64)])
+        rank = np.unique(rank * (rank.max() + 1) + shifted, return_inverse=True)[1].reshape(-1).astype(np.int64) + 1
+        h *= 2
+    return np.argsort(rank, kind="stable")
+
+
+def _search(before, lo, hi, size: int):
+    """The first index of [lo, hi) where the monotone `before(index)` turns false, by a fixed
+    number of halvings (enough for ranges of `size`)."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        go = before(mid) & (lo < hi)
+        return jnp.where(go, mid + 1, lo), jnp.where(go | (lo >= hi), hi, mid)
+
+    return jax.lax.fori_loop(0, int(size).bit_length(), halve, (lo, hi))[0]
+
+
+def _candidates(params, seq_bl, pending_b, depth: int, steps: int):
+    """The strings of both sources and each candidate's node: `read(c_bc, i_bcx, j)` is the token
+    at offset j of string i of candidate c's source, after its match (-1 past a string's end);
+    candidates 0..depth-1 are the row's own context at m = 1..depth, the next depth the corpus.
+    Returns read and the nodes' ranges lo, hi [b, 2 depth]."""
+    text, order = params["text"], params["order"]
+    b, slots = seq_bl.shape
+    rows_b1, m_d = jnp.arange(b)[:, None], jnp.arange(1, depth + 1)
+    back_bj = jnp.clip(pending_b[:, None] - jnp.arange(depth), 0)
+    # Own context: run[e] = length of the common suffix of seq[:e + 1] and seq[:pending + 1].
+    e_l, same, run = jnp.arange(slots), jnp.ones((b, slots), bool), jnp.zeros((b, slots), jnp.int32)
+    for j in range(depth):
+        same &= (e_l >= j) & (jnp.take(seq_bl, jnp.clip(e_l - j, 0), axis=1) == seq_bl[rows_b1, back_bj[:, j:j + 1]])
+        run += same
+    ends_bdl = jnp.where((run[:, None] >= m_d[None, :, None]) & (e_l < pending_b[:, None])[:, None], e_l, -1)
+    ends_bdo = jax.lax.top_k(ends_bdl, min(_OCCURRENCES, slots))[0]
+    at_bdoj = ends_bdo[..., None] + 1 + jnp.arange(steps)
+    cont = jnp.where((ends_bdo[..., None] >= 0) & (at_bdoj <= pending_b[:, None, None, None]),
+                     seq_bl[rows_b1[:, :, None, None], jnp.clip(at_bdoj, 0, slots - 1)], -1)
+    cont = jnp.take_along_axis(cont, jnp.lexsort(jnp.moveaxis(cont, -1, 0)[::-1], axis=-1)[..., None], axis=2)
+    own_lo = jnp.sum(ends_bdo < 0, axis=-1).astype(jnp.int32)
+    # Corpus: the range of strings whose first m tokens are the row's last m.
+    pattern_bdj = jnp.where(jnp.arange(depth) < m_d[:, None], seq_bl[rows_b1[:, :, None], jnp.clip(
+        pending_b[:, None, None] - m_d[:, None] + 1 + jnp.arange(depth), 0, slots - 1)], 0)
+
+    def compare(mid_bdx):   # sign of (string mid's first m tokens) - pattern
+        diff = text[order[mid_bdx][..., None] + jnp.arange(depth)] - pattern_bdj[:, :, None]
+        diff = jnp.where(jnp.arange(depth) < m_d[:, None, None], diff, 0)
+        return jnp.sign(jnp.take_along_axis(diff, jnp.argmax(diff != 0, axis=-1)[..., None], -1)[..., 0])
+
+    n = order.shape[0]
+    bound_bdx = _search(lambda mid: compare(mid) < jnp.array([0, 1]), jnp.zeros((b, depth, 2), jnp.int32),
+                        jnp.full((b, depth, 2), n, jnp.int32), n)
+    m_c = jnp.tile(m_d, 2)
+
+    def read(c_bc, i_bcx, j):
+        corpus = text[jnp.clip(order[jnp.clip(i_bcx, 0, n - 1)] + m_c[c_bc][..., None] + j, 0, text.shape[0] - 1)]
+        own = cont[rows_b1[:, :, None], jnp.minimum(c_bc, depth - 1)[..., None],
+                   jnp.clip(i_bcx, 0, cont.shape[2] - 1), min(j, steps - 1)]
+        return jnp.where((c_bc < depth)[..., None], own, corpus)
+
+    read.size = n   # the longest range: the number of halvings
+    lo_bc = jnp.concatenate([own_lo, bound_bdx[..., 0]], axis=1)
+    hi_bc = jnp.concatenate([jnp.full((b, depth), cont.shape[2], jnp.int32), bound_bdx[..., 1]], axis=1)
+    return read, lo_bc, jnp.where(pending_b[:, None] + 1 >= m_c, hi_bc, lo_bc)
+
+
+def _children(read, c_bc, lo_bc, hi_bc, j: int, samples: int):
+    """The tokens at offset j of `samples` evenly spaced strings of each node's range (ascending),
+    and each one's sub-range [first, last) and count (0 for a string's end)."""
+    n_bc = hi_bc - lo_bc
+    token_bcs = read(c_bc, lo_bc[..., None] + n_bc[..., None] * jnp.arange(samples) // samples, j)
+    target = jnp.concatenate([token_bcs, token_bcs + 1], axis=-1)
+    bound = _search(lambda mid: read(c_bc, mid, j) < target, jnp.broadcast_to(lo_bc[..., None], target.shape),
+                    jnp.broadcast_to(hi_bc[..., None], target.shape), read.size)
+    first, last = bound[..., :samples], bound[..., samples:]
+    return token_bcs, first, last, jnp.where((token_bcs >= 0) & (n_bc[..., None] > 0), last - first, 0)
+
+
+def _walk(read, c_bc, lo_bc, hi_bc, budget_bc, steps: int, samples: int, min_prob: float):
+    """Each candidate's most frequent path of `steps` tokens: tokens, log count ratios and the
+    running products [b, c, steps], the products 0 from the first token that is not drafted."""
+    est, alive, out = jnp.ones(lo_bc.shape, _F32), jnp.ones(lo_bc.shape, bool), []
+    for j in range(steps):
+        token, first, last, count = _children(read, c_bc, lo_bc, hi_bc, j, samples)
+        best = jnp.argmax(count, axis=-1)[..., None]       # the first of equal counts: the smaller token
+        pick = (lambda x: jnp.take_along_axis(x, best, -1)[..., 0])
+        ratio = pick(count) / jnp.maximum(hi_bc - lo_bc, 1)
+        est = est * ratio
+        alive &= (pick(count) > 0) & (est >= min_prob) & (j < budget_bc)
+        out.append((pick(token), jnp.log(ratio), jnp.where(alive, est, 0.0)))
+        lo_bc, hi_bc = pick(first), pick(last)
+    return tuple(jnp.stack(x, axis=-1) for x in zip(*out))
+
+
+def _top_children(read, c_be, lo_be, hi_be, j: int, samples: int, width: int):
+    """The `width` most frequent distinct children of each node (ties: the smaller token): tokens,
+    log count ratios (-inf: none) and sub-ranges, [b, e, width]."""
+    token, first, last, count = _children(read, c_be, lo_be, hi_be, j, samples)
+    distinct = jnp.concatenate([jnp.ones_like(token[..., :1], bool), token[..., 1:] != token[..., :-1]], -1)
+    top, pick_w = jax.lax.top_k(jnp.where(distinct & (count > 0), count, -1), width)
+    logq = jnp.where(top > 0, jnp.log(top / jnp.maximum(hi_be - lo_be, 1)[..., None]), -jnp.inf)
+    take = (lambda x: jnp.take_along_axis(x, pick_w, -1))
+    return take(token), logq, take(first), take(last)
