@@ -34,6 +34,16 @@ def walk(strings, steps, budget, min_prob):
     return out
 
 
+def own_pool(ctx, depth):
+    """The 16 earlier ends matching the most of the row's last tokens (up to depth), ties: the latest."""
+    def run(e):
+        n = 0
+        while n < min(depth, e + 1) and ctx[e - n] == ctx[-1 - n]:
+            n += 1
+        return n
+    return sorted(range(len(ctx) - 1), key=lambda e: (run(e), e))[-16:]
+
+
 def reference(ctx, docs, k, depth, min_prob, factor):
     """Every candidate's path (own context m = 1..depth, then the corpus), brute force."""
     steps, paths = max(1, min(k, depth - 1)), []
@@ -45,8 +55,7 @@ def reference(ctx, docs, k, depth, min_prob, factor):
                 continue
             pattern = ctx[-m:]
             if source == "own":
-                ends = [e for e in range(m - 1, len(ctx) - 1) if ctx[e - m + 1:e + 1] == pattern][-16:]
-                strings = [ctx[e + 1:] for e in ends]
+                strings = [ctx[e + 1:] for e in own_pool(ctx, depth) if ctx[max(e - m + 1, 0):e + 1] == pattern]
             else:
                 strings = [d[p + m:p + depth] for d in docs for p in range(len(d)) if d[p:p + m] == pattern]
             paths.append(walk(strings, steps, budget, min_prob))

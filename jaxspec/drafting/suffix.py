@@ -9,8 +9,9 @@ pattern are one contiguous range, and those of them that go on with a given toke
 found by a fixed number of halvings: a node of SuffixDecoding's suffix tree (depth max_depth) is a
 range, its count the range's size. The corpus is every position of a buffer of earlier requests
 (each followed by a separator, -1), sorted on the host by its next max_depth tokens when requests
-come in. The row's own context gives, for each match length m, the continuations of the latest
-`_OCCURRENCES` earlier ends of its last m tokens, sorted in the step.
+come in. The row's own context gives the continuations of the `_OCCURRENCES` earlier ends of its
+last tokens that match the most of them, sorted in the step (for match length m: those matching
+at least m).
 
 A node's most frequent child is read among the continuations at s = ceil(1 / min_token_prob)
 evenly spaced points of its range (at most 16): a child holding a share >= 1/s of the range covers
@@ -32,7 +33,7 @@ from jaxspec.prompts import check_int
 from jaxspec.sampling import SamplingConfig
 
 _F32 = jnp.float32
-_OCCURRENCES = 16   # earlier occurrences of a suffix in the row's own context that are counted
+_OCCURRENCES = 16   # earlier occurrences of the row's last tokens in its own context that are counted
 
 
 class SuffixDrafter(Drafter):
@@ -98,12 +99,16 @@ class SuffixDrafter(Drafter):
 
     def _paths(self, params, seq_bl, pending_b, steps: int):
         """Every candidate's path (`_walk`) and the reader of its strings: sources x match lengths."""
-        read, lo_bc, hi_bc = _candidates(params, seq_bl, pending_b, self.max_depth, steps)
-        m_c = jnp.tile(jnp.arange(1, self.max_depth + 1), 2)
-        budget_bc = jnp.minimum(jnp.floor(self.max_spec_factor * m_c + 1e-6).astype(jnp.int32), self.max_depth - m_c)
-        budget_bc = jnp.where(m_c <= pending_b[:, None] + 1, budget_bc, 0)   # rows shorter than m
-        c_bc = jnp.broadcast_to(jnp.arange(m_c.shape[0]), lo_bc.shape)
-        path = _walk(read, c_bc, lo_bc, hi_bc, budget_bc, steps, self.samples, self.min_token_prob)
+        sources = _candidates(params, seq_bl, pending_b, self.max_depth, steps)
+        m_d = jnp.arange(1, self.max_depth + 1)
+        budget_d = jnp.minimum(jnp.floor(self.max_spec_factor * m_d + 1e-6).astype(jnp.int32), self.max_depth - m_d)
+        c_bd = jnp.broadcast_to(jnp.arange(self.max_depth), sources[0][1].shape)
+        paths = [_walk(read, c_bd, lo, hi, budget_d, steps, self.samples, self.min_token_prob)
+                 for read, lo, hi in sources]
+        read = _either(sources[0][0], sources[1][0], self.max_depth)
+        lo_bc, hi_bc = (jnp.concatenate([source[i] for source in sources], axis=1) for i in (1, 2))
+        budget_bc = jnp.broadcast_to(jnp.tile(budget_d, 2), lo_bc.shape)
+        path = tuple(jnp.concatenate(x, axis=1) for x in zip(*paths))
         return read, lo_bc, hi_bc, budget_bc, path
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
@@ -215,10 +220,9 @@ def _search(before, lo, hi, size: int):
 
 
 def _candidates(params, seq_bl, pending_b, depth: int, steps: int):
-    """The strings of both sources and each candidate's node: `read(c_bc, i_bcx, j)` is the token
-    at offset j of string i of candidate c's source, after its match (-1 past a string's end);
-    candidates 0..depth-1 are the row's own context at m = 1..depth, the next depth the corpus.
-    Returns read and the nodes' ranges lo, hi [b, 2 depth]."""
+    """Both sources, the row's own context and the corpus, each as (read, lo, hi): `read(c_bc, i_bcx,
+    j)` is the token at offset j after the match of string i of candidate c (match length c + 1;
+    -1 past a string's end), [lo, hi) [b, depth] the candidates' nodes."""
     text, order = params["text"], params["order"]
     b, slots = seq_bl.shape
     rows_b1, m_d = jnp.arange(b)[:, None], jnp.arange(1, depth + 1)
@@ -228,13 +232,16 @@ def _candidates(params, seq_bl, pending_b, depth: int, steps: int):
     for j in range(depth):
         same &= (e_l >= j) & (jnp.take(seq_bl, jnp.clip(e_l - j, 0), axis=1) == seq_bl[rows_b1, back_bj[:, j:j + 1]])
         run += same
-    ends_bdl = jnp.where((run[:, None] >= m_d[None, :, None]) & (e_l < pending_b[:, None])[:, None], e_l, -1)
-    ends_bdo = jax.lax.top_k(ends_bdl, min(_OCCURRENCES, slots))[0]
-    at_bdoj = ends_bdo[..., None] + 1 + jnp.arange(steps)
-    cont = jnp.where((ends_bdo[..., None] >= 0) & (at_bdoj <= pending_b[:, None, None, None]),
-                     seq_bl[rows_b1[:, :, None, None], jnp.clip(at_bdoj, 0, slots - 1)], -1)
-    cont = jnp.take_along_axis(cont, jnp.lexsort(jnp.moveaxis(cont, -1, 0)[::-1], axis=-1)[..., None], axis=2)
-    own_lo = jnp.sum(ends_bdo < 0, axis=-1).astype(jnp.int32)
+    # The O earlier ends matching the most of them (ties: the latest), their continuations sorted;
+    # for match length m, those matching >= m tokens, after the others.
+    key_bo = jax.lax.top_k(jnp.where(e_l < pending_b[:, None], run, 0) * slots + e_l, min(_OCCURRENCES, slots))[0]
+    at_boj = key_bo[..., None] % slots + 1 + jnp.arange(steps)
+    cont = jnp.where(at_boj <= pending_b[:, None, None], seq_bl[rows_b1[:, :, None], jnp.clip(at_boj, 0, slots - 1)], -1)
+    by_cont = jnp.lexsort(jnp.moveaxis(cont, -1, 0)[::-1], axis=-1)
+    matched_bdo = jnp.take_along_axis(key_bo // slots, by_cont, 1)[:, None] >= m_d[:, None]
+    own_bdo = jnp.take_along_axis(by_cont[:, None], jnp.argsort(matched_bdo, axis=-1, stable=True), 2)
+    cont = jnp.take_along_axis(cont[:, None], own_bdo[..., None], 2)
+    own_lo = jnp.sum(~matched_bdo, axis=-1).astype(jnp.int32)
     # Corpus: the range of strings whose first m tokens are the row's last m.
     pattern_bdj = jnp.where(jnp.arange(depth) < m_d[:, None], seq_bl[rows_b1[:, :, None], jnp.clip(
         pending_b[:, None, None] - m_d[:, None] + 1 + jnp.arange(depth), 0, slots - 1)], 0)
@@ -247,18 +254,27 @@ def _candidates(params, seq_bl, pending_b, depth: int, steps: int):
     n = order.shape[0]
     bound_bdx = _search(lambda mid: compare(mid) < jnp.array([0, 1]), jnp.zeros((b, depth, 2), jnp.int32),
                         jnp.full((b, depth, 2), n, jnp.int32), n)
-    m_c = jnp.tile(m_d, 2)
 
+    def own(c_bc, i_bcx, j):
+        return cont[rows_b1[:, :, None], c_bc[..., None], jnp.clip(i_bcx, 0, cont.shape[2] - 1), min(j, steps - 1)]
+
+    def corpus(c_bc, i_bcx, j):
+        return text[jnp.clip(order[jnp.clip(i_bcx, 0, n - 1)] + c_bc[..., None] + 1 + j, 0, text.shape[0] - 1)]
+
+    own.size, corpus.size = cont.shape[2], n   # the longest ranges: the number of halvings
+    short_bd = pending_b[:, None] + 1 < m_d   # rows shorter than m
+    return ((own, own_lo, jnp.where(short_bd, own_lo, cont.shape[2])),
+            (corpus, bound_bdx[..., 0], jnp.where(short_bd, bound_bdx[..., 0], bound_bdx[..., 1])))
+
+
+def _either(own, corpus, depth: int):
+    """One reader of both sources' candidates, the row's own context's first."""
     def read(c_bc, i_bcx, j):
-        corpus = text[jnp.clip(order[jnp.clip(i_bcx, 0, n - 1)] + m_c[c_bc][..., None] + j, 0, text.shape[0] - 1)]
-        own = cont[rows_b1[:, :, None], jnp.minimum(c_bc, depth - 1)[..., None],
-                   jnp.clip(i_bcx, 0, cont.shape[2] - 1), min(j, steps - 1)]
-        return jnp.where((c_bc < depth)[..., None], own, corpus)
+        return jnp.where((c_bc < depth)[..., None], own(jnp.minimum(c_bc, depth - 1), i_bcx, j),
+                         corpus(jnp.maximum(c_bc - depth, 0), i_bcx, j))
 
-    read.size = n   # the longest range: the number of halvings
-    lo_bc = jnp.concatenate([own_lo, bound_bdx[..., 0]], axis=1)
-    hi_bc = jnp.concatenate([jnp.full((b, depth), cont.shape[2], jnp.int32), bound_bdx[..., 1]], axis=1)
-    return read, lo_bc, jnp.where(pending_b[:, None] + 1 >= m_c, hi_bc, lo_bc)
+    read.size = max(own.size, corpus.size)
+    return read
 
 
 def _children(read, c_bc, lo_bc, hi_bc, j: int, samples: int):
