@@ -1,8 +1,15 @@
 """jaxspec: batch speculative decoding in JAX / Flax NNX."""
 
 from jaxspec import parallel, policy, tetris
-from jaxspec.drafting import (CrossVocabDrafter, Drafter, EagleDrafter, ModelDrafter, NgramDrafter, SuffixDrafter,
-                              VocabMap)
+from jaxspec.drafting import (
+                              CrossVocabDrafter,
+                              Drafter,
+                              EagleDrafter,
+                              ModelDrafter,
+                              NgramDrafter,
+                              SuffixDrafter,
+                              VocabMap,
+)
 from jaxspec.engine import SpeculativeDecoder, clear_caches, generate
 from jaxspec.models import KVCache, Model, ModelConfig
 from jaxspec.models.eagle import EagleHead

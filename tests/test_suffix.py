@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.drafting.trees import TreeShape
 from jaxspec.sampling import SamplingConfig
 
 
@@ -139,7 +138,8 @@ def test_a_second_call_drafts_from_the_first_and_both_equal_the_targets_greedy_o
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 9, 3, 12, 7, 4)]
     again = prompts[:4] + [rng.integers(0, 256, n).tolist() for n in (6, 10)]
     want = jaxspec.generate(tiny, prompts + again[4:], max_new_tokens=20).tokens
-    decoder = jaxspec.SpeculativeDecoder(tiny, jaxspec.SuffixDrafter(), spec=jaxspec.SpecConfig(**spec))
+    drafter = jaxspec.SuffixDrafter(max_depth=12, corpus_tokens=4096)
+    decoder = jaxspec.SpeculativeDecoder(tiny, drafter, spec=jaxspec.SpecConfig(**spec))
     first = decoder.generate(prompts, max_new_tokens=20, batch_size=4)
     second = decoder.generate(again, max_new_tokens=20, batch_size=4)
     assert first.tokens == want[:6]
@@ -149,15 +149,18 @@ def test_a_second_call_drafts_from_the_first_and_both_equal_the_targets_greedy_o
     assert second.stats.mean_accepted_length > 1.5 * first.stats.mean_accepted_length
 
 
-def test_suffix_sampling_follows_the_targets_distribution():
+@pytest.mark.slow   # 40 s per case (suite time), compiling for 4000 rows; the rule is n-gram lookup's (one-hot q)
+@pytest.mark.parametrize("spec", [dict(k=2), dict(k=3, tree=(2, 2))], ids=["chain", "tree"])
+def test_suffix_sampling_follows_the_targets_distribution(spec):
     """Requests drafted from a corpus (and their own repeats), with rejection sampling: the
-    first four tokens (the 4th a full window's bonus) follow the target's exact distribution."""
+    first four tokens (the prefill's, two drafts or a correction, the bonus; a tree: depth 2)
+    follow the target's exact distribution."""
     from exactness import VOCAB6_PROMPT, assert_matches_distribution, exact_joint, vocab6_models
     target = vocab6_models()[0]
     prompt, sampling, rows = VOCAB6_PROMPT + [1, 4, 2, 5, 1], SamplingConfig(temperature=0.7, top_k=3), 4000
-    drafter = jaxspec.SuffixDrafter(max_depth=6, corpus_tokens=64, min_token_prob=0.05)
+    drafter = jaxspec.SuffixDrafter(max_depth=4, corpus_tokens=64, min_token_prob=0.05)
     drafter.remember([prompt + [3, 0, 2, 4], prompt + [3, 0, 5], prompt + [2, 2]])
-    decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=jaxspec.SpecConfig(k=3), sampling=sampling)
+    decoder = jaxspec.SpeculativeDecoder(target, drafter, spec=jaxspec.SpecConfig(**spec), sampling=sampling)
     result = decoder.generate([prompt] * rows, max_new_tokens=4, seed=41)
     assert_matches_distribution(result.tokens, exact_joint(target, prompt, 4, sampling), rows)
     assert result.stats.accepted_tokens > 0

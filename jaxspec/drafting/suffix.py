@@ -4,18 +4,15 @@ requests and each row's own context, with no model.
 Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary, c candidates (a source
 and a match length each), x points read at once, o occurrences, d match lengths, w tree columns.
 
-Both sources are lists of token strings in lexicographic order, so the strings that begin with a
-pattern are one contiguous range, and those of them that go on with a given token a sub-range,
-found by a fixed number of halvings: a node of SuffixDecoding's suffix tree (depth max_depth) is a
-range, its count the range's size. The corpus is every position of a buffer of earlier requests
-(each followed by a separator, -1), sorted on the host by its next max_depth tokens when requests
-come in. The row's own context gives the continuations of the `_OCCURRENCES` earlier ends of its
-last tokens that match the most of them, sorted in the step (for match length m: those matching
-at least m).
-
-A node's most frequent child is read among the continuations at s = ceil(1 / min_token_prob)
-evenly spaced points of its range (at most 16): a child holding a share >= 1/s of the range covers
-one of them, so every child above min_token_prob is found and counted exactly.
+Both sources are token strings in lexicographic order, so those that begin with a pattern are a
+range and those that go on with a given token a sub-range, found by a fixed number of halvings: a
+node of SuffixDecoding's suffix tree (depth max_depth) is a range, its count the range's size. The
+corpus: every position of a buffer of earlier requests (each followed by -1), sorted on the host by
+its next max_depth tokens when requests come in. The row's own context: the continuations of the
+`_OCCURRENCES` earlier ends of its last tokens that match the most of them, sorted in the step.
+A node's children are read at s = ceil(1 / min_token_prob) evenly spaced strings of its range (at
+most 16): a child holding >= 1/s of the range covers one, so every child above min_token_prob is
+found and counted exactly.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.drafting.base import Drafter, Proposal
-from jaxspec.drafting.trees import Tree, TreeShape, grow_tree_from
+from jaxspec.drafting.trees import TreeShape, grow_tree_from
 from jaxspec.prompts import check_int
 from jaxspec.sampling import SamplingConfig
 
@@ -61,12 +58,12 @@ class SuffixDrafter(Drafter):
                  max_spec_factor: float = 1.0, vocab_size: int | None = None, corpus=None):
         check_int("max_depth", max_depth, 1)
         check_int("corpus_tokens", corpus_tokens, 1)
-        if isinstance(min_token_prob, bool) or not isinstance(min_token_prob, (int, float)) or not 0 <= min_token_prob < 1:
+        if not (_number(min_token_prob) and 0 <= min_token_prob < 1):
             raise ValueError(f"min_token_prob must be in [0, 1), got {min_token_prob!r}")
-        if isinstance(max_spec_factor, bool) or not isinstance(max_spec_factor, (int, float)) or not max_spec_factor > 0:
+        if not (_number(max_spec_factor) and max_spec_factor > 0):
             raise ValueError(f"max_spec_factor must be a number > 0, got {max_spec_factor!r}")
-        self.max_depth, self.corpus_tokens = max_depth, corpus_tokens
-        self.min_token_prob, self.max_spec_factor, self._vocab = float(min_token_prob), float(max_spec_factor), vocab_size
+        self.max_depth, self.corpus_tokens, self._vocab = max_depth, corpus_tokens, vocab_size
+        self.min_token_prob, self.max_spec_factor = float(min_token_prob), float(max_spec_factor)
         self.samples = 16 if min_token_prob < 1 / 16 else math.ceil(1 / min_token_prob - 1e-9)
         self.corpus = corpus if corpus is not None else _Corpus(corpus_tokens, max_depth)
 
@@ -78,10 +75,6 @@ class SuffixDrafter(Drafter):
 
     def _key(self):
         return (self.max_depth, self.corpus_tokens, self.min_token_prob, self.max_spec_factor, self._vocab)
-
-    @property
-    def vocab_size(self):
-        return self._vocab
 
     def bind_vocab(self, vocab_size: int) -> SuffixDrafter:
         """This drafter for a target vocabulary, sharing its corpus."""
@@ -114,11 +107,10 @@ class SuffixDrafter(Drafter):
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         steps = max(1, min(k, self.max_depth - 1))
         _, _, _, _, (tokens, logq, est) = self._paths(params, seq_bl, pending_b, steps)
-        best_b = _best(est)
-        pick = (lambda x: jnp.take_along_axis(x, best_b[:, None, None], 1)[:, 0])
-        tokens_bk, logq_bk, used_bk = pick(tokens), pick(logq), pick(est) > 0
+        tokens_bk, logq_bk, est_bk = (_take(x, _best(est)[:, None, None], 1)[:, 0] for x in (tokens, logq, est))
+        used_bk = est_bk > 0
         pad = ((0, 0), (0, k - steps))
-        tokens_bk, logq_bk = jnp.pad(jnp.where(used_bk, tokens_bk, 0), pad), jnp.pad(jnp.where(used_bk, logq_bk, 0), pad)
+        tokens_bk, logq_bk = (jnp.pad(jnp.where(used_bk, x, 0), pad) for x in (tokens_bk, logq_bk))
         proposal = Proposal(tokens_bk=tokens_bk, q_bkv=jax.nn.one_hot(tokens_bk, self._vocab, dtype=_F32),
                             num_drafts_b=jnp.sum(used_bk, axis=1).astype(jnp.int32), logprob_bk=logq_bk)
         return proposal, state
@@ -131,27 +123,38 @@ class SuffixDrafter(Drafter):
         b, rows_b1, width = seq_bl.shape[0], jnp.arange(seq_bl.shape[0])[:, None], shape.width
         steps = max(1, min(shape.depth, self.max_depth - 1))
         read, lo_bc, hi_bc, budget_bc, (_, _, est) = self._paths(params, seq_bl, pending_b, steps)
-        best_b1 = _best(est)[:, None]
-        pick = (lambda x: jnp.take_along_axis(x, best_b1, 1))
-        starts = shape.starts()
+        best_b1, starts = _best(est)[:, None], shape.starts()
 
         def children(carry, d, expand_be, *_):
             lo_bw, hi_bw = carry
-            lo_be, hi_be = jnp.take_along_axis(lo_bw, expand_be, 1), jnp.take_along_axis(hi_bw, expand_be, 1)
-            token, logq, first, last = _top_children(read, jnp.broadcast_to(best_b1, lo_be.shape), lo_be, hi_be,
-                                                     d, self.samples, width)
+            lo_be, hi_be = _take(lo_bw, expand_be, 1), _take(hi_bw, expand_be, 1)
+            token, first, last, count = _children(read, jnp.broadcast_to(best_b1, lo_be.shape), lo_be, hi_be, d,
+                                                  self.samples)
+            # the W most frequent distinct children (ties: the smaller token)
+            distinct = jnp.concatenate([jnp.ones_like(token[..., :1], bool), token[..., 1:] != token[..., :-1]], -1)
+            top, pick = jax.lax.top_k(jnp.where(distinct & (count > 0), count, -1), width)
+            logq = jnp.where(top > 0, jnp.log(top / jnp.maximum(hi_be - lo_be, 1)[..., None]), -jnp.inf)
+            token, first, last = (_take(x, pick) for x in (token, first, last))
             cols = starts[d] + jnp.arange(lo_be.shape[1] * width)
             carry = (lo_bw.at[:, cols].set(first.reshape(b, -1)), hi_bw.at[:, cols].set(last.reshape(b, -1)))
             return token, logq, carry
 
-        lo_bw = jnp.zeros((b, shape.columns), jnp.int32).at[:, :1].set(pick(lo_bc))
-        hi_bw = jnp.zeros((b, shape.columns), jnp.int32).at[:, :1].set(pick(hi_bc))
+        lo_bw, hi_bw = (jnp.zeros((b, shape.columns), jnp.int32).at[:, :1].set(_take(x, best_b1, 1))
+                        for x in (lo_bc, hi_bc))
         token, logq, carry = children((lo_bw, hi_bw), 0, jnp.zeros((b, 1), jnp.int32))
         root_b = seq_bl[rows_b1[:, 0], pending_b]
         tree, _ = grow_tree_from(root_b, (token, logq), shape, children, carry)
         depth_w = jnp.asarray(shape.depth_w())
-        unusable = (tree.cum_bw < math.log(max(self.min_token_prob, 1e-30))) | (depth_w > pick(budget_bc))
+        unusable = (tree.cum_bw < math.log(max(self.min_token_prob, 1e-30))) | (depth_w > _take(budget_bc, best_b1, 1))
         return tree.replace(cum_bw=jnp.where(unusable, -jnp.inf, tree.cum_bw)), state
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _take(x, index, axis=-1):
+    return jnp.take_along_axis(x, index, axis)
 
 
 def _best(est_bck):
@@ -234,9 +237,11 @@ def _candidates(params, seq_bl, pending_b, depth: int, steps: int):
         run += same
     # The O earlier ends matching the most of them (ties: the latest), their continuations sorted;
     # for match length m, those matching >= m tokens, after the others.
-    key_bo = jax.lax.top_k(jnp.where(e_l < pending_b[:, None], run, 0) * slots + e_l, min(_OCCURRENCES, slots))[0]
+    run = jnp.where(e_l < pending_b[:, None], run, 0)
+    key_bo = jax.lax.top_k(run * slots + e_l, min(_OCCURRENCES, slots))[0]
     at_boj = key_bo[..., None] % slots + 1 + jnp.arange(steps)
-    cont = jnp.where(at_boj <= pending_b[:, None, None], seq_bl[rows_b1[:, :, None], jnp.clip(at_boj, 0, slots - 1)], -1)
+    cont = seq_bl[rows_b1[:, :, None], jnp.minimum(at_boj, slots - 1)]
+    cont = jnp.where(at_boj <= pending_b[:, None, None], cont, -1)
     by_cont = jnp.lexsort(jnp.moveaxis(cont, -1, 0)[::-1], axis=-1)
     matched_bdo = jnp.take_along_axis(key_bo // slots, by_cont, 1)[:, None] >= m_d[:, None]
     own_bdo = jnp.take_along_axis(by_cont[:, None], jnp.argsort(matched_bdo, axis=-1, stable=True), 2)
@@ -296,21 +301,10 @@ def _walk(read, c_bc, lo_bc, hi_bc, budget_bc, steps: int, samples: int, min_pro
     for j in range(steps):
         token, first, last, count = _children(read, c_bc, lo_bc, hi_bc, j, samples)
         best = jnp.argmax(count, axis=-1)[..., None]       # the first of equal counts: the smaller token
-        pick = (lambda x: jnp.take_along_axis(x, best, -1)[..., 0])
-        ratio = pick(count) / jnp.maximum(hi_bc - lo_bc, 1)
+        token, first, last, count = (_take(x, best)[..., 0] for x in (token, first, last, count))
+        ratio = count / jnp.maximum(hi_bc - lo_bc, 1)
         est = est * ratio
-        alive &= (pick(count) > 0) & (est >= min_prob) & (j < budget_bc)
-        out.append((pick(token), jnp.log(ratio), jnp.where(alive, est, 0.0)))
-        lo_bc, hi_bc = pick(first), pick(last)
+        alive &= (count > 0) & (est >= min_prob) & (j < budget_bc)
+        out.append((token, jnp.log(ratio), jnp.where(alive, est, 0.0)))
+        lo_bc, hi_bc = first, last
     return tuple(jnp.stack(x, axis=-1) for x in zip(*out))
-
-
-def _top_children(read, c_be, lo_be, hi_be, j: int, samples: int, width: int):
-    """The `width` most frequent distinct children of each node (ties: the smaller token): tokens,
-    log count ratios (-inf: none) and sub-ranges, [b, e, width]."""
-    token, first, last, count = _children(read, c_be, lo_be, hi_be, j, samples)
-    distinct = jnp.concatenate([jnp.ones_like(token[..., :1], bool), token[..., 1:] != token[..., :-1]], -1)
-    top, pick_w = jax.lax.top_k(jnp.where(distinct & (count > 0), count, -1), width)
-    logq = jnp.where(top > 0, jnp.log(top / jnp.maximum(hi_be - lo_be, 1)[..., None]), -jnp.inf)
-    take = (lambda x: jnp.take_along_axis(x, pick_w, -1))
-    return take(token), logq, take(first), take(last)
