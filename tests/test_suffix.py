@@ -131,9 +131,10 @@ def tiny():
 
 @pytest.mark.parametrize("spec", [dict(k=4), dict(k=3, extra=2, selection="tetris", capacity=12),
                                   dict(k=3, tree=(3, 2))], ids=["standard", "tetris", "tree"])
-def test_a_second_call_drafts_from_the_first_and_both_equal_the_targets_greedy_output(tiny, spec):
+def test_a_second_call_drafts_from_the_first_and_both_equal_the_targets_greedy_output(tiny, spec, compile_counter):
     """Six prompts in four slots (refills); the second call repeats four of them and adds two new
-    ones: the corpus holds the repeated prompts' exact continuations, so drafts are accepted."""
+    ones: the corpus holds the repeated prompts' exact continuations, so drafts are accepted. A
+    grown corpus is new params of the same shapes: a third call compiles nothing."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 9, 3, 12, 7, 4)]
     again = prompts[:4] + [rng.integers(0, 256, n).tolist() for n in (6, 10)]
@@ -147,6 +148,9 @@ def test_a_second_call_drafts_from_the_first_and_both_equal_the_targets_greedy_o
     repeated = sum(second.stats.extra["per_request_accepted"][:4]) / sum(second.stats.per_request_new_tokens[:4])
     assert repeated > 0.6, second.stats
     assert second.stats.mean_accepted_length > 1.5 * first.stats.mean_accepted_length
+    with compile_counter() as counter:
+        assert decoder.generate(again, max_new_tokens=20, batch_size=4).tokens == second.tokens
+    assert counter.count == 0, counter.names
 
 
 @pytest.mark.slow   # 40 s per case (suite time), compiling for 4000 rows; the rule is n-gram lookup's (one-hot q)
