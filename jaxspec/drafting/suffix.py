@@ -40,7 +40,7 @@ class SuffixDrafter(Drafter):
     the corpus of earlier requests), the path follows the most frequent next token while the
     running product of the count ratios (child count / node count) stays >= min_token_prob, for
     at most min(k, floor(max_spec_factor * m), max_depth - m) tokens; the row proposes the path
-    with the largest sum of running products (ties: its own context, then the longer match). The
+    with the largest sum of running products (ties: the corpus's, then the longer match). The
     proposal is deterministic (q one-hot); each token's log-probability is its log count ratio.
 
     Args:
@@ -144,9 +144,10 @@ class SuffixDrafter(Drafter):
         token, logq, carry = children((lo_bw, hi_bw), 0, jnp.zeros((b, 1), jnp.int32))
         root_b = seq_bl[rows_b1[:, 0], pending_b]
         tree, _ = grow_tree_from(root_b, (token, logq), shape, children, carry)
-        depth_w = jnp.asarray(shape.depth_w())
-        unusable = (tree.cum_bw < math.log(max(self.min_token_prob, 1e-30))) | (depth_w > _take(budget_bc, best_b1, 1))
-        return tree.replace(cum_bw=jnp.where(unusable, -jnp.inf, tree.cum_bw)), state
+        unusable = ((tree.cum_bw < math.log(max(self.min_token_prob, 1e-30)))
+                    | (jnp.asarray(shape.depth_w()) > _take(budget_bc, best_b1, 1)))
+        cum_bw = jnp.where(unusable, -jnp.inf, tree.cum_bw)
+        return tree.replace(tokens_bw=jnp.maximum(tree.tokens_bw, 0), cum_bw=cum_bw), state   # no -1 (an end) fed
 
 
 def _number(x) -> bool:
@@ -159,7 +160,7 @@ def _take(x, index, axis=-1):
 
 def _best(est_bck):
     """Each row's candidate with the largest score, the sum of its running products (the last of
-    equal ones: the row's own context, then the longer match)."""
+    equal ones: the corpus's, then the longer match)."""
     score_bc = jnp.sum(est_bck, axis=-1)
     return score_bc.shape[1] - 1 - jnp.argmax(score_bc[:, ::-1], axis=1)
 
