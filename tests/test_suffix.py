@@ -153,6 +153,19 @@ def test_a_second_call_drafts_from_the_first_and_both_equal_the_targets_greedy_o
     assert counter.count == 0, counter.names
 
 
+def test_requests_draft_from_those_finished_earlier_in_the_same_call(tiny):
+    """Four prompts, then the same four again, in four slots: the repeats come in at refills
+    after the first runs went into the corpus, so they draft their exact continuations."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, 8).tolist() for _ in range(4)] * 2
+    want = jaxspec.generate(tiny, prompts[:4], max_new_tokens=24).tokens * 2
+    result = jaxspec.SpeculativeDecoder(tiny, jaxspec.SuffixDrafter(max_depth=12, corpus_tokens=4096),
+                                        spec=jaxspec.SpecConfig(k=4)).generate(prompts, max_new_tokens=24, batch_size=4)
+    assert result.tokens == want
+    accepted, emitted = result.stats.extra["per_request_accepted"], result.stats.per_request_new_tokens
+    assert sum(accepted[4:]) / sum(emitted[4:]) > 0.6 > sum(accepted[:4]) / sum(emitted[:4]), accepted
+
+
 @pytest.mark.slow   # 40 s per case (suite time), compiling for 4000 rows; the rule is n-gram lookup's (one-hot q)
 @pytest.mark.parametrize("spec", [dict(k=2), dict(k=3, tree=(2, 2))], ids=["chain", "tree"])
 def test_suffix_sampling_follows_the_targets_distribution(spec):

@@ -50,8 +50,9 @@ class SuffixDrafter(Drafter):
       min_token_prob: a path stops where its running product falls below this.
       max_spec_factor: tokens drafted per matched token (SuffixDecoding's alpha).
 
-    `SpeculativeDecoder.generate` adds each call's finished requests (prompt and output) to the
-    corpus when the call ends, so later calls draft from them; `forget()` empties it.
+    `SpeculativeDecoder.generate` adds finished requests (prompt and output) to the corpus at
+    refills (see `remember`) and when the call ends, so later requests and calls draft from them;
+    `forget()` empties it.
     """
 
     def __init__(self, max_depth: int = 24, corpus_tokens: int = 262144, min_token_prob: float = 0.1,
@@ -81,10 +82,12 @@ class SuffixDrafter(Drafter):
         return SuffixDrafter(self.max_depth, self.corpus_tokens, self.min_token_prob, self.max_spec_factor,
                              vocab_size, self.corpus)
 
-    def remember(self, sequences) -> None:
+    def remember(self, sequences, final: bool = True) -> None:
         """Adds requests (token-id lists, each a prompt and its output) to the corpus, evicting the
-        oldest past `corpus_tokens`; the device index is rebuilt once per call."""
-        self.corpus.add(sequences)
+        oldest past `corpus_tokens`. The device index is sorted again when `final`, or once the
+        requests not in it hold as many tokens as those in it (a sort costs O(corpus): doubling
+        keeps the cost per token bounded)."""
+        self.corpus.add(sequences, final)
 
     def forget(self) -> None:
         """Empties the corpus."""
@@ -175,10 +178,10 @@ class _Corpus:
         self.clear()
 
     def clear(self) -> None:
-        self.requests, self.used = collections.deque(), 0
+        self.requests, self.used, self.fresh = collections.deque(), 0, 0
         self._index()
 
-    def add(self, sequences) -> None:
+    def add(self, sequences, final: bool = True) -> None:
         for seq in sequences:
             seq = np.asarray(seq, np.int64).reshape(-1)
             if seq.size and (seq.min() < 0 or seq.max() >= 2 ** 31 - 1):
@@ -186,10 +189,11 @@ class _Corpus:
             seq = seq[max(0, seq.size - (self.slots - 1)):]   # longer than the corpus: its end
             if seq.size:
                 self.requests.append(seq)
-                self.used += seq.size + 1
+                self.used, self.fresh = self.used + seq.size + 1, self.fresh + seq.size + 1
         while self.used > self.slots:
             self.used -= self.requests.popleft().size + 1
-        self._index()
+        if final or 2 * self.fresh >= self.used:
+            self._index()
 
     def _index(self) -> None:
         text = np.full((self.slots + 2 * self.depth,), -1, np.int64)
@@ -197,7 +201,7 @@ class _Corpus:
             text[:self.used] = np.concatenate([np.r_[r, -1] for r in self.requests])
         end = self.used + self.depth
         order = np.concatenate([np.arange(end, self.slots + self.depth), _suffix_order(text[:end], self.depth)])
-        self.text, self.order = jnp.asarray(text, jnp.int32), jnp.asarray(order, jnp.int32)
+        self.text, self.order, self.fresh = jnp.asarray(text, jnp.int32), jnp.asarray(order, jnp.int32), 0
 
 
 def _suffix_order(text: np.ndarray, depth: int) -> np.ndarray:

@@ -184,6 +184,8 @@ class SpeculativeDecoder:
             if host.synced:   # the host may change the state: refill finished rows, catch the drafter up
                 refill = table.refill()
                 if refill is not None:
+                    self._remember(queue, final=False)
+                    params = (self.target.params, self.drafter.params)   # same shapes: no compilation
                     state, report = loop.refill_on_device(program, params, state, put(refill[0]),
                                                           put(Requests.of(refill[1], seed, eos)), control())
                     host.refilled(jax.device_get(report))
@@ -200,11 +202,16 @@ class SpeculativeDecoder:
 
     def _result(self, queue, steps: int, seconds: float, step_ks: list[int], extra: dict) -> GenerationResult:
         tokens = queue.results()
-        batch = queue.batch
-        self.drafter.remember(list(batch.tokens_bp[i, :batch.lengths_b[i]]) + t for i, t in enumerate(tokens))
+        self._remember(queue, final=True)
         stats = _stats(Counters(**queue.counters), queue.batch.num_prompts, steps, seconds, step_ks, self.drafter)
         stats.extra.update(extra)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+    def _remember(self, queue, final: bool) -> None:
+        """Hands the drafter the requests finished since it was last given any (the suffix corpus)."""
+        batch, done = queue.batch, list(queue.tokens)[queue.remembered:]
+        queue.remembered += len(done)
+        self.drafter.remember((list(batch.tokens_bp[i, :batch.lengths_b[i]]) + queue.tokens[i] for i in done), final)
 
     def _compile_plans(self, program: Program, params, state, control, host) -> None:
         """Every plan's first segment at this batch shape, compiled side by side once: the policy
