@@ -1,18 +1,17 @@
 """`SuffixDrafter`: suffix decoding (SuffixDecoding, arXiv 2411.04975) from a corpus of earlier
 requests and each row's own context, with no model.
 
-Shape key: b rows, l sequence-buffer slots, k draft tokens, v vocabulary, c candidates (a source
-and a match length each), x points read at once, o occurrences, d match lengths, w tree columns.
+Shape key: b rows, l sequence slots, k drafts, c candidates (a source and a match length each),
+x points read at once, o occurrences, d match lengths, w tree columns.
 
-Both sources are token strings in lexicographic order, so those that begin with a pattern are a
-range and those that go on with a given token a sub-range, found by a fixed number of halvings: a
-node of SuffixDecoding's suffix tree (depth max_depth) is a range, its count the range's size. The
-corpus: every position of a buffer of earlier requests (each followed by -1), sorted on the host by
-its next max_depth tokens when requests come in. The row's own context: the continuations of the
-`_OCCURRENCES` earlier ends of its last tokens that match the most of them, sorted in the step.
-A node's children are read at s = ceil(1 / min_token_prob) evenly spaced strings of its range (at
-most 16): a child holding >= 1/s of the range covers one, so every child above min_token_prob is
-found and counted exactly.
+Both sources are token strings in lexicographic order: those that begin with a pattern are a range
+(a node of SuffixDecoding's suffix tree, depth max_depth; its count the range's size), those that
+go on with a given token a sub-range, found by a fixed number of halvings. The corpus: every
+position of a buffer of earlier requests (each followed by -1), sorted on the host by its next
+max_depth tokens. The row's own context: the continuations of the `_OCCURRENCES` earlier ends of
+its last tokens that match the most of them, sorted in the step. A node's children are read at
+s = ceil(1 / min_token_prob) <= 16 evenly spaced strings of its range: a child holding >= 1/s of
+it covers one, so every child above min_token_prob is found and counted exactly.
 """
 
 from __future__ import annotations
