@@ -2,6 +2,7 @@
 
 from jaxspec import parallel, policy, tetris
 from jaxspec.drafting import CrossVocabDrafter, Drafter, EagleDrafter, ModelDrafter, NgramDrafter, VocabMap
+from jaxspec.drafting.suffix import SuffixDrafter
 from jaxspec.engine import SpeculativeDecoder, clear_caches, generate
 from jaxspec.models import KVCache, Model, ModelConfig
 from jaxspec.models.eagle import EagleHead
@@ -17,5 +18,5 @@ from jaxspec.training.eagle import train_eagle
 
 __all__ = ["CostModel", "CrossVocabDrafter", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult",
            "GenerationStats", "KVCache", "MeshConfig", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter",
-           "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "VocabMap", "clear_caches", "distill",
-           "draft_from_target", "generate", "load", "parallel", "policy", "tetris", "train_eagle"]
+           "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "SuffixDrafter", "VocabMap", "clear_caches",
+           "distill", "draft_from_target", "generate", "load", "parallel", "policy", "tetris", "train_eagle"]

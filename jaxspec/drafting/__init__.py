@@ -3,6 +3,7 @@
   base.py        the `Drafter` protocol, `Proposal`, and what the model drafters share
   model.py       `ModelDrafter`: a smaller model on its own KV cache
   ngram.py       `NgramDrafter`: prompt lookup in the row's own context
+  suffix.py      `SuffixDrafter`: suffix decoding from earlier requests and the row's context
   eagle.py       `EagleDrafter`: an EAGLE-3 head fed the target's features
   crossvocab.py  `CrossVocabDrafter`, `VocabMap`: a draft model with another tokenizer
   trees.py       `TreeShape`, `Tree`, and growing a tree from a draft model's logits (EAGLE-2)
@@ -13,5 +14,7 @@ from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap
 from jaxspec.drafting.eagle import EagleDrafter
 from jaxspec.drafting.model import ModelDrafter
 from jaxspec.drafting.ngram import NgramDrafter
+from jaxspec.drafting.suffix import SuffixDrafter
 
-__all__ = ["CrossVocabDrafter", "Drafter", "EagleDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "VocabMap"]
+__all__ = ["CrossVocabDrafter", "Drafter", "EagleDrafter", "ModelDrafter", "NgramDrafter", "Proposal", "SuffixDrafter",
+           "VocabMap"]

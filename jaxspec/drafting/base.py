@@ -111,6 +111,10 @@ class Drafter:
         Only drafters with `feature_layers` are called."""
         return state
 
+    def remember(self, sequences, final: bool = True) -> None:
+        """Takes in finished requests (token-id lists, each a prompt and its output): at refills
+        (final=False) and when a call ends; by default nothing."""
+
     #: draft-model forwards per step for k proposals (statistics only)
     def forwards_per_step(self, k: int) -> int:
         return 0

@@ -71,12 +71,23 @@ def grow_tree(root_b, root_logits_bv, shape: TreeShape, sampling: SamplingConfig
     draft's logits: `expand(carry, d, expand_be, tokens_bw, parent_bw, ancestor_bww)` returns the
     draft's logits after each of the e nodes `expand_be` (columns at depth d) [b, e, v] and the new
     carry; the tree's columns are filled up to depth d."""
+    def children(carry, *where):
+        logits_bev, carry = expand(carry, *where)
+        return (*_children(logits_bev, shape, sampling), carry)
+
+    return grow_tree_from(root_b, _children(root_logits_bv[:, None], shape, sampling), shape, children, carry)
+
+
+def grow_tree_from(root_b, root_children, shape: TreeShape, children, carry) -> tuple[Tree, object]:
+    """`grow_tree` from any source of children: `root_children` = the root's W children and their
+    log-probabilities ([b, 1, W] each); `children(carry, d, expand_be, tokens_bw, parent_bw,
+    ancestor_bww)` returns those of each expanded node [b, e, W] and the new carry."""
     b, w, width = root_b.shape[0], shape.columns, shape.width
     starts = shape.starts()
     tokens = jnp.zeros((b, w), jnp.int32).at[:, 0].set(root_b)
     parent = jnp.full((b, w), -1, jnp.int32).at[:, 1:1 + width].set(0)
     ancestor = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w)).at[:, 1:1 + width, 0].set(True)
-    token_be, logq_be = _children(root_logits_bv[:, None], shape, sampling)
+    token_be, logq_be = root_children
     tokens = tokens.at[:, 1:1 + width].set(token_be[:, 0])
     cum = jnp.full((b, w), -jnp.inf, jnp.float32).at[:, 0].set(0.0).at[:, 1:1 + width].set(logq_be[:, 0])
     rows_b1 = jnp.arange(b)[:, None]
@@ -84,8 +95,7 @@ def grow_tree(root_b, root_logits_bv, shape: TreeShape, sampling: SamplingConfig
         lo, hi = starts[d - 1], starts[d]
         _, pick_be = jax.lax.top_k(cum[:, lo:hi], width)
         expand_be = lo + pick_be                                           # the columns fed at this depth
-        logits_bev, carry = expand(carry, d, expand_be, tokens, parent, ancestor)
-        token_bec, logq_bec = _children(logits_bev, shape, sampling)
+        token_bec, logq_bec, carry = children(carry, d, expand_be, tokens, parent, ancestor)
         cols_bn = (hi + jnp.arange(width * width))[None].repeat(b, 0)   # children of expanded e at hi + e W + c
         parents_bn = jnp.repeat(expand_be, width, axis=1)
         tokens = tokens.at[rows_b1, cols_bn].set(token_bec.reshape(b, -1))

@@ -38,6 +38,7 @@ class RequestQueue:
         self._waiting = collections.deque(range(batch.num_prompts) if order is None else order)
         # What each finished request produced, by its row in `batch`.
         self.tokens: dict[int, list[int]] = {}
+        self.remembered = 0   # how many of them the drafter has been given (`Drafter.remember`)
         self.counters = {f: np.zeros((batch.num_prompts,), np.int64) for f in COUNTER_FIELDS}
 
     def __len__(self) -> int:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxspec import prompts as prompts_lib
-from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, crossvocab
+from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, SuffixDrafter, crossvocab
 from jaxspec.engine import batching, loop, segments, sliced, timing
 from jaxspec.engine import plans as plans_lib
 from jaxspec.engine.chain import ChainDrafter
@@ -98,8 +98,8 @@ class SpeculativeDecoder:
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
         if self.spec.tree is not None and type(self.drafter).propose_tree is Drafter.propose_tree:
-            raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head or n-gram "
-                             f"lookup, got {type(self.drafter).__name__}")
+            raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head, n-gram "
+                             f"or suffix lookup, got {type(self.drafter).__name__}")
         if isinstance(self.drafter, crossvocab.CrossVocabDrafter) and self._draft_mesh is not None:
             self.drafter = self.drafter.placed(sharding_lib.replicated(self._draft_mesh))
         self.draft = draft
@@ -184,6 +184,8 @@ class SpeculativeDecoder:
             if host.synced:   # the host may change the state: refill finished rows, catch the drafter up
                 refill = table.refill()
                 if refill is not None:
+                    self._remember(queue, final=False)
+                    params = (self.target.params, self.drafter.params)   # same shapes: no compilation
                     state, report = loop.refill_on_device(program, params, state, put(refill[0]),
                                                           put(Requests.of(refill[1], seed, eos)), control())
                     host.refilled(jax.device_get(report))
@@ -200,9 +202,16 @@ class SpeculativeDecoder:
 
     def _result(self, queue, steps: int, seconds: float, step_ks: list[int], extra: dict) -> GenerationResult:
         tokens = queue.results()
+        self._remember(queue, final=True)
         stats = _stats(Counters(**queue.counters), queue.batch.num_prompts, steps, seconds, step_ks, self.drafter)
         stats.extra.update(extra)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+
+    def _remember(self, queue, final: bool) -> None:
+        """Hands the drafter the requests finished since it was last given any (the suffix corpus)."""
+        batch, done = queue.batch, list(queue.tokens)[queue.remembered:]
+        queue.remembered += len(done)
+        self.drafter.remember((list(batch.tokens_bp[i, :batch.lengths_b[i]]) + queue.tokens[i] for i in done), final)
 
     def _compile_plans(self, program: Program, params, state, control, host) -> None:
         """Every plan's first segment at this batch shape, compiled side by side once: the policy
@@ -286,7 +295,7 @@ def _as_drafter(draft, target: Model, spec: SpecConfig) -> Drafter:
                              f"vocab_size ({vocab_size}) and the two have no tokenizers to bridge them "
                              "(or pass a jaxspec.CrossVocabDrafter)")
         return ModelDrafter(draft, greedy=spec.greedy_draft)
-    if isinstance(draft, NgramDrafter):
+    if isinstance(draft, (NgramDrafter, SuffixDrafter)):
         return draft.bind_vocab(vocab_size)
     if isinstance(draft, SpeculativeDecoder):
         tokenizers = (draft.target.tokenizer, target.tokenizer)
