@@ -181,3 +181,27 @@ def test_suffix_sampling_follows_the_targets_distribution(spec):
     result = decoder.generate([prompt] * rows, max_new_tokens=4, seed=41)
     assert_matches_distribution(result.tokens, exact_joint(target, prompt, 4, sampling), rows)
     assert result.stats.accepted_tokens > 0
+
+
+def test_a_resumed_cli_job_drafts_from_the_requests_already_in_its_output(tiny_path, tmp_path):
+    """`jaxspec generate --draft suffix` rebuilds the corpus from the output it resumes: requests that
+    repeat finished ones are then drafted from them (a fresh job of the repeats alone has no corpus)."""
+    from test_cli import generate_args, read_output, token_jobs, write_jobs
+
+    from jaxspec.cli import main as cli
+
+    first = token_jobs(4, seed=3, low=6, high=12)
+    again = [{"id": f"again{i}", "prompt": job["prompt"]} for i, job in enumerate(first)]
+    flags = ("--draft", "suffix", "--k", "4", "--max-new-tokens", "12", "--batch-size", "2")
+    out, fresh = tmp_path / "out.jsonl", tmp_path / "fresh.jsonl"
+    assert cli.main(generate_args(tiny_path, write_jobs(tmp_path / "a.jsonl", first), out, *flags)) == 0
+    assert cli.main(generate_args(tiny_path, write_jobs(tmp_path / "ab.jsonl", first + again), out, *flags)) == 0
+    assert cli.main(generate_args(tiny_path, write_jobs(tmp_path / "b.jsonl", again), fresh, *flags)) == 0
+    resumed, alone = read_output(out), read_output(fresh)
+    for i, job in enumerate(first):
+        assert resumed[f"again{i}"]["tokens"] == alone[f"again{i}"]["tokens"] == resumed[job["id"]]["tokens"]
+
+    def accepted(records):
+        return sum(records[f"again{i}"]["stats"]["accepted"] for i in range(len(first)))
+
+    assert accepted(resumed) >= 0.6 * 4 * 11 > accepted(alone)   # 12 tokens a request: 11 after the first

@@ -257,3 +257,18 @@ def request_stats(counters: dict[str, int]) -> dict[str, Any]:
 def pending(jobs: Iterable[Job], done: frozenset[str]) -> list[Job]:
     """The jobs whose ids are not in `done`, in order."""
     return [job for job in jobs if id_key(job.id) not in done]
+
+
+def finished_tokens(paths: Iterable[str | os.PathLike]) -> dict[str, list[int]]:
+    """{id_key: output tokens} of the complete lines in output files (a torn last line is skipped)."""
+    out = {}
+    for path in map(Path, paths):
+        if path.is_file():
+            for line in path.read_bytes().split(b"\n"):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and "id" in record:
+                    out[id_key(record["id"])] = list(record.get("tokens") or [])
+    return out

@@ -237,6 +237,8 @@ def _decode(args, jobs: list[jobs_lib.Job], share: _Share, settings, form: check
         decoder = jaxspec.SpeculativeDecoder(target, checks.make_drafter(form, model), spec=spec, sampling=sampling,
                                              mesh=mesh)
         _repair(share.output, share.scan)
+        if form.lookup == "suffix":
+            _remember_job(decoder, jobs, args, target, max_positions)
         settings_lib.record(share.output, share.settings, args.prompts)
         # Each request samples from the RNG stream of its position in the input file, so a resumed
         # run, or another process, draws the same tokens an uninterrupted one would have.
@@ -247,6 +249,16 @@ def _decode(args, jobs: list[jobs_lib.Job], share: _Share, settings, form: check
         stats, run_s, finished = _run(decoder, share, prompts, budgets, streams, args)
         stages(f"done: {stats.new_tokens} tokens in {run_s:.1f} s")
         return report.summary(stats, load_s, run_s, finished)
+
+
+def _remember_job(decoder, jobs: list[jobs_lib.Job], args, target, max_positions: int) -> None:
+    """A resumed suffix-decoding job starts with the corpus it had: each request already in the output
+    (or its parts), prompt and output, as the decoder adds them when they finish."""
+    tokens = jobs_lib.finished_tokens([args.output, *multihost.parts(args.output)])
+    earlier = [job for job in jobs if jobs_lib.id_key(job.id) in tokens]
+    if earlier:
+        prompts, _ = _encode_jobs(earlier, target, args, max_positions)
+        decoder.drafter.remember([p + tokens[jobs_lib.id_key(job.id)] for p, job in zip(prompts, earlier)])
 
 
 def _repair(path, scan: jobs_lib.OutputScan) -> None:
