@@ -1,7 +1,8 @@
 """jaxspec: batch speculative decoding in JAX / Flax NNX."""
 
 from jaxspec import parallel, policy, tetris
-from jaxspec.drafting import CrossVocabDrafter, Drafter, EagleDrafter, ModelDrafter, NgramDrafter, VocabMap
+from jaxspec.drafting import CrossVocabDrafter, Drafter, EagleDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from jaxspec.drafting.crossvocab import VocabMap
 from jaxspec.drafting.suffix import SuffixDrafter
 from jaxspec.engine import SpeculativeDecoder, clear_caches, generate
 from jaxspec.models import KVCache, Model, ModelConfig
@@ -17,6 +18,7 @@ from jaxspec.training.distill import distill
 from jaxspec.training.eagle import train_eagle
 
 __all__ = ["CostModel", "CrossVocabDrafter", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult",
-           "GenerationStats", "KVCache", "MeshConfig", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter",
-           "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "SuffixDrafter", "VocabMap", "clear_caches",
-           "distill", "draft_from_target", "generate", "load", "parallel", "policy", "tetris", "train_eagle"]
+           "GenerationStats", "HybridDrafter", "KVCache", "MeshConfig", "Model", "ModelConfig", "ModelDrafter",
+           "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "SuffixDrafter", "VocabMap",
+           "clear_caches", "distill", "draft_from_target", "generate", "load", "parallel", "policy", "tetris",
+           "train_eagle"]

@@ -115,6 +115,11 @@ class Drafter:
         """Takes in finished requests (token-id lists, each a prompt and its output): at refills
         (final=False) and when a call ends; by default nothing."""
 
+    def discard(self, state, used_b, pending_b):
+        """The state after the last `propose` was verified only for rows `used_b` (a hybrid chose
+        another drafter's for the others); by default unchanged."""
+        return state
+
     #: draft-model forwards per step for k proposals (statistics only)
     def forwards_per_step(self, k: int) -> int:
         return 0

@@ -31,11 +31,11 @@ class ModelDrafter(Drafter):
 
     weights = {"model": "model.params"}
 
-    def __init__(self, model: Model, *, greedy: bool = False):
-        self.model, self.greedy = model, greedy
+    def __init__(self, model: Model, *, greedy: bool = False, extra: int = 0):
+        self.model, self.greedy, self.extra = model, greedy, extra   # extra: see `discard`
 
     def _key(self):
-        return (self.model.graphdef, self.greedy)
+        return (self.model.graphdef, self.greedy, self.extra)
 
     def forwards_per_step(self, k: int) -> int:
         return k
@@ -58,9 +58,15 @@ class ModelDrafter(Drafter):
         return _ModelDraftState(feed_missing(self.model.graphdef, params["model"], state.cache, seq_bl, pending_b - 1,
                                              width)[0])
 
+    def discard(self, state, used_b, pending_b):
+        """Drops the drafts of rows whose proposal was not verified (`used_b` false; another
+        drafter's was): their accepted tokens, up to `extra` more, are fed at the next proposal."""
+        lengths = state.cache.lengths
+        return _ModelDraftState(state.cache.commit(jnp.where(used_b, lengths, jnp.minimum(lengths, pending_b + 1))))
+
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef, draw = self.model.graphdef, SamplingConfig() if self.greedy else sampling
-        logits_bv, cache, _ = feed_last_two(graphdef, params["model"], state.cache, seq_bl, pending_b)
+        logits_bv, cache, _ = feed_last_two(graphdef, params["model"], state.cache, seq_bl, pending_b, self.extra)
         proposal, cache = draft_chain(logits_bv, k, key_b, functools.partial(draw_token, draw=draw, sampling=sampling),
                                       model_feed(graphdef, params["model"]), cache.commit(pending_b + 1))
         return proposal, _ModelDraftState(cache)

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxspec import prompts as prompts_lib
-from jaxspec.drafting import Drafter, EagleDrafter, ModelDrafter, NgramDrafter, SuffixDrafter, crossvocab
+from jaxspec.drafting import Drafter, EagleDrafter, HybridDrafter, ModelDrafter, NgramDrafter, SuffixDrafter, crossvocab
 from jaxspec.engine import batching, loop, segments, sliced, timing
 from jaxspec.engine import plans as plans_lib
 from jaxspec.engine.chain import ChainDrafter
@@ -297,6 +297,8 @@ def _as_drafter(draft, target: Model, spec: SpecConfig) -> Drafter:
         return ModelDrafter(draft, greedy=spec.greedy_draft)
     if isinstance(draft, (NgramDrafter, SuffixDrafter)):
         return draft.bind_vocab(vocab_size)
+    if isinstance(draft, HybridDrafter):
+        return draft.bound([_as_drafter(m, target, spec) for m in draft.members], spec.draft_len)
     if isinstance(draft, SpeculativeDecoder):
         tokenizers = (draft.target.tokenizer, target.tokenizer)
         if draft.vocab_size != vocab_size or (None not in tokenizers and not crossvocab.same_vocabulary(*tokenizers)):
