@@ -153,3 +153,20 @@ def test_hybrid_sampling_follows_the_targets_distribution():
     result = decoder.generate([prompt] * rows, max_new_tokens=4, seed=43)
     assert_matches_distribution(result.tokens, exact_joint(target, prompt, 4, sampling), rows)
     assert result.stats.accepted_tokens > 0
+
+
+def test_cli_suffix_plus_a_draft_model_is_the_hybrid_and_matches_plain_decoding(tiny_path, tmp_path):
+    """`jaxspec generate --draft suffix+PATH` (the target as its own draft model, so every draft
+    it makes is accepted): the same tokens as --draft none, and most tokens come from drafts."""
+    from test_cli import generate_args, read_output, token_jobs, write_jobs
+
+    from jaxspec.cli import main as cli
+
+    jobs = write_jobs(tmp_path / "in.jsonl", token_jobs(4, seed=5, low=6, high=12))
+    common = ("--k", "4", "--max-new-tokens", "12", "--batch-size", "2")
+    hybrid, plain = tmp_path / "hybrid.jsonl", tmp_path / "plain.jsonl"
+    assert cli.main(generate_args(tiny_path, jobs, hybrid, "--draft", f"suffix+{tiny_path}", *common)) == 0
+    assert cli.main(generate_args(tiny_path, jobs, plain, "--draft", "none", *common)) == 0
+    got, want = read_output(hybrid), read_output(plain)
+    assert {i: r["tokens"] for i, r in got.items()} == {i: r["tokens"] for i, r in want.items()}
+    assert sum(r["stats"]["accepted"] for r in got.values()) >= 0.6 * 4 * 11   # 12 tokens: 11 after the first
