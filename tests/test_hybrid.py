@@ -72,30 +72,40 @@ def test_each_row_verifies_the_proposal_with_more_expected_accepted_drafts(model
         np.testing.assert_allclose(np.asarray(getattr(got, field)), want, rtol=1e-6, atol=1e-6, err_msg=field)
 
 
-def test_a_draft_model_drafts_right_after_rows_took_another_members_proposal(models):
-    """Rows that verified the suffix drafter's proposal accept some of it; at the next step the
-    draft model's proposal equals that of a draft model fed their committed tokens from scratch
+def commit(seq, pending, proposal, accepted, token):
+    """The sequences after each row accepted `accepted` drafts of `proposal`, then `token` + row."""
+    seq, pending = np.asarray(seq).copy(), np.asarray(pending).copy()
+    for i, a in enumerate(accepted):
+        seq[i, pending[i] + 1:pending[i] + 1 + a] = np.asarray(proposal.tokens_bk)[i, :a]
+        seq[i, pending[i] + 1 + a] = token + i
+    return jnp.asarray(seq), jnp.asarray(pending + accepted + 1)
+
+
+def test_a_draft_model_drafts_right_after_other_members_proposals_and_free_steps(models):
+    """Rows verify the hybrid's proposals, accepting some of each (the suffix drafter's on half
+    the rows), then a step of the suffix drafter alone (`propose_free`); after `catch_up`, the
+    draft model proposes what a draft model fed the committed tokens from scratch proposes
     (without `discard` it would trust its own rejected drafts)."""
     docs, rows = rows_and_corpus()
     hybrid = bound_hybrid(*models)
     hybrid.remember(docs)
     state, seq, pending = start(hybrid, rows)
-    keys = jax.random.split(jax.random.key(3), len(rows))
-    propose = jax.jit(lambda p, s, seq, pending: hybrid.propose(p, s, seq, pending, K, keys, SamplingConfig()))
-    first, state = propose(hybrid.params, state, seq, pending)
-    accepted = np.minimum(np.arange(len(rows)) % (K + 1), np.asarray(first.num_drafts_b))   # some drafts, then a token
-    seq, pending = np.asarray(seq).copy(), np.asarray(pending).copy()
-    for i, a in enumerate(accepted):
-        seq[i, pending[i] + 1:pending[i] + 1 + a] = np.asarray(first.tokens_bk)[i, :a]
-        seq[i, pending[i] + 1 + a] = 200 + i
-    pending = pending + accepted + 1
+    keys, greedy = jax.random.split(jax.random.key(3), len(rows)), SamplingConfig()
+    first, state = jax.jit(lambda p, s, seq, pending: hybrid.propose(p, s, seq, pending, K, keys, greedy))(
+        hybrid.params, state, seq, pending)
+    accepted = np.minimum(np.arange(len(rows)) % (K + 1), np.asarray(first.num_drafts_b))
+    assert accepted[:4].sum() > 0 and accepted[4:].sum() > 0
+    seq, pending = commit(seq, pending, first, accepted, 200)
+    free, state = jax.jit(lambda p, s, seq, pending: hybrid.propose_free(p, s, seq, pending, K, keys, greedy))(
+        hybrid.params, state, seq, pending)
+    seq, pending = commit(seq, pending, free, np.minimum(1, np.asarray(free.num_drafts_b)), 220)
+    state = jax.jit(lambda p, s, seq, pending: hybrid.catch_up(p, s, seq, pending, 16))(hybrid.params, state, seq,
+                                                                                         pending)
     model = hybrid.members[1]
-    model_propose = jax.jit(lambda p, s, seq, pending: model.propose(p, s, seq, pending, K, keys, SamplingConfig())[0])
-    got = model_propose(hybrid.params[1], state[1], jnp.asarray(seq), jnp.asarray(pending))
-    fresh = [list(seq[i, :pending[i] + 1]) for i in range(len(rows))]
-    fresh_state, fresh_seq, fresh_pending = start(model, fresh)
+    model_propose = jax.jit(lambda p, s, seq, pending: model.propose(p, s, seq, pending, K, keys, greedy)[0])
+    got = model_propose(hybrid.params[1], state[1], seq, pending)
+    fresh_state, fresh_seq, fresh_pending = start(model, [list(seq[i, :pending[i] + 1]) for i in range(len(rows))])
     want = model_propose(model.params, fresh_state, fresh_seq, fresh_pending)
-    assert accepted[:4].sum() > 0
     np.testing.assert_array_equal(np.asarray(got.tokens_bk), np.asarray(want.tokens_bk))
 
 
@@ -128,6 +138,25 @@ def test_hybrid_output_is_the_targets_greedy_output_across_refills_and_calls(mod
     assert second.stats.accepted_tokens > 2 * first.stats.accepted_tokens // 3, (first.stats, second.stats)
     repeated = sum(second.stats.extra["per_request_accepted"]) / sum(second.stats.per_request_new_tokens)
     assert repeated > 0.6, second.stats
+
+
+def test_goodput_lets_the_suffix_drafter_draft_alone_when_the_draft_model_costs_too_much(models):
+    """A draft model priced at ten target passes a position: on repeated requests the policy runs
+    the suffix drafter alone (the schedule's plans past k), with the target's own greedy output."""
+    target, draft = models
+    cost = jaxspec.CostModel.from_coefficients(draft_fixed=5e-2, draft_per_token=0.0, target_fixed=5e-3,
+                                               target_per_token=1e-5, target_per_context_token=0.0)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 9, 3, 12)]
+    want = jaxspec.generate(target, prompts, max_new_tokens=24).tokens
+    suffix = jaxspec.SuffixDrafter(max_depth=12, corpus_tokens=4096)
+    decoder = jaxspec.SpeculativeDecoder(target, jaxspec.HybridDrafter([suffix, draft]),
+                                         spec=jaxspec.SpecConfig(k=4, policy="goodput", cost_model=cost))
+    assert decoder.generate(prompts, max_new_tokens=24, batch_size=4).tokens == want
+    again = decoder.generate(prompts, max_new_tokens=24, batch_size=4)
+    assert again.tokens == want
+    free_steps = sum(steps for plan, steps in again.stats.extra["segments"] if plan > 4)
+    assert free_steps >= again.stats.steps // 2 and again.stats.accepted_tokens > 40, again.stats.extra
 
 
 def test_bad_members_are_refused(models):

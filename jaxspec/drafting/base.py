@@ -115,9 +115,9 @@ class Drafter:
         """Takes in finished requests (token-id lists, each a prompt and its output): at refills
         (final=False) and when a call ends; by default nothing."""
 
-    def discard(self, state, used_b, pending_b):
-        """The state after the last `propose` was verified only for rows `used_b` (a hybrid chose
-        another drafter's for the others); by default unchanged."""
+    def discard(self, state, keep_b):
+        """The state holding at most each row's first keep_b sequence positions (a hybrid verified
+        another drafter's proposal: what this one took in past them may be wrong); by default unchanged."""
         return state
 
     #: draft-model forwards per step for k proposals (statistics only)

@@ -36,7 +36,8 @@ class HybridDrafter(Drafter):
     it drops them (`ModelDrafter.discard`) and takes the kept tokens in at its next proposal (its
     first forward is k + 2 wide instead of 2). An EAGLE head needs nothing: it absorbs what the
     target kept. Members: n-gram or suffix lookup first (free), then a draft Model (same
-    vocabulary) or an EAGLE drafter.
+    vocabulary) or an EAGLE drafter. Under the goodput policy the first member may also draft
+    alone (`propose_free`), the others skipping those steps, in plans priced without their cost.
     """
 
     def __init__(self, drafters):
@@ -120,8 +121,15 @@ class HybridDrafter(Drafter):
 
         proposal = Proposal(*(chosen(*(getattr(p, f) for p in proposals))
                               for f in ("tokens_bk", "q_bkv", "num_drafts_b", "logprob_bk")))
-        state = tuple(m.discard(s, pick_b == i, pending_b) for i, (m, (_, s)) in enumerate(zip(self.members, out)))
-        return proposal, state
+        # Rows that took another member's proposal: this one fed the pending token, not what follows.
+        keep_b = [jnp.where(pick_b == i, jnp.iinfo(jnp.int32).max, pending_b + 1) for i in range(len(out))]
+        return proposal, tuple(m.discard(s, keep) for m, (_, s), keep in zip(self.members, out, keep_b))
+
+    def propose_free(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
+        """The first member's proposal alone (a plan of the goodput policy's: `StepPlan.free`); the
+        others skip the step and fall behind from the pending token on (`lag`, `catch_up`)."""
+        proposal, first = self.members[0].propose(params[0], state[0], seq_bl, pending_b, k, key_b, sampling)
+        return proposal, (first, *(m.discard(s, pending_b) for m, s in zip(self.members[1:], state[1:])))
 
 
 def _score(member: Drafter, proposal: Proposal, sampling: SamplingConfig):

@@ -58,11 +58,10 @@ class ModelDrafter(Drafter):
         return _ModelDraftState(feed_missing(self.model.graphdef, params["model"], state.cache, seq_bl, pending_b - 1,
                                              width)[0])
 
-    def discard(self, state, used_b, pending_b):
-        """Drops the drafts of rows whose proposal was not verified (`used_b` false; another
-        drafter's was): their accepted tokens, up to `extra` more, are fed at the next proposal."""
-        lengths = state.cache.lengths
-        return _ModelDraftState(state.cache.commit(jnp.where(used_b, lengths, jnp.minimum(lengths, pending_b + 1))))
+    def discard(self, state, keep_b):
+        """Trusts at most each row's first keep_b positions (a hybrid verified another drafter's
+        proposal): up to `extra` more tokens are fed at the next proposal, the rest by `catch_up`."""
+        return _ModelDraftState(state.cache.commit(jnp.minimum(state.cache.lengths, keep_b)))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         graphdef, draw = self.model.graphdef, SamplingConfig() if self.greedy else sampling

@@ -97,6 +97,9 @@ class SpeculativeDecoder:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
+        if self._sliced and isinstance(self.drafter, HybridDrafter):
+            raise ValueError("a HybridDrafter runs on the target's devices: pipeline=False, and no MeshConfig "
+                             "with a separate draft slice")
         if self.spec.tree is not None and type(self.drafter).propose_tree is Drafter.propose_tree:
             raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head, n-gram "
                              f"or suffix lookup, got {type(self.drafter).__name__}")
@@ -163,7 +166,8 @@ class SpeculativeDecoder:
         queue = batching.RequestQueue(batch, on_finish=on_finish)
         table = batching.SlotTable(queue, slots, multiple)
         first = table.first_batch(queue.pop(slots))
-        schedule, budgets = plans_lib.schedule_for(self.spec, slots, first.num_prompts)
+        schedule, budgets = plans_lib.schedule_for(self.spec, slots, first.num_prompts,
+                                                   isinstance(self.drafter, HybridDrafter))
         program, clock = self._program(schedule, cache_len, batch.out_len), self._clock(schedule, slots, cache_len)
         params = (self.target.params, self.drafter.params)
         # On a mesh host values are placed replicated; on one device they go to the compiled calls

@@ -79,12 +79,13 @@ def choose_plan(program: Program, state: DecodeState, control: Control, current)
     """The policy's choice of plan for this state (`current`: the running plan's index or None)."""
     return policy_lib.choose(state.policy, ~state.done_b, program.schedule.policy_plans, control.seconds_j, current,
                              remaining_b=state.max_new_b - state.n_out_b, draining=control.draining,
-                             catch_up_seconds=control.catch_up)
+                             catch_up_seconds=control.catch_up, free=program.schedule.free_plans)
 
 
 def open_policy(program: Program, state: DecodeState, control: Control, prior=policy_lib.PRIOR_ALPHA):
     """The state with the goodput policy's counts for its rows (from `prior`) and its opening choice."""
-    state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], program.schedule.max_k, prior))
+    state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], program.schedule.max_k, prior,
+                                                             any(program.schedule.free_plans)))
     return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, None)))
 
 

@@ -24,12 +24,14 @@ class StepPlan:
     """The static shape of one speculative step (a compiled program): k drafts per row (0: plain
     decoding); `capacity` None for standard selection (a padded [b, k + 1] pass), else TETRIS (a
     packed pass of b + capacity tokens); `threshold` (SpecConfig.threshold); `tree`, a TreeShape of
-    which k nodes per row (standard) or `capacity` across the batch (TETRIS) are verified."""
+    which k nodes per row (standard) or `capacity` across the batch (TETRIS) are verified; `free`: a
+    hybrid drafter's first (free) member drafts alone, the costly ones skip the step."""
 
     k: int
     capacity: int | None = None
     threshold: float | None = None
     tree: TreeShape | None = None
+    free: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,10 @@ class Schedule:
         as a window of its depth (its acceptance is counted per depth of the accepted path)."""
         return tuple((plan.tree.depth, None) if plan.tree is not None else (plan.k, plan.capacity)
                      for plan in self.plans)
+
+    @property
+    def free_plans(self) -> tuple[bool, ...]:
+        return tuple(plan.free for plan in self.plans)
 
     @property
     def max_k(self) -> int:
@@ -85,11 +91,12 @@ class Program:
         return self.drafter.feature_layers if self.schedule.drafts else ()
 
 
-def schedule_for(spec: SpecConfig, rows: int, num_prompts: int) -> tuple[Schedule, tuple[int, ...]]:
+def schedule_for(spec: SpecConfig, rows: int, num_prompts: int, hybrid: bool = False) -> tuple[Schedule, tuple]:
     """The compiled step shapes of a call over `rows` rows holding `num_prompts` requests, and each
     plan's TETRIS budget C per step (0 for standard), run in a program compiled for C's capacity
     bucket. The goodput policy's candidates: draft lengths 0..k (standard), or with TETRIS 0..k+extra-1
-    and the TETRIS window at budgets C / 2, C and 2C; with a tree, plain decoding and the tree."""
+    and the TETRIS window at budgets C / 2, C and 2C; with a tree, plain decoding and the tree; for a
+    `hybrid` drafter also its free member alone at draft lengths 1..k (standard)."""
     big_k, tetris_on = spec.draft_len, spec.selection == "tetris" and spec.draft_len > 0
     budget = spec.tetris_budget(rows, num_prompts) if tetris_on else 0
     capacity = tetris.capacity_bucket(budget, rows, big_k) if tetris_on else None
@@ -102,6 +109,8 @@ def schedule_for(spec: SpecConfig, rows: int, num_prompts: int) -> tuple[Schedul
         return Schedule(plans=(StepPlan(k=big_k, capacity=capacity, threshold=spec.threshold),)), (budget,)
     top = big_k if tetris_on else spec.k + 1
     plans = tuple(StepPlan(k=j, threshold=spec.threshold if j else None) for j in range(top))
+    if hybrid and not tetris_on:
+        plans += tuple(StepPlan(k=j, threshold=spec.threshold, free=True) for j in range(1, top))
     if tetris_on:
         capacities = sorted({tetris.capacity_bucket(max(1, round(f * budget)), rows, big_k) for f in (0.5, 1, 2)})
         plans += tuple(StepPlan(k=big_k, capacity=c, threshold=spec.threshold) for c in capacities)
@@ -116,6 +125,7 @@ def plan_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelined: b
     for plan in plans:
         packed = None if plan.capacity is None else rows + plan.capacity
         seconds = cost.step_seconds(rows, plan.k, cache_len, packed_tokens=packed, tree=plan.tree)
+        seconds -= cost.draft_seconds(rows, plan.k) if plan.free else 0.0
         if pipelined:
             draft = cost.draft_seconds(rows, plan.k, plan.tree)
             seconds = max(draft, seconds - draft)

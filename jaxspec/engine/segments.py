@@ -44,7 +44,8 @@ class Host:
 
     def catch_up_width(self) -> int:
         """Tokens per row the drafter must take in before the next segment drafts (0: none)."""
-        lag = int(self.view.lag) if self.schedule.plans[self.plan].k else 0
+        plan = self.schedule.plans[self.plan]
+        lag = int(self.view.lag) if plan.k and not plan.free else 0
         self.view = self.view.replace(lag=np.int32(0))
         return catch_up_width(lag, self.cache_len)
 

@@ -154,7 +154,8 @@ def draft_phase(program: Program, plan: StepPlan, draft_params, draft_state, vie
         return empty_proposal(view.seq_bl.shape[0]), draft_state
     if plan.tree is not None:
         return drafter.propose_tree(draft_params, draft_state, view.seq_bl, view.pending_b, plan.tree, sampling)
-    return drafter.propose(draft_params, draft_state, view.seq_bl, view.pending_b, plan.k,
+    propose = drafter.propose_free if plan.free else drafter.propose
+    return propose(draft_params, draft_state, view.seq_bl, view.pending_b, plan.k,
                            _step_keys(view, _DRAFT_TAG), sampling)
 
 
@@ -192,7 +193,7 @@ def verify_phase(program: Program, plan: StepPlan, params, state: DecodeState, p
     emitted_bk1 = jnp.where(j < accepted_b[:, None], jnp.pad(drafts_bk, ((0, 0), (0, 1))), next_b[:, None])
     state = state.replace(target_cache=out[1])
     if program.schedule.goodput and k > 0:   # a plain step observes nothing (see `policy.age`)
-        state = state.replace(policy=policy_lib.observe(state.policy, verify_b, accepted_b, live_b))
+        state = state.replace(policy=policy_lib.observe(state.policy, verify_b, accepted_b, live_b, free=plan.free))
     record = _record_for_level_above(logits_bk1v, emitted_bk1, program.sampling) if program.record else None
     state, count_b = emit_and_commit(state, emitted_bk1, accepted_b + 1, record)
     state = _absorbed(program, params, state, out, emitted_bk1, count_b)

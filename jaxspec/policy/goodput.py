@@ -54,13 +54,15 @@ class PolicyState:
     prior: jax.Array        # the acceptance a row with no evidence is assumed to have
     behind: jax.Array       # tokens the drafter must feed before it drafts again (plain steps since it did)
     choice: jax.Array       # int32 index of the plan the next step runs
+    free: PolicyState | None = None   # a hybrid drafter's: the counts of its free member's plans alone
 
     @classmethod
-    def init(cls, b: int, slots: int, prior=PRIOR_ALPHA) -> PolicyState:
-        """Counts for `b` rows and windows of up to `slots` drafts."""
+    def init(cls, b: int, slots: int, prior=PRIOR_ALPHA, free: bool = False) -> PolicyState:
+        """Counts for `b` rows and windows of up to `slots` drafts (and apart for `free` plans)."""
         rows, window = jnp.zeros((b,), jnp.float32), jnp.zeros((max(slots, 1),), jnp.float32)
         return cls(accepted_b=rows, tried_b=rows, accepted_k=window, tried_k=window,
-                   prior=jnp.asarray(prior, jnp.float32), behind=jnp.float32(0), choice=jnp.int32(0))
+                   prior=jnp.asarray(prior, jnp.float32), behind=jnp.float32(0), choice=jnp.int32(0),
+                   free=cls.init(b, slots, prior) if free else None)
 
     def alpha_b(self, live_b=None) -> jax.Array:
         """Each row's acceptance estimate: its counts shrunk toward the batch's (the live rows'
@@ -87,13 +89,18 @@ class PolicyState:
     def reset_rows(self, slots_r) -> PolicyState:
         """Rows `slots_r` hold new requests: they start from the prior (out-of-range slots: none)."""
         return self.replace(accepted_b=self.accepted_b.at[slots_r].set(0.0, mode="drop"),
-                            tried_b=self.tried_b.at[slots_r].set(0.0, mode="drop"))
+                            tried_b=self.tried_b.at[slots_r].set(0.0, mode="drop"),
+                            free=None if self.free is None else self.free.reset_rows(slots_r))
 
 
-def observe(state: PolicyState, verified_b, accepted_b, live_b, decay: float = DECAY) -> PolicyState:
+def observe(state: PolicyState, verified_b, accepted_b, live_b, decay: float = DECAY, free: bool = False):
     """Folds one verification into the counts: a row that verified v drafts and accepted a of
     them tried min(a + 1, v) drafts (slots 0..min(a, v - 1)). Rows that verified nothing keep
-    their counts."""
+    their counts. A `free` plan's go to `state.free`; the costly drafters fall behind meanwhile."""
+    if free:
+        emitted = jnp.max(jnp.where(live_b, accepted_b + 1, 0)).astype(jnp.float32)
+        return state.replace(free=observe(state.free, verified_b, accepted_b, live_b, decay),
+                             behind=state.behind + emitted)
     seen_b = live_b & (verified_b > 0)
     accepted = jnp.minimum(accepted_b, verified_b).astype(jnp.float32)
     tried = jnp.minimum(accepted + 1.0, verified_b.astype(jnp.float32))
@@ -114,7 +121,8 @@ def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
     factor = jnp.asarray(decay, jnp.float32) ** jnp.asarray(steps, jnp.float32)
     return state.replace(accepted_b=state.accepted_b * factor, tried_b=state.tried_b * factor,
                          accepted_k=state.accepted_k * factor, tried_k=state.tried_k * factor,
-                         behind=state.behind + jnp.asarray(steps, jnp.float32))
+                         behind=state.behind + jnp.asarray(steps, jnp.float32),
+                         free=None if state.free is None else age(state.free, steps, decay))
 
 
 def windows(reach_bk, live_b, plan) -> jax.Array:
@@ -148,7 +156,7 @@ def tokens_and_steps(reach_bk, live_b, plan, remaining_b=None) -> tuple[jax.Arra
 
 
 def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, draining=True,
-            catch_up_seconds=0.0) -> jax.Array:
+            catch_up_seconds=0.0, free=()) -> jax.Array:
     """Expected tokens per predicted second of each plan (float32 [j]).
 
     With requests waiting for slots (`draining` false, or no `remaining_b`), a finished row is
@@ -156,12 +164,15 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
     draining batch (no request waits) is done when its slowest rows are: the rate is the tokens
     left over the time until then. A drafting plan also pays once for the drafter's catch-up
     (one forward of `catch_up_seconds` per `CATCH_UP_CHUNK` tokens it is behind), spread over
-    the steps to the batch's end, or over `HORIZON` steps while requests wait."""
-    reach_bk = state.reach_bk(live_b, max(max(k for k, _ in plans), 1))
+    the steps to the batch's end, or over `HORIZON` steps while requests wait. `free` marks the plans
+    of a hybrid drafter's free member alone: their own counts, no catch-up."""
+    free = tuple(free) or (False,) * len(plans)
+    reach = [s.reach_bk(live_b, max(max(k for k, _ in plans), 1)) if s is not None else None
+             for s in (state, state.free)]
     seconds_j = jnp.asarray(seconds_j, jnp.float32)
-    entry_j = jnp.where(jnp.asarray([k > 0 for k, _ in plans]),
+    entry_j = jnp.where(jnp.asarray([k > 0 and not f for (k, _), f in zip(plans, free)]),
                         jnp.ceil(state.behind / CATCH_UP_CHUNK) * catch_up_seconds, 0.0)
-    per_plan = [tokens_and_steps(reach_bk, live_b, plan, remaining_b) for plan in plans]
+    per_plan = [tokens_and_steps(reach[f], live_b, plan, remaining_b) for plan, f in zip(plans, free)]
     refilled_j = jnp.stack([tokens for tokens, _ in per_plan]) / (seconds_j + entry_j / HORIZON)
     if remaining_b is None:
         return refilled_j
@@ -171,11 +182,11 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
 
 
 def choose(state: PolicyState, live_b, plans, seconds_j, current=None, *, remaining_b=None, draining=True,
-           catch_up_seconds=0.0, margin: float = MARGIN) -> jax.Array:
+           catch_up_seconds=0.0, margin: float = MARGIN, free=()) -> jax.Array:
     """The plan the next steps run (int32 index into `plans`, static (k, budget) pairs): the one of
     most `goodput`, but the running plan `current` (None: the opening choice) is kept unless another
     promises more than `margin` more (`jaxspec.tools.policy_sim` varies it to measure its worth)."""
-    goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds)
+    goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds, free)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
