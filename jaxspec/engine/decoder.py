@@ -207,11 +207,10 @@ class SpeculativeDecoder:
         return self._result(queue, host.steps, start, host.step_ks, extra, eos)
 
     def _result(self, queue, steps: int, start: float, step_ks: list[int], extra: dict, eos: int) -> GenerationResult:
-        compiled, seconds = timing.split_compile(start)   # the device work began at `start` (time.time())
+        seconds = timing.split_compile(start)   # (compile, decode): the device work began at `start` (time.time())
         tokens = queue.results()
         self._remember(queue, final=True)
         stats = _stats(Counters(**queue.counters), queue.batch.num_prompts, steps, seconds, step_ks, self.drafter)
-        stats.compile_seconds = compiled
         stats.extra.update(extra)
         return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens, eos), stats=stats)
 
@@ -247,11 +246,9 @@ class SpeculativeDecoder:
         tables = [batching.SlotTable(queue, rows, multiple) for _ in groups]
         # Both lanes run one program per plan, compiled for the larger lane's TETRIS capacity.
         schedule, _ = plans_lib.schedule_for(self.spec, rows, max(len(g) for g in groups))
-        seconds = None
-        if schedule.goodput:
-            seconds = {mode: plans_lib.plan_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
-                                                    pipelined=mode == "pipelined")
-                       for mode in ("pipelined", "sequential")}
+        seconds = {mode: plans_lib.plan_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
+                                                pipelined=mode == "pipelined")
+                   for mode in ("pipelined", "sequential")} if schedule.goodput else None
         runner = sliced.SlicedRunner(self.target, self.drafter, self._program(schedule, cache_len, batch.out_len),
                                      self._target_mesh, self._draft_mesh, seconds=seconds)
         runner.timings = self.phase_timings
@@ -264,14 +261,14 @@ class SpeculativeDecoder:
         return self._result(queue, steps, start, step_ks, dict(lanes=len(lanes), slots=rows * len(lanes)), eos)
 
 
-def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:
+def _stats(c: Counters, n: int, steps: int, seconds: tuple, step_ks: list[int], drafter: Drafter) -> GenerationStats:
     real = slice(0, n)
     emitted, row_steps, drafted, verified, accepted = (int(x[real].sum()) for x in (
         c.emitted, c.row_steps, c.drafted, c.verified, c.accepted))
     step_emitted = emitted - int((c.emitted[real] > 0).sum())   # without the prefill's first token
     return GenerationStats(
-        new_tokens=emitted, steps=steps, seconds=seconds,
-        tokens_per_second=emitted / seconds if seconds > 0 else 0.0,
+        new_tokens=emitted, steps=steps, compile_seconds=seconds[0], seconds=seconds[1],
+        tokens_per_second=emitted / seconds[1] if seconds[1] > 0 else 0.0,
         per_request_new_tokens=[int(x) for x in c.emitted[real]],
         target_forwards=steps + 1,
         draft_forwards=sum(drafter.forwards_per_step(k) for k in step_ks) + (1 if any(step_ks) else 0),
