@@ -1,4 +1,4 @@
-"""Timing of real decode steps, for the cost model's profiler (`CostModel.profile`).
+"""Timing of real decode steps, for the cost model's profiler (`CostModel.profile`), and of compilation.
 
 A step is timed inside the decode loop (`loop.run_on_device`) as the difference between a segment
 of 1 + `iterations` steps and one of 1 step, so a call's own cost is not counted as a step's.
