@@ -16,8 +16,9 @@ class GenerationStats:
     Attributes:
       new_tokens: tokens emitted over all requests.
       steps: decode-loop iterations (target forwards after the prefill).
-      seconds: wall time of the device work (prefill + loop), after inputs were prepared.
-      tokens_per_second: new_tokens / seconds.
+      seconds: wall time of the decoding (prefill + loop, from prepared inputs), less compile_seconds.
+      tokens_per_second: new_tokens / seconds: decoding speed, compilation excluded.
+      compile_seconds: wall time tracing and compiling programs in the call (0.0 once warm: `warm_up`).
       per_request_new_tokens: tokens emitted per request, in prompt order.
       target_forwards, draft_forwards: model calls (a prefill counts once).
       drafted_tokens: draft tokens proposed (for live rows).
@@ -35,6 +36,7 @@ class GenerationStats:
     steps: int = 0
     seconds: float = 0.0
     tokens_per_second: float = 0.0
+    compile_seconds: float = 0.0
     per_request_new_tokens: list[int] = dataclasses.field(default_factory=list)
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -53,7 +55,7 @@ class GenerationStats:
 class GenerationResult:
     """Attributes:
       tokens: the new tokens of each prompt (eos included when hit), in prompt order.
-      texts: the decoded new tokens when the model has a tokenizer, else None.
+      texts: the decoded new tokens when the model has a tokenizer (ending before eos), else None.
       stats: GenerationStats.
     """
 
@@ -62,5 +64,7 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def decode_texts(tokenizer, tokens: list[list[int]]) -> list[str] | None:
-    return None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=False) for t in tokens]
+def decode_texts(tokenizer, tokens: list[list[int]], eos: int = -1) -> list[str] | None:
+    """Each row's text, cut before its first `eos` (the token ids keep it); None without a tokenizer."""
+    cut = [t[:t.index(eos)] if eos in t else t for t in tokens]
+    return None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=False) for t in cut]

@@ -98,7 +98,8 @@ def test_generate_in_process_is_lossless(tiny_path, tiny_model, tmp_path, draft_
 
 @pytest.mark.slow
 def test_generate_smollm2_strings_match_python_api(smollm2, smollm2_path, tmp_path):
-    texts = ["The cat sat on the mat. The cat sat on the", "1, 2, 3, 4, 5, 6,", "Repeat: red green blue red green"]
+    texts = ["The cat sat on the mat. The cat sat on the", "1, 2, 3, 4, 5, 6,", "Repeat: red green blue red green",
+             "Reply with one word: yes or no. Is the sky blue?"]
     prompts = write_jobs(tmp_path / "in.jsonl", [{"id": f"p{i}", "prompt": t} for i, t in enumerate(texts)])
     out = tmp_path / "out.jsonl"
     assert cli.main(generate_args(smollm2_path, prompts, out, "--draft", "ngram", "--k", "3", "--chat",
@@ -109,8 +110,10 @@ def test_generate_smollm2_strings_match_python_api(smollm2, smollm2_path, tmp_pa
     decoder = jaxspec.SpeculativeDecoder(smollm2, jaxspec.NgramDrafter(max_ngram=3), spec=jaxspec.SpecConfig(k=3))
     expected = decoder.generate(chats, max_new_tokens=8, eos_token_id=tok.eos_token_id)
     got = read_output(out)
-    assert [got[f"p{i}"]["text"] for i in range(3)] == expected.texts
-    assert [got[f"p{i}"]["tokens"] for i in range(3)] == expected.tokens
+    assert [got[f"p{i}"]["text"] for i in range(4)] == expected.texts
+    assert [got[f"p{i}"]["tokens"] for i in range(4)] == expected.tokens
+    short = got["p3"]   # a one-word answer: its text ends before the stop token its tokens end with
+    assert short["tokens"][-1] == tok.eos_token_id and short["text"] == tok.decode(short["tokens"][:-1])
 
 
 def killed_after(lines: int) -> list[str]:

@@ -286,7 +286,8 @@ def _run(decoder: jaxspec.SpeculativeDecoder, share: _Share, prompts: list[list[
         def on_finish(index: int, tokens: list[int], counters: dict[str, int]) -> None:
             stats = jobs_lib.request_stats(counters)
             stats["finish"] = "eos" if eos is not None and tokens and tokens[-1] == eos else "length"
-            text = tok.decode(tokens, skip_special_tokens=False) if tok is not None else None
+            kept = tokens[:-1] if stats["finish"] == "eos" else tokens   # the text ends before eos, as result.texts
+            text = tok.decode(kept, skip_special_tokens=False) if tok is not None else None
             writer.write({"id": share.todo[index].id, "text": text, "tokens": tokens, "stats": stats})
             elapsed = time.perf_counter() - start
             finished.append(elapsed)

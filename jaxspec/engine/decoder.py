@@ -143,6 +143,12 @@ class SpeculativeDecoder:
             return self._generate_sliced(batch, seed, eos, cache_len, batch_size, on_finish)
         return self._generate_single(batch, seed, eos, cache_len, batch_size, on_finish)
 
+    def warm_up(self, prompts, max_new_tokens=64, **generate_args) -> float:
+        """Runs `generate` to compile what calls of the same shapes need (prompt and batch buckets, token budgets)
+        and returns its `stats.compile_seconds`. A later call may still compile a refill or drafter catch-up
+        this one did not need. A SuffixDrafter keeps these requests in its corpus."""
+        return self.generate(prompts, max_new_tokens, **generate_args).stats.compile_seconds
+
     def _program(self, schedule: Schedule, cache_len: int, out_len: int) -> Program:
         return Program(target=self.target.graphdef, drafter=self.drafter.static(), schedule=schedule,
                        sampling=self.sampling, cache_len=cache_len, out_len=out_len, mesh=self._target_mesh)
@@ -178,7 +184,7 @@ class SpeculativeDecoder:
         def control(plan=0):
             return put(Control.of(budget=budgets[plan], draining=not len(queue), **clock))
 
-        start = time.perf_counter()
+        start = time.time()
         state, report = loop.start_on_device(dataclasses.replace(program, schedule=schedule.for_prefill()), params,
                                              put(Requests.of(first, seed, eos)), control())
         host = segments.Host(program, table, jax.device_get(report), self.spec.segment_steps())
@@ -202,14 +208,15 @@ class SpeculativeDecoder:
         extra = dict(slots=slots, **host.extra())
         if schedule.goodput:   # each plan's predicted step seconds
             extra.update(plan_seconds=clock["seconds_j"].tolist())
-        return self._result(queue, host.steps, time.perf_counter() - start, host.step_ks, extra)
+        return self._result(queue, host.steps, start, host.step_ks, extra, eos)
 
-    def _result(self, queue, steps: int, seconds: float, step_ks: list[int], extra: dict) -> GenerationResult:
+    def _result(self, queue, steps: int, start: float, step_ks: list[int], extra: dict, eos: int) -> GenerationResult:
+        seconds = timing.split_compile(start)   # (compile, decode): the device work began at `start` (time.time())
         tokens = queue.results()
         self._remember(queue, final=True)
         stats = _stats(Counters(**queue.counters), queue.batch.num_prompts, steps, seconds, step_ks, self.drafter)
         stats.extra.update(extra)
-        return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens), stats=stats)
+        return GenerationResult(tokens=tokens, texts=decode_texts(self.target.tokenizer, tokens, eos), stats=stats)
 
     def _remember(self, queue, final: bool) -> None:
         """Hands the drafter the requests finished since it was last given any (the suffix corpus)."""
@@ -236,41 +243,36 @@ class SpeculativeDecoder:
         multiple = self.mesh.target_dp if self.mesh is not None else 1
         queue = batching.RequestQueue(batch, on_finish=on_finish)
         first = queue.pop(batching.check_batch_size(batch_size, n))
-        if self.spec.pipeline and n >= 2:
-            groups = [[first[i] for i in half] for half in sliced.balanced_split(batch.max_new_b[first], len(first))]
-        else:
-            groups = [first]
+        groups = ([[first[i] for i in half] for half in sliced.balanced_split(batch.max_new_b[first], len(first))]
+                  if self.spec.pipeline and n >= 2 else [first])
         rows = max(prompts_lib.bucket_batch(len(g)) for g in groups)   # one program for both lanes
         rows = -(-rows // multiple) * multiple
         tables = [batching.SlotTable(queue, rows, multiple) for _ in groups]
         # Both lanes run one program per plan, compiled for the larger lane's TETRIS capacity.
         schedule, _ = plans_lib.schedule_for(self.spec, rows, max(len(g) for g in groups))
-        seconds = None
-        if schedule.goodput:
-            seconds = {mode: plans_lib.plan_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
-                                                    pipelined=mode == "pipelined")
-                       for mode in ("pipelined", "sequential")}
+        seconds = {mode: plans_lib.plan_seconds(self.spec.cost_model, rows, schedule.plans, cache_len,
+                                                pipelined=mode == "pipelined")
+                   for mode in ("pipelined", "sequential")} if schedule.goodput else None
         runner = sliced.SlicedRunner(self.target, self.drafter, self._program(schedule, cache_len, batch.out_len),
                                      self._target_mesh, self._draft_mesh, seconds=seconds)
         runner.timings = self.phase_timings
-        start = time.perf_counter()
+        start = time.time()
         lanes = [runner.start(t, t.first_batch(g), seed, eos, plans_lib.schedule_for(self.spec, rows, len(g))[1])
                  for t, g in zip(tables, groups)]
         runner.run(lanes)
         steps = sum(int(s) for s in jax.device_get([ln.state.steps for ln in lanes]))
         step_ks = runner.trace if schedule.goodput else [schedule.plans[0].k] * steps
-        return self._result(queue, steps, time.perf_counter() - start, step_ks,
-                            dict(lanes=len(lanes), slots=rows * len(lanes)))
+        return self._result(queue, steps, start, step_ks, dict(lanes=len(lanes), slots=rows * len(lanes)), eos)
 
 
-def _stats(c: Counters, n: int, steps: int, seconds: float, step_ks: list[int], drafter: Drafter) -> GenerationStats:
+def _stats(c: Counters, n: int, steps: int, seconds: tuple, step_ks: list[int], drafter: Drafter) -> GenerationStats:
     real = slice(0, n)
     emitted, row_steps, drafted, verified, accepted = (int(x[real].sum()) for x in (
         c.emitted, c.row_steps, c.drafted, c.verified, c.accepted))
     step_emitted = emitted - int((c.emitted[real] > 0).sum())   # without the prefill's first token
     return GenerationStats(
-        new_tokens=emitted, steps=steps, seconds=seconds,
-        tokens_per_second=emitted / seconds if seconds > 0 else 0.0,
+        new_tokens=emitted, steps=steps, compile_seconds=seconds[0], seconds=seconds[1],
+        tokens_per_second=emitted / seconds[1] if seconds[1] > 0 else 0.0,
         per_request_new_tokens=[int(x) for x in c.emitted[real]],
         target_forwards=steps + 1,
         draft_forwards=sum(drafter.forwards_per_step(k) for k in step_ks) + (1 if any(step_ks) else 0),

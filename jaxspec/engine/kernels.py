@@ -71,8 +71,10 @@ class Probed:
         # The static arguments and the shapes of all but the params (argument 1), which the
         # program implies: a key that is cheap per call, and at worst less exact than jit's own.
         key = tuple(getattr(x, "shape", x) for x in jax.tree.leaves((args[0], *args[2:])))
-        if (self, key) not in _CHOICES:
+        if (self, key) not in _CHOICES:   # probing is compiling, to `GenerationStats.compile_seconds`
+            start = time.time()
             _CHOICES[self, key] = choose(self._jitted(()).lower(*args).as_text(), self.__name__)
+            jax.monitoring.record_event_time_span("/jaxspec/compile/kernel_probe", start, time.time())
         return _CHOICES[self, key]
 
     def __call__(self, *args):

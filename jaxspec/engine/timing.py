@@ -1,4 +1,4 @@
-"""Timing of real decode steps, for the cost model's profiler (`CostModel.profile`).
+"""Timing of real decode steps, for the cost model's profiler (`CostModel.profile`), and of compilation.
 
 A step is timed inside the decode loop (`loop.run_on_device`) as the difference between a segment
 of 1 + `iterations` steps and one of 1 step, so a call's own cost is not counted as a step's.
@@ -127,3 +127,22 @@ def side_by_side(jobs) -> list:
 
 
 cost_lib.register_step_timer(time_points)
+_spans: list[tuple[float, float]] = []   # (start, end) time.time() of each span spent compiling a program
+
+
+def _record_span(event: str, start_time: float, end_time: float, **_) -> None:
+    if "/compile/" in event:   # JAX's tracing, lowering, compiling (or cache load) and kernel probes, any thread
+        _spans.append((start_time, end_time))
+        del _spans[:-4096]
+
+
+def split_compile(start: float) -> tuple[float, float]:
+    """(compile, other) seconds from `start` (time.time()) to now; nested or parallel spans count once."""
+    end, covered, reach = time.time(), 0.0, start
+    for lo, hi in sorted(_spans):   # by start: each adds the part past those before it
+        covered += max(0.0, min(hi, end) - max(lo, reach))
+        reach = max(reach, min(hi, end))
+    return covered, end - start - covered
+
+
+jax.monitoring.register_event_time_span_listener(_record_span)
