@@ -1,7 +1,5 @@
-"""Turning user prompts into fixed-shape device inputs, with validation at the boundary.
-
-Every engine takes prompts through `prepare`, so they all accept and reject the same inputs, and
-share shape buckets (lengths and batch sizes rounded up to a few sizes: programs get reused).
+"""Turning user prompts into fixed-shape device inputs, with validation at the boundary: every engine
+takes prompts through `prepare`, so they all accept the same inputs and share shape buckets.
 """
 
 from __future__ import annotations
@@ -125,11 +123,8 @@ def prepare(prompts, tokenizer, *, vocab_size: int, max_positions: int, max_new_
 
 
 def subset(batch: PromptBatch, rows, multiple: int = 1, min_rows: int = 0) -> PromptBatch:
-    """The batch of some of `batch`'s real rows (keeping their request ids, hence their RNG streams).
-
-    Rows are bucketed like a fresh batch (at least `min_rows`, then up to a multiple of `multiple`,
-    e.g. the data-parallel degree); padding rows have budget 0.
-    """
+    """The batch of some of `batch`'s real rows (keeping their request ids, hence their RNG streams),
+    bucketed like a fresh batch (at least `min_rows`, then up to a multiple of `multiple`)."""
     rows = np.asarray(rows, np.int64)
     pad = -(-max(bucket_batch(max(len(rows), 1)), min_rows) // multiple) * multiple - len(rows)
     # Padding rows get ids past every real one, so no two rows share an RNG stream.

@@ -2,7 +2,6 @@
 
 Speculative decoding is lossless only if q and p go through exactly the same transforms, so one
 function, `probabilities`, applies them (as transformers' warpers): temperature, top-k, top-p.
-
 Shape key: v vocabulary; leading axes are arbitrary.
 """
 
@@ -18,9 +17,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
-    """How tokens are chosen from logits.
-
-    Attributes:
+    """How tokens are chosen from logits. Attributes:
       temperature: 0 means greedy (argmax); otherwise logits are divided by it.
       top_k: keep only the k most likely tokens (0 = no limit). Tokens tied with the k-th are kept.
       top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0 = all).

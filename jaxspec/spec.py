@@ -25,19 +25,15 @@ class SpecConfig:
       extra: additional draft tokens per row for TETRIS selection.
       selection: "standard" (every row verifies k drafts) or "tetris".
       capacity: TETRIS verification budget C per step (None = batch * k).
-      policy: "fixed", or "goodput": the policy (`jaxspec.policy`) picks, after each drafting step, the
-        draft length in 0..k (standard), or with TETRIS a draft length below k + extra or the
-        TETRIS window at a budget of C / 2, C or 2C, maximising predicted goodput.
-      cost_model: a CostModel for policy="goodput".
+      policy: "fixed", or "goodput": `jaxspec.policy` picks each step's draft length in 0..k (with
+        TETRIS, or the budget C / 2, C or 2C), maximising predicted goodput under `cost_model`.
       pipeline: pipelined two-batch drafting on a separate device slice.
       greedy_draft: draft with argmax even when sampling (q is then one-hot; still lossless).
-      threshold: confidence-threshold drafting: a row's window ends at the first draft whose
-        cumulative confidence (product of the drafter's per-token estimates) falls below this;
-        k is then the most a row drafts. None: fixed-length windows.
-      tree: (depth D, width W): draft a tree (`jaxspec.drafting.trees`) instead of a chain; standard
-        selection verifies each row's k most probable nodes, "tetris" the batch's C best
-        (capacity, default N * k); under the goodput policy each step runs the tree or plain
-        decoding, whichever it predicts faster. None: a chain of k (+ extra) drafts.
+      threshold: None, or a row's window ends at the first draft whose cumulative confidence (the
+        product of the drafter's per-token estimates) falls below this; k is then the most it drafts.
+      tree: None, or (depth D, width W): draft a tree (`jaxspec.drafting.trees`); standard selection
+        verifies each row's k most probable nodes, "tetris" the batch's C best (default N * k); under
+        the goodput policy each step runs the tree or plain decoding, whichever it predicts faster.
       segment: steps per segment S, between the host's reads (None: `segment_steps`'s default).
     """
 

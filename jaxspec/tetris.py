@@ -4,9 +4,8 @@ Shape key: n rows, k draft slots per row.
 
 Wu et al. (ACL 2025) verify at most C draft tokens per step over a batch. Slot j of a row is worth
 the cumulative product a_1 * ... * a_j of per-token acceptance estimates (by default the draft's own
-probability: `drafting.Proposal.logprob_bk`), which never increases along a row, so the C best slots
-are a prefix of each row (the paper's heap). Here the heap is one `lax.top_k` over the grid
-flattened position-major: ties go to earlier positions (selections stay prefixes), and equal
+probability), which never increases along a row, so the paper's heap is one `lax.top_k` over the
+grid flattened position-major: ties go to earlier positions (selections stay prefixes), and equal
 confidences (an n-gram drafter) split the budget evenly across rows.
 """
 
@@ -32,12 +31,10 @@ def select(draft_logprobs, capacity: int, budget=None) -> jax.Array:
 
     Args:
       draft_logprobs: float [n, k]: log of the estimated acceptance probability of each row's
-        j-th draft token given its prefix (the draft model's log q by default); -inf marks slots
-        that must not be verified (finished rows, slots past a row's limit).
-      capacity: static int >= 0, the verification budget C: the number of slots chosen is
-        min(capacity, usable slots).
+        j-th draft token given its prefix; -inf marks slots that must not be verified.
+      capacity: static int >= 0, the verification budget C: min(capacity, usable slots) are chosen.
       budget: optional traced int <= capacity: choose only this many (a per-step budget inside a
-        program compiled for `capacity`; the goodput policy uses it).
+        program compiled for `capacity`).
 
     Returns:
       int32 [n] window lengths; each row's selected slots are its first `counts[i]` drafts.

@@ -2,7 +2,6 @@
 
 Shape key: b rows, k draft tokens per row, v vocabulary.
 
-Pure functions of the draft tokens, the draft distributions q and the target logits; no caches.
 Each row may use only the first `num_drafts_b` of its k drafts (TETRIS windows, rows whose
 drafter had nothing to offer); the rest are never accepted.
 """
@@ -32,13 +31,11 @@ def greedy_accept(draft_bk, target_logits_bkv, num_drafts_b):
 
 
 def rejection_accept(key_b, draft_bk, q_bkv, target_logits_bkv, num_drafts_b, sampling: SamplingConfig):
-    """Leviathan et al. / Chen et al. speculative sampling, per row.
-
-    Draft token x_j (drawn from q_j) is accepted with probability min(1, p_j(x_j) / q_j(x_j)).
-    At the first rejection the next token is drawn from normalize(max(0, p_j - q_j)); after a full
-    accept (of the row's usable drafts) the bonus token is drawn from p. The output then follows
-    the target's distribution exactly, whatever q is (one-hot for a deterministic drafter). p
-    goes through the same transforms (`sampling`) as q. Returns (accepted count [b], next token [b]).
+    """Leviathan et al. / Chen et al. speculative sampling, per row: draft token x_j (drawn from q_j)
+    is accepted with probability min(1, p_j(x_j) / q_j(x_j)). At the first rejection the next token
+    is drawn from normalize(max(0, p_j - q_j)); after a full accept (of the row's usable drafts) the
+    bonus token is drawn from p. The output then follows the target's distribution exactly, whatever
+    q is (p and q go through the same `sampling` transforms). Returns (accepted count [b], next token [b]).
     """
     b, k = draft_bk.shape
     p_bkv = probabilities(target_logits_bkv, sampling)
@@ -74,11 +71,10 @@ def accept_tree(key_b, tokens_bw, parent_bw, used_bw, target_logits_bwv, samplin
     """Acceptance of a draft tree per row: the path the target's own choices follow, then one token.
 
     Column 0 is the root (the last committed token); target_logits_bwv[b, j] scores the token after
-    column j. Children are deterministic given their path, so each is a one-hot proposal. Greedy:
-    follow the child equal to the target's argmax. Sampling: at a node with target distribution p,
-    try its children in column order; child x is accepted with probability p(x), else p <-
-    normalize(p with x removed); with every child rejected the next token is drawn from what
-    remains of p. This draws exactly from p at every node (SpecInfer's rule with one-hot proposals).
+    column j. Greedy: follow the child equal to the target's argmax. Sampling (SpecInfer's rule with
+    one-hot proposals, exact): at a node with target distribution p, try its children in column
+    order; child x is accepted with probability p(x), else p <- normalize(p with x removed); with
+    every child rejected the next token is drawn from what remains of p.
 
     parent_bw: each column's parent column (-1 at the root); used_bw: the verified columns (closed
     under ancestors); depth, width: static bounds on the path below the root and on a node's

@@ -13,6 +13,9 @@ from jaxspec import tetris
 from jaxspec.models.model import forward, forward_packed
 
 NEG_INF = -np.inf
+# One compiled program per (shape, capacity) instead of one per primitive: the loops below try dozens.
+select_jit = jax.jit(tetris.select, static_argnums=1)
+forward_jit = jax.jit(forward, static_argnums=0)
 
 
 def random_instance(rng, n, k):
@@ -39,11 +42,12 @@ def value(lp, counts):
     return sum(cum[i, :c].sum() for i, c in enumerate(counts))
 
 
-def brute_force_best(lp, capacity):
-    """Max expected accepted tokens over every prefix-shaped selection of exactly min(C, usable) slots."""
-    usable = usable_counts(lp)
-    size = min(capacity, int(usable.sum()))
-    return max(value(lp, c) for c in itertools.product(*(range(u + 1) for u in usable)) if sum(c) == size)
+def brute_force_best(lp):
+    """{size: max expected accepted tokens over every prefix-shaped selection of exactly size slots}."""
+    best = {}
+    for c in itertools.product(*(range(u + 1) for u in usable_counts(lp))):
+        best[sum(c)] = max(best.get(sum(c), -np.inf), value(lp, c))
+    return best
 
 
 def heap_select(lp, capacity):
@@ -66,16 +70,16 @@ def heap_select(lp, capacity):
 def test_select_is_optimal_and_matches_the_heap(n, k):
     rng = np.random.default_rng(10 * n + k)
     instances = [random_instance(rng, n, k) for _ in range(40)]
+    best = [brute_force_best(lp) for lp in instances]   # each selection's value computed once
     for capacity in range(n * k + 2):
-        select = jax.jit(tetris.select, static_argnums=1)
-        for lp in instances:
-            counts = np.asarray(select(jnp.asarray(lp), capacity))
+        for lp, best_of_size in zip(instances, best):
+            counts = np.asarray(select_jit(jnp.asarray(lp), capacity))
             usable = usable_counts(lp)
             assert counts.dtype == np.int32
             assert counts.sum() == min(capacity, usable.sum())
             assert np.all(counts <= usable), "a masked slot was chosen"
             got = value(lp, counts)
-            assert got == pytest.approx(brute_force_best(lp, capacity), rel=1e-5, abs=1e-6)
+            assert got == pytest.approx(best_of_size[int(counts.sum())], rel=1e-5, abs=1e-6)
             assert got == pytest.approx(value(lp, heap_select(lp, capacity)), rel=1e-5, abs=1e-6)
 
 
@@ -85,7 +89,7 @@ def test_selected_slots_are_the_top_of_the_grid_and_prefixes_under_ties():
         n, k = rng.integers(1, 6), rng.integers(1, 6)
         lp = random_instance(rng, n, k)
         capacity = int(rng.integers(0, n * k + 1))
-        counts = np.asarray(tetris.select(lp, capacity))
+        counts = np.asarray(select_jit(lp, capacity))
         cum = cumulative(lp)
         inside = np.arange(k)[None, :] < counts[:, None]
         # Counts are prefixes by construction; the chosen set must also be an upper set of the grid.
@@ -96,7 +100,7 @@ def test_selected_slots_are_the_top_of_the_grid_and_prefixes_under_ties():
 def test_equal_confidences_split_the_budget_evenly_first_rows_first():
     lp = np.zeros((5, 4), np.float32)
     for capacity in range(21):
-        counts = np.asarray(tetris.select(lp, capacity))
+        counts = np.asarray(select_jit(lp, capacity))
         assert counts.max() - counts.min() <= 1
         assert list(counts) == sorted(counts, reverse=True)
         assert counts.sum() == capacity
@@ -132,7 +136,7 @@ def test_budget_inside_a_compiled_capacity(compile_counter):
         got = [np.asarray(select(lp, 16, jnp.int32(budget))) for budget in range(17)]
     assert counter.count == 0
     for budget in range(17):
-        np.testing.assert_array_equal(got[budget], np.asarray(tetris.select(lp, budget)))
+        np.testing.assert_array_equal(got[budget], np.asarray(select_jit(lp, budget)))
 
 
 @pytest.mark.parametrize("bad", [-1, 2.0, True, None])
@@ -158,7 +162,7 @@ def prefilled_cache(model, lengths, max_len, rng):
     b = len(lengths)
     tokens = rng.integers(0, model.config.vocab_size, (b, max(lengths))).astype(np.int32)
     cache = model.init_cache(b, max_len)
-    _, cache = forward(model.graphdef, model.params, jnp.asarray(tokens), cache)
+    _, cache = forward_jit(model.graphdef, model.params, jnp.asarray(tokens), cache)
     return cache.commit(jnp.asarray(lengths, jnp.int32))
 
 
@@ -169,7 +173,7 @@ def test_packed_verification_equals_padded(gqa_model, slack):
     cache = prefilled_cache(gqa_model, lengths, 32, rng)
     window = jnp.asarray(rng.integers(0, 64, (len(lengths), w)), jnp.int32)
     counts = jnp.asarray([1, 5, 3, 2, 4], jnp.int32)
-    padded_logits, padded_cache = forward(gqa_model.graphdef, gqa_model.params, window, cache)
+    padded_logits, padded_cache = forward_jit(gqa_model.graphdef, gqa_model.params, window, cache)
     packed = jax.jit(forward_packed, static_argnums=(0, 5))
     packed_logits, packed_cache = packed(gqa_model.graphdef, gqa_model.params, window, counts, cache,
                                          int(counts.sum()) + slack)

@@ -1,6 +1,7 @@
 """Attention of new tokens against keys and values at explicit positions, in several
-implementations (`ATTENTION`): the reference batched dots, blocks up to a bound on the live length
-(`live_slots`), and `jax.nn.dot_product_attention` (XLA's or cuDNN's).
+implementations (`ATTENTION`): "plain" batched dots over the whole buffer, "blocked" (`BLOCK`-slot
+blocks up to the `live_slots` bound, merged by an online softmax), and "xla" / "cudnn"
+(`jax.nn.dot_product_attention`).
 
 Shape key: b batch, t queries per row, s key slots, n query heads, k kv heads, g query heads per kv
 head, h head dim, m = t * g query rows per kv head.
@@ -17,10 +18,8 @@ import jax.numpy as jnp
 
 _F32 = jnp.float32
 
-# How attention over the cache runs: "plain" (batched dots over the whole buffer), "blocked" (`BLOCK`-slot blocks
-# up to the `live_slots` bound, merged with an online softmax), "xla" / "cudnn" (`jax.nn.dot_product_attention`),
-# or "auto": cuDNN on a GPU in bfloat16 / float16 where its head sizes allow, else blocked (without a cache: plain).
-# Read when a program is traced: set it before the first compile (or clear caches).
+# "plain", "blocked", "xla" / "cudnn" (module docstring), or "auto": cuDNN on a GPU in bfloat16 / float16 where
+# its head sizes allow, else blocked (without a cache: plain). Read when a program is traced.
 ATTENTION = "auto"
 BLOCK = 128
 _LIVE_SLOTS = contextvars.ContextVar("live_slots", default=None)   # per thread: parallel traces

@@ -2,10 +2,9 @@
 
 Shape key: b batch rows, s cache slots (= positions), k kv heads, h head dim.
 
-Per layer, one key and one value buffer [b, s, k, h], so each block updates its own in place. Slot
-j of row b holds the token at position j. A forward pass writes new tokens at slots `lengths[b] + t`
-without moving `lengths`; the caller commits how many to keep, so undoing rejected tokens is only
-lowering `lengths` (entries past it are stale and never read).
+Per layer, one key and one value buffer [b, s, k, h]; slot j of row b holds the token at position j.
+A forward pass writes new tokens at slots `lengths[b] + t` without moving `lengths`; the caller
+commits how many to keep, so undoing rejected tokens is only lowering `lengths`.
 """
 
 from __future__ import annotations

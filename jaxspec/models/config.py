@@ -19,17 +19,11 @@ class ModelConfig:
     """Shape and numerics of a decoder-only transformer of the Llama family or a relative.
 
     Attributes:
-      vocab_size: number of token ids.
-      hidden_size: model width (embedding dimension).
-      num_layers: number of decoder blocks.
-      num_heads: query heads per block.
-      num_kv_heads: key/value heads per block (grouped-query attention); divides num_heads.
-      intermediate_size: SwiGLU hidden width.
-      max_position_embeddings: longest sequence (prompt + generated) the model accepts.
-      rope_theta: base of the rotary embedding frequencies.
-      rms_norm_eps: epsilon of every RMSNorm.
-      tie_word_embeddings: the LM head reuses the token embedding matrix.
-      attention_bias: q/k/v projections carry a bias (Qwen2).
+      vocab_size, hidden_size, intermediate_size (the MLP's hidden width), max_position_embeddings
+        (prompt + generated tokens), rope_theta, rms_norm_eps, tie_word_embeddings, attention_bias
+        (q/k/v biases, Qwen2): Hugging Face's fields of the same names.
+      num_layers, num_heads, num_kv_heads: HF's num_hidden_layers, num_attention_heads and
+        num_key_value_heads; num_kv_heads divides num_heads (grouped-query attention).
       head_dim: per-head width; None means hidden_size // num_heads.
       qk_norm: an RMSNorm over each query and key head before the rotary embedding (Qwen3).
       sliding_window: None, or how many positions a query sees, itself included (Mistral; Gemma's
@@ -47,8 +41,7 @@ class ModelConfig:
       rope_scaling: None (plain RoPE) or the rotary frequencies' rescaling as sorted (name,
         value) pairs, `rope_type` included: "linear", "llama3" or "freq_factors" (`ROPE_SCALING`);
         a dict is accepted and stored in that form.
-      architecture: "llama", "qwen2" or "qwen3": the checkpoint family (naming in converted
-        checkpoints; its options are the fields above).
+      architecture: the checkpoint family (`SUPPORTED_ARCHITECTURES`): its tensor names.
       name: a label carried into benchmark reports and cost models.
     """
 
@@ -98,7 +91,7 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"ModelConfig.architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if isinstance(self.rope_scaling, Mapping) or isinstance(self.rope_scaling, list):
+        if isinstance(self.rope_scaling, (Mapping, list)):
             pairs = dict(self.rope_scaling).items()   # lists (from JSON) become tuples: the config stays hashable
             object.__setattr__(self, "rope_scaling", tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                                   for k, v in pairs)))
@@ -182,8 +175,7 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], tensor_names: Collection[str] = (),
                            *, name: str | None = None, rope_freqs=None) -> ModelConfig:
-        """Builds a config from GGUF key/values (llama.cpp names), the file's tensor names and
-        the values of its `rope_freqs.weight` tensor if it has one."""
+        """Builds a config from GGUF key/values, tensor names and `rope_freqs.weight` values if any."""
         return cls(**hf_config.fields_from_gguf(metadata, tensor_names, name, rope_freqs))
 
 
@@ -194,30 +186,27 @@ PRESETS: dict[str, ModelConfig] = {
     # A toy model for unit tests: small enough to compile in seconds on a CPU.
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                         intermediate_size=128, max_position_embeddings=1024, name="tiny"),
-    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-                                num_kv_heads=3, intermediate_size=1536, max_position_embeddings=8192,
-                                rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                name="smollm2-135m"),
-    "smollm2-360m": ModelConfig(vocab_size=49152, hidden_size=960, num_layers=32, num_heads=15,
-                                num_kv_heads=5, intermediate_size=2560, max_position_embeddings=8192,
-                                rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                                name="smollm2-360m"),
-    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
-                                num_kv_heads=2, intermediate_size=4864, max_position_embeddings=32768,
-                                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                attention_bias=True, architecture="qwen2", name="qwen2.5-0.5b"),
-    "qwen2.5-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
-                                num_kv_heads=2, intermediate_size=8960, max_position_embeddings=32768,
-                                rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                attention_bias=True, architecture="qwen2", name="qwen2.5-1.5b"),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                                intermediate_size=1536, max_position_embeddings=8192, rope_theta=100000.0,
+                                rms_norm_eps=1e-5, tie_word_embeddings=True, name="smollm2-135m"),
+    "smollm2-360m": ModelConfig(vocab_size=49152, hidden_size=960, num_layers=32, num_heads=15, num_kv_heads=5,
+                                intermediate_size=2560, max_position_embeddings=8192, rope_theta=100000.0,
+                                rms_norm_eps=1e-5, tie_word_embeddings=True, name="smollm2-360m"),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                                intermediate_size=4864, max_position_embeddings=32768, rope_theta=1000000.0,
+                                rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True, architecture="qwen2",
+                                name="qwen2.5-0.5b"),
+    "qwen2.5-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                                intermediate_size=8960, max_position_embeddings=32768, rope_theta=1000000.0,
+                                rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True, architecture="qwen2",
+                                name="qwen2.5-1.5b"),
     "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
-                              head_dim=128, intermediate_size=3072, max_position_embeddings=40960,
-                              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True,
-                              architecture="qwen3", name="qwen3-0.6b"),
+                              head_dim=128, intermediate_size=3072, max_position_embeddings=40960, rope_theta=1000000.0,
+                              rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=True, architecture="qwen3",
+                              name="qwen3-0.6b"),
     "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
-                            head_dim=128, intermediate_size=12288, max_position_embeddings=40960,
-                            rope_theta=1000000.0, rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3",
-                            name="qwen3-8b"),
+                            head_dim=128, intermediate_size=12288, max_position_embeddings=40960, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3", name="qwen3-8b"),
     "llama3.2-1b": ModelConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                                intermediate_size=8192, max_position_embeddings=131072, rope_theta=500000.0,
                                rms_norm_eps=1e-5, tie_word_embeddings=True,
@@ -228,8 +217,8 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(vocab_size=32768, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                               intermediate_size=14336, max_position_embeddings=32768, rope_theta=1000000.0,
                               rms_norm_eps=1e-5, architecture="mistral", name="mistral-7b"),   # v0.3: no window
-    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
-                              num_kv_heads=4, intermediate_size=18944, max_position_embeddings=32768,
-                              rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                              attention_bias=True, architecture="qwen2", name="qwen2.5-7b"),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                              intermediate_size=18944, max_position_embeddings=32768, rope_theta=1000000.0,
+                              rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True, architecture="qwen2",
+                              name="qwen2.5-7b"),
 }

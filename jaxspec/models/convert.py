@@ -1,9 +1,8 @@
 """Checkpoint conversion as one declarative table: jaxspec param <-> HF tensor <-> GGUF tensor.
 
 Each row names a jaxspec weight, its tensor name in a transformers checkpoint and in a llama.cpp
-GGUF file (`{i}` = layer index), and how the HF layout maps onto ours (`_LAYOUTS`). Loaders and
-writers walk this table (and `EAGLE3_RULES`); nothing else knows tensor names. Checkpoints keep
-q/k/v and gate/up apart; `fuse_layers` / `unfuse_layers` map to and from the fused blocks.
+GGUF file (`{i}` = layer index), and how the HF layout maps onto ours (`_LAYOUTS`); nothing else
+knows tensor names. Checkpoints keep q/k/v and gate/up apart (`fuse_layers` / `unfuse_layers`).
 """
 
 from __future__ import annotations
@@ -119,10 +118,9 @@ def _unpermute_gguf(x: np.ndarray, n_head: int) -> np.ndarray:
 
 def convert_tensors(cfg: ModelConfig, our_shapes: dict, get: Callable[[str], np.ndarray],
                     names: Collection[str], *, source: str, convert_leaf: Callable) -> dict:
-    """jaxspec params (`our_shapes` gives their shapes) from the checkpoint tensors `names`, read
-    by `get(name)` (float numpy, HF layout) and stored as `convert_leaf(weight in our layout, its
-    path)`; `source`: "hf" or "gguf" (a name column of `RULES`), or "eagle" (`EAGLE3_RULES`). A
-    ValueError names a missing, unexpected or misshapen tensor."""
+    """jaxspec params of `our_shapes` from the checkpoint tensors `names`, read by `get(name)` (float
+    numpy, HF layout), stored as `convert_leaf(weight in our layout, its path)`; `source`: "hf",
+    "gguf" (a name column of `RULES`) or "eagle" (`EAGLE3_RULES`)."""
     names = set(names)
     used: set[str] = set()
     params: dict = {}
@@ -184,8 +182,7 @@ unfuse_layers = functools.partial(fuse_layers, unfuse=True)
 
 
 def _harmless(name: str, cfg: ModelConfig, source: str) -> bool:
-    """Tensors some HF checkpoints carry that hold nothing jaxspec needs: rotary inverse frequencies,
-    and a tied model's shared matrix stored twice."""
+    """HF tensors holding nothing jaxspec needs: rotary frequencies, a tied head stored twice."""
     return source == "hf" and (name.endswith("rotary_emb.inv_freq") or
                                (name == "lm_head.weight" and cfg.tie_word_embeddings))
 

@@ -2,13 +2,11 @@
 whose differences are options of `ModelConfig`.
 
 Shape key: b batch, t new tokens, s cache slots, d model width, n query heads, k kv heads,
-g query heads per kv head, h head dim, f MLP width, v vocabulary, l layers, x fused: a block runs
-q/k/v as one matrix [k, g + 2, h, d] and gate/up as one [f, 2, d], one dot each (checkpoints keep
-them apart: `convert.fuse_layers`). Matrices are stored [out axes..., in axes...], as HF stores
-them (`quant.matmul`). Every parameter carries logical axis names (`axes` metadata) for
+g query heads per kv head, h head dim, f MLP width, v vocabulary, x fused: a block runs q/k/v as
+one matrix [k, g + 2, h, d] and gate/up as one [f, 2, d] (`convert.fuse_layers`). Matrices are
+stored [out axes..., in axes...], as HF stores them (`quant.matmul`), with logical axis names for
 `jaxspec.parallel`. Blocks are unrolled, not scanned: slicing one layer out of stacked weights
-costs a copy of it on CPU. Weights and activations are in the compute dtype; norm statistics,
-rotary angles, softmax and logits in float32.
+costs a copy of it on CPU. Norm statistics, rotary angles, softmax and logits are in float32.
 """
 
 from __future__ import annotations
@@ -48,10 +46,8 @@ class RMSNorm(nnx.Module):
 
 
 def _matrix(module, name: str, shape, axes, dtype, rngs, quantized: bool) -> None:
-    """Adds the weight `name` (random, std 1/sqrt(fan_in), fan_in the size of its input axes) to
-    `module`, with its `<name>_scale` (None unless `quantized`: then an int8 weight and scales
-    over its output axes, as structure only: the values come from `quant.quantize_params` or the
-    loaders)."""
+    """Adds the weight `name` (random, std 1/sqrt(fan_in)) to `module`, with its `<name>_scale` (None
+    unless `quantized`: then int8 zeros and unit scales, whose values `quant` or the loaders give)."""
     in_axes = quant.BLOCK_MATRICES.get(name, 1)
     w = _normal(rngs.params(), shape, math.prod(shape[-in_axes:]) ** -0.5, dtype)
     scale = None
@@ -195,9 +191,8 @@ class Decoder(nnx.Module):
             return logits.reshape(*lead, -1)
 
     def _run_blocks(self, x_md, body, features=()):
-        """Runs the blocks, `body(block, x_md, i)` -> (x_md, this layer's keys and values); returns the
-        last x_md, the bodies' second outputs, and the residual stream entering each of the `features`
-        layers, concatenated in that order ([m, len(features) * d], an EAGLE-3 head's input), or None."""
+        """Runs `body(block, x_md, i)` -> (x_md, out) over the blocks; returns the last x_md, the outs,
+        and the residual entering each `features` layer, concatenated ([m, f], an EAGLE-3 head's input)."""
         captured, outputs = [], []
         for i, block in enumerate(self.layers):
             captured += [x_md] * features.count(i)
@@ -206,8 +201,7 @@ class Decoder(nnx.Module):
         return x_md, outputs, (jnp.concatenate(captured, axis=-1) if features else None)
 
     def hidden_uncached(self, tokens_bt, features=()):
-        """Final hidden states of whole sequences starting at position 0, with no cache (and the
-        `features` layers' inputs [b, t, f], or None: `_run_blocks`)."""
+        """Final hidden states of whole sequences from position 0, and the features [b, t, f] or None."""
         b, t = tokens_bt.shape
         pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
@@ -245,9 +239,8 @@ class Decoder(nnx.Module):
         return x_md.reshape(b, t, -1), cache.replace(k=ks, v=vs), _rows(feats, b)
 
     def hidden_packed(self, tokens_m, row_m, col_m, cache: KVCache, width: int, features=(), tree=None):
-        """`hidden_cached` of ragged windows packed into one flat buffer: token m is column col_m
-        (`width`: unused) of row row_m's window, at slot lengths[row] + col. Only attention runs in
-        the padded [b, width] layout. `tree`: as for `forward_packed`."""
+        """`hidden_cached` of ragged windows packed flat: token m is column col_m (`width`: unused) of
+        row row_m's window, at slot lengths[row] + col; only attention runs in the [b, width] layout."""
         b = cache.batch
         used_m = col_m < width
         read_col_m = jnp.minimum(col_m, width - 1)

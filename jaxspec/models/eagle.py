@@ -45,10 +45,9 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EagleConfig:
-    """`layer`: the head's one decoder layer as a one-layer ModelConfig whose vocab_size is the
-    draft vocabulary's; `feature_layers`: the target layers whose inputs are fused, ascending;
-    `norm_before_residual`: the residual around attention is the normalised hidden input (a variant
-    of the speculators format), not the hidden input itself."""
+    """`layer`: the head's decoder layer as a one-layer ModelConfig of the draft vocabulary's size;
+    `feature_layers`: the target layers whose inputs are fused, ascending; `norm_before_residual`: the
+    residual around attention is the normalised hidden input (a speculators variant)."""
 
     layer: ModelConfig
     target_hidden_size: int
@@ -121,11 +120,9 @@ def head_forward(graphdef, params, embed_vd, hidden_btd, tokens_bt, cache: KVCac
     """One draft step of the head for t tokens per row at positions cache.lengths[b] + t (keys and
     values written, `lengths` not advanced): hidden_btd are fused target features (`fuse`) or the
     head's own outputs, tokens_bt the token after each one's. Returns (float32 draft-vocabulary
-    logits [b, t, w], pre-norm outputs [b, t, d] that feed the next step, cache).
-
-    tree: None, or (slot_bt, offset_bt, ancestor_btn) for nodes of a draft tree: token i is written
-    at slot lengths + slot_bt[b, i], sits at position lengths + offset_bt[b, i], and sees the
-    committed cache and the n tree slots (from lengths on) ancestor_btn marks.
+    logits [b, t, w], pre-norm outputs [b, t, d] that feed the next step, cache). tree: None, or
+    (slot_bt, offset_bt, ancestor_btn): token i is written at slot lengths + slot_bt[b, i], sits at
+    position lengths + offset_bt[b, i], and sees the committed cache and the tree slots ancestor_btn marks.
     """
     module = nnx.merge(graphdef, params)
     b, t = tokens_bt.shape
@@ -173,14 +170,9 @@ class EagleHead:
     def init(cls, target, feature_layers=None, draft_vocab_size=None, seed: int = 0, token_counts=None,
              dtype=None) -> EagleHead:
         """A fresh head for `target` (a `jaxspec.Model`, whose embedding it shares), shaped like one
-        of its layers, its LM head the target's over the draft ids.
-
-        Args:
-          feature_layers: target layer indices; None: EAGLE-3's low / middle / high.
-          draft_vocab_size: None for the full vocabulary, else the most frequent ids of
-            `token_counts` (int [v]), or the lowest ids without counts.
-          seed: initialisation seed; dtype: the parameters' (default: the target's).
-        """
+        of its layers, its LM head the target's over the draft ids. `feature_layers`: None for EAGLE-3's
+        low / middle / high; `draft_vocab_size`: None for the full vocabulary, else the most frequent
+        ids of `token_counts` (int [v]), or the lowest ids; `dtype`: default the target's."""
         tc = target.config
         layers = default_feature_layers(tc.num_layers) if feature_layers is None else tuple(feature_layers)
         if not layers or any(not isinstance(i, (int, np.integer)) or not 0 <= i < tc.num_layers for i in layers):
@@ -250,8 +242,6 @@ def _head_config(target: ModelConfig, feature_layers, norm_before_residual: bool
 def _abstract_module(config: EagleConfig, dtype) -> EagleModule:
     return nnx.eval_shape(lambda: EagleModule(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
-
-# --- checkpoints in the published EAGLE-3 layout ---
 
 def is_eagle_folder(path) -> bool:
     config = Path(path) / "config.json"

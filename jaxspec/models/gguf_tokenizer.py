@@ -1,9 +1,7 @@
 """A fast tokenizer rebuilt from a GGUF file's `tokenizer.ggml.*` metadata, without torch.
 
 For byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`: Llama-3, SmolLM, Qwen2) the
-same `tokenizers` pipeline transformers builds from such a file: BPE over the byte alphabet, the
-pre-tokenizer split `tokenizer.ggml.pre` names, control tokens as special tokens. Other vocabulary
-types fall back to transformers' own GGUF path.
+pipeline transformers builds from such a file; other types fall back to transformers' GGUF path.
 """
 
 from __future__ import annotations
@@ -20,11 +18,8 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 
 # `tokenizer.ggml.pre` -> the regex its merges were learned with. Anything not listed (gpt2,
 # smollm, ...) uses GPT-2's own byte-level split.
-_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
+_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
+           **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT)}
 
 _CONTROL, _USER_DEFINED = 3, 4
 

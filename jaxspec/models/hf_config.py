@@ -7,9 +7,8 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
-# Rope scaling types and the parameters each needs (HF `rope_scaling` / `rope_parameters` names).
-# "freq_factors": what a GGUF file's `rope_freqs.weight` holds (llama.cpp's form of Llama 3 scaling),
-# each rotary frequency divided by its own factor.
+# Rope scaling types and the parameters each needs (HF names). "freq_factors": a GGUF file's `rope_freqs.weight`
+# (llama.cpp's form of Llama 3 scaling), each rotary frequency divided by its own factor.
 ROPE_SCALING = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                 "freq_factors": ("factors",)}
@@ -130,8 +129,7 @@ def fields_from_gguf(metadata: Mapping[str, Any], tensor_names: Collection[str] 
 
 def _gemma_from_gguf(metadata: Mapping[str, Any], arch: str, num_layers: int, width_per_head: float,
                      head_dim: int | None) -> dict[str, Any]:
-    """The Gemma 2 / 3 options of a GGUF file, read as llama.cpp reads them (what the metadata may
-    not hold follows llama.cpp's fixed rules per architecture and size)."""
+    """The Gemma 2 / 3 options of a GGUF file, read as llama.cpp reads them (its rules fill gaps)."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
     if not isinstance(pattern, (list, tuple)):   # a list: true for a sliding layer; n: every n-th layer is global

@@ -1,7 +1,5 @@
 """Initialising a draft model from its target: same tokenizer, a shallower (and maybe narrower) stack.
 
-Shape key: v vocabulary, d target width, e draft width.
-
 A draft that starts from the target's own embedding and head already speaks the target's token
 space, so distillation only has to teach the blocks. At the target's width the draft is its first
 `num_layers` blocks, embedding, final norm and head, copied. Narrower (e < d), the blocks are fresh
@@ -27,18 +25,13 @@ def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None
     """A draft model initialised from `target`, sharing its vocabulary and tokenizer.
 
     Args:
-      target: the jaxspec.Model to copy from.
       num_layers: decoder blocks of the draft, in [1, target layers] when the width is kept.
       hidden_size: the draft's width; None keeps the target's (and copies its first blocks).
         Smaller widths project the embedding by truncated SVD and initialise the blocks randomly.
       intermediate_size: MLP width; None keeps the target's ratio to the hidden size.
       num_heads: query heads; None keeps the target's head dimension (hidden_size // head_dim heads).
       num_kv_heads: key/value heads; None: the largest divisor of num_heads not above the target's.
-      seed: seeds the weights that are not copied.
-      dtype: the draft's dtype; None uses the target's.
-
-    Returns:
-      A jaxspec.Model with the target's tokenizer attached.
+      seed: seeds the weights that are not copied; dtype: the draft's (None: the target's).
 
     Raises:
       ValueError: if num_layers or hidden_size is out of range.
@@ -69,8 +62,7 @@ def draft_from_target(target: Model, num_layers: int, *, hidden_size: int | None
 
 
 def _fresh_blocks(target: Model, config: ModelConfig, seed: int) -> dict:
-    """float32 params of `config`: random blocks with the target's embedding, final norm and head,
-    copied at the target's width, projected (module docstring) when narrower."""
+    """float32 params of `config`: random blocks, the target's embedding, final norm and head."""
     params = jax.tree.map(np.asarray, Model.random(config, seed=seed, dtype="float32").params)
     embed_vd = np.asarray(target.params["embed_vd"], np.float32)
     gain_d = np.asarray(target.params["final_norm"]["scale"], np.float32)

@@ -29,14 +29,10 @@ def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool 
     folder in the published EAGLE-3 layout (`EagleHead.save`'s).
 
     Args:
-      path: the file or folder.
-      dtype: "float32" or "bfloat16" (weights are converted; GGUF quantised weights are
-        dequantised to float32 first).
-      quantize: None, or "int8": weight-only int8 matrices with per-channel scales
-        (`Model.quantize`), quantized tensor by tensor as they are read, so no float copy of the
-        whole model is ever held.
+      dtype: "float32" or "bfloat16" (GGUF quantised weights are dequantised to float32 first).
+      quantize: None, or "int8" (`Model.quantize`), tensor by tensor as they are read, so no float
+        copy of the whole model is ever held.
       tokenizer: attach the source's tokenizer when it has one.
-      target: the model an EAGLE-3 head drafts for.
 
     Raises:
       ValueError: unknown format, unsupported architecture, or a missing / unexpected /
@@ -71,8 +67,7 @@ def _our_shapes(config: ModelConfig, dtype, quantize: str | None = None) -> dict
 
 
 def _from_tensors(config: ModelConfig, get, names, source: str, dtype, quantize: str | None) -> Model:
-    """A Model, without a tokenizer, from named checkpoint tensors (`convert_tensors`), each weight
-    converted (or int8-quantized) as it is read."""
+    """A Model without a tokenizer from checkpoint tensors, each converted or quantized as it is read."""
     def convert(value: np.ndarray, path: tuple):
         in_axes = quant.quantized_leaf(path) if quantize else None
         if in_axes is not None:
@@ -89,8 +84,6 @@ def _fused(params: dict) -> dict:
     layers = params.pop("layers")
     return {**params, "layers": {i: fuse_layers({"layers": {i: layers.pop(i)}})["layers"][i] for i in sorted(layers)}}
 
-
-# --- GGUF ---
 
 def read_gguf(path) -> tuple[dict, dict]:
     """(metadata dict, {tensor name: ReaderTensor}) of a GGUF file."""
@@ -122,8 +115,6 @@ def _load_gguf(path: Path, dtype, want_tokenizer: bool, quantize: str | None) ->
         model.tokenizer = tokenizer_from_gguf_metadata(metadata, str(path))
     return model
 
-
-# --- HF folders ---
 
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
@@ -164,8 +155,6 @@ def _hf_tokenizer(folder: Path):
         warnings.warn(f"could not load the tokenizer in {folder}: {err}", stacklevel=3)
         return None
 
-
-# --- jaxspec checkpoints (orbax) ---
 
 def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None) -> Model:
     import orbax.checkpoint as ocp

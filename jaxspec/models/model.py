@@ -1,8 +1,6 @@
-"""`jaxspec.Model`: a decoder's structure, its weights as a pytree, its config and tokenizer.
-
-The NNX module is split into a static graph definition and a pure-dict parameter pytree; compiled
-functions take the parameters as a traced argument and `nnx.merge` them inside the trace, so one
-compilation serves any weights of the same shapes.
+"""`jaxspec.Model`: a decoder's structure, its weights as a pytree, its config and tokenizer. Compiled
+functions take the parameters as a traced argument and `nnx.merge` them with the static graph
+definition inside the trace, so one compilation serves any weights of the same shapes.
 """
 
 from __future__ import annotations
@@ -90,11 +88,9 @@ def forward_packed(graphdef, params, window_bw, counts_b, cache: KVCache, packed
     """`forward` of the first `counts_b` tokens of each row's window_bw [b, w] (written at slots
     cache.lengths[b] + j), laid end to end in a buffer of `packed_len` (static) slots, so the
     token-wise work costs packed_len tokens however the windows are shaped. Logits (and features)
-    come back padded, [b, w, ...]; unused columns hold nothing meaningful.
-
-    tree: None (a chain: column j at position lengths + j sees columns <= j), or (depth_bw,
-    ancestor_bww) with counts_b the used columns, bool [b, w] (closed under ancestors): column j
-    sits at position lengths + depth_bw[b, j] and sees the committed cache and the columns
+    come back padded, [b, w, ...]; unused columns hold nothing meaningful. tree: None (a chain), or
+    (depth_bw, ancestor_bww) with counts_b the used columns, bool [b, w] (closed under ancestors):
+    column j sits at position lengths + depth_bw[b, j] and sees the committed cache and the columns
     ancestor_bww[b, j] marks (column 0, depth 0, is the root).
     """
     b, w = window_bw.shape
@@ -120,16 +116,10 @@ def init_cache(graphdef, params, batch: int, max_len: int) -> KVCache:
 
 
 class Model:
-    """A decoder-only language model ready for jaxspec's compiled loops.
-
-    Attributes:
-      config: the ModelConfig.
-      params: the weights, a nested dict of jax.Arrays (one entry per block under "layers").
-      tokenizer: a transformers tokenizer, or None (random models).
-      dtype: the compute dtype (and the storage dtype of every weight that is not quantized).
-      quantization: None, or "int8" (`Model.quantize`).
-      logical_axes: nested dict parallel to `params` of logical axis-name tuples.
-    """
+    """A decoder-only language model ready for jaxspec's compiled loops: its `config`, `params` (a
+    nested dict of jax.Arrays, one entry per block under "layers"), `tokenizer` (transformers', or
+    None), `dtype` (the compute dtype, and the storage dtype of every weight not quantized),
+    `quantization` (None or "int8": `Model.quantize`) and `logical_axes` (parallel to `params`)."""
 
     def __init__(self, config: ModelConfig, params: dict, *, dtype="float32", tokenizer=None,
                  quantization: str | None = None):
@@ -168,16 +158,12 @@ class Model:
         return Model(self.config, quant.quantize_params(self.params), dtype=self.dtype, tokenizer=self.tokenizer,
                      quantization=method)
 
-    # --- pure functions for compiled code: the params are always an explicit argument ---
-
     def forward(self, params, tokens_bt, cache: KVCache, logits_at_bm=None, empty: bool = False):
-        """`forward` with this model's structure; see the module-level function."""
+        """`forward` with this model's structure; the params are an explicit (traced) argument."""
         return forward(self.graphdef, params, tokens_bt, cache, logits_at_bm, empty)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.init(self.config, batch, max_len, self.dtype)
-
-    # --- user-facing conveniences ---
 
     def logits(self, tokens) -> jax.Array:
         """Full forward without a cache: int [B, T] -> float32 logits [B, T, V]."""

@@ -1,9 +1,8 @@
 """Weight-only int8 quantization with one scale per output channel.
 
-A quantized matrix is int8 values `w` and float32 scales `s` over its output axes (symmetric,
-scale = max |w| over the input axes / 127); a matmul converts w to the compute dtype inside the dot
-and scales its output. Every matrix of the blocks and an untied LM head is quantized; the
-embedding stays in the compute dtype (a step gathers only b rows of it, and EAGLE-3 heads share it).
+A quantized matrix is int8 values and float32 scales over its output axes (max |w| over the input
+axes / 127). Every matrix of the blocks and an untied LM head is quantized; the embedding stays in
+the compute dtype (a step gathers only b rows of it, and EAGLE-3 heads share it).
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ import numpy as np
 
 METHODS = ("int8",)
 
-# Quantized weight -> how many of its trailing axes are input axes (matrices are [out..., in...]; the scales
-# cover the output axes): those blocks run, and the separate ones checkpoints hold (loaders quantize them;
-# per-channel scales fuse to the same bits).
+# Quantized weight -> how many of its trailing axes are input axes: the fused ones blocks run, and the separate
+# ones checkpoints hold (loaders quantize them; per-channel scales fuse to the same bits).
 BLOCK_MATRICES = {"qkv_kxhd": 1, "o_dnh": 2, "gate_up_fxd": 1, "down_df": 1,
                   "q_nhd": 1, "k_khd": 1, "v_khd": 1, "gate_fd": 1, "up_fd": 1}
 HEAD_MATRIX = ("lm_head_vd", 1)

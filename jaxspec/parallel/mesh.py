@@ -1,9 +1,5 @@
-"""`MeshConfig`: which devices hold the target (a data x tensor mesh) and which the draft.
-
-The target's slice is the first target_dp * target_tp devices, a (data, tensor) mesh; the draft's
-the next draft_tp devices, a (data=1, tensor=draft_tp) mesh, or with draft_tp = 0 the target's own
-(one compiled program per generate). Devices come from `jax.devices()`, which under
-`jax.distributed` lists every process's, so the same config spans hosts.
+"""`MeshConfig`: which devices hold the target (a data x tensor mesh) and which the draft. Devices
+come from `jax.devices()`, which under `jax.distributed` lists every process's, so a config spans hosts.
 """
 
 from __future__ import annotations
@@ -22,13 +18,9 @@ DATA, TENSOR = "data", "tensor"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """Attributes:
-      target_tp: tensor-parallel degree of the target (heads, MLP width and vocabulary split).
-      target_dp: data-parallel degree of the target (batch rows split).
-      draft_tp: devices of the draft's own slice (tensor-parallel over them); 0 = share the
-        target's mesh.
-      devices: the devices to use, in order (default: `jax.devices()`).
-    """
+    """The target's slice is the first target_dp * target_tp devices (tensor-parallel: heads, MLP width
+    and vocabulary split; data-parallel: batch rows split); the draft's the next draft_tp devices
+    (tensor-parallel), or with draft_tp = 0 the target's mesh. `devices`: default `jax.devices()`."""
 
     target_tp: int = 1
     target_dp: int = 1
@@ -43,7 +35,6 @@ class MeshConfig:
 
     @property
     def num_devices(self) -> int:
-        """Devices this config uses: target_dp * target_tp + draft_tp."""
         return self.target_dp * self.target_tp + self.draft_tp
 
     @property

@@ -1,8 +1,6 @@
 """Logical axes -> mesh axes: the one table, and what it gives for params, caches and inputs.
-
-Megatron-style tensor parallelism: attention heads, the MLP hidden width and the vocabulary are
-split over `tensor`, batch rows over `data`, everything else replicated; XLA's SPMD partitioner
-inserts the collectives. A logical name missing from `RULES` is an error, never a silent replica.
+Megatron-style: heads, MLP width and vocabulary split over `tensor`, batch rows over `data`, the
+rest replicated (XLA inserts the collectives); a name missing from `RULES` is an error.
 """
 
 from __future__ import annotations

@@ -70,8 +70,6 @@ class _Distill(training.Trainer):
         return jnp.sum(per_position_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0), {}
 
 
-# --- data: the target's continuations ---
-
 def _pack(sequences, prompt_lens):
     """Right-pads sequences into int32 [n, t] plus the loss mask of positions predicting a new token
     (position j's logits predict token j + 1: the mask covers j in [prompt_len - 1, length - 1))."""
@@ -87,8 +85,7 @@ def _pack(sequences, prompt_lens):
 def load_or_generate_data(target: Model, prompt_ids, *, max_new_tokens, temperatures, seed, eos_token_id,
                           max_len, data_cache=None, generate_batch_size=64, progress=True):
     """(tokens int32 [n, t], mask float32 [n, t], their digest): the target's continuations of
-    `prompt_ids`, one set per temperature, `generate_batch_size` prompts at a time; read from
-    `data_cache` when it holds data made the same way."""
+    `prompt_ids`, one set per temperature; read from `data_cache` when it holds data made the same way."""
     meta = {"format": _DATA_FORMAT, "target": target.config.to_dict(),
             "target_params": training.params_digest(target.params),
             "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest(),
@@ -179,18 +176,14 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
     """Trains `draft` to match `target`'s next-token distributions on the target's own continuations.
 
     Args:
-      target: the jaxspec.Model the draft will serve.
       draft: the starting draft (same vocabulary), e.g. from `draft_from_target`. Not modified.
       prompts: token-id lists (or strings, with a tokenizer) the target continues to make the data.
       steps, learning_rate, seed, batch_size, warmup_steps, weight_decay, clip_norm, checkpoint_every,
         eval_every: the run's `training.loop.HParams`; seed also seeds the target's sampling.
       loss: "tvd" (default), "forward_kl" or "reverse_kl"; see `distribution_loss`.
-      max_new_tokens: continuation length generated per prompt.
-      temperature: sampling temperature of the target's continuations (0 = greedy), or a list of
-        temperatures to generate one set of continuations per entry (e.g. [0.0, 1.0] for both).
-      eos_token_id: continuations stop after this token; None: never.
-      data_cache: a folder for the generated continuations (data.npz + meta.json); reused when
-        made with the same target, prompts and generation settings, so a restart does not regenerate.
+      max_new_tokens, eos_token_id: the length and stop token of the target's continuations.
+      temperature: their sampling temperature (0 = greedy), or a list, one set of continuations each.
+      data_cache: a folder for the continuations (`load_or_generate_data`), so a restart does not regenerate.
       heldout_prompts: prompts kept out of training on which greedy speculative acceptance
         (`training.loop.heldout_acceptance`, k=eval_k, eval_max_new_tokens per prompt, None:
         max_new_tokens) is measured before training, every `eval_every` steps and at the end.
@@ -204,8 +197,7 @@ def distill(target: Model, draft: Model, prompts, steps: int, learning_rate: flo
       "acceptance_rate", "mean_accepted_length" (one entry per held-out evaluation).
 
     Raises:
-      ValueError: naming the argument, for a vocabulary mismatch, steps < 1, empty prompts, an
-        unknown loss, learning_rate <= 0, or a checkpoint made with different settings.
+      ValueError: naming the bad argument (a vocabulary mismatch, a checkpoint of other settings...).
     """
     _check_models(target, draft, loss)
     hparams = training.HParams(steps=steps, learning_rate=learning_rate, warmup_steps=warmup_steps,
@@ -235,6 +227,3 @@ def _evaluate(target: Model, draft: Model, heldout_ids, step: int, params, **kwa
 def _as_draft(draft: Model, params) -> Model:
     """The draft with trained float32 `params`, cast to the draft's own dtypes."""
     return Model(draft.config, training.cast_like(params, draft.params), dtype=draft.dtype, tokenizer=draft.tokenizer)
-
-
-__all__ = ["LOSSES", "answered", "distill", "distribution_loss", "load_or_generate_data"]

@@ -3,9 +3,8 @@
 Shape key: n sequences, b batch rows, t positions, f fused features, d widths, w draft
 vocabulary, v target vocabulary, s training-time-test steps.
 
-The target runs once over the corpus (`feature_cache`); the labels, the target's distribution over
-the draft vocabulary, are its LM head over the draft ids applied to the stored final hidden state
-(soft labels teach the head to predict the target, not the text's author).
+The labels are the target's distribution over the draft vocabulary, its LM head applied to the
+stored final hidden state (`feature_cache`): soft labels teach the head to predict the target.
 
 Training-time test (EAGLE-3): the head is unrolled over `ttt_steps` steps as it drafts. At step s,
 row j feeds the head's own output of step s - 1 (the fused target features at step 0) with the
@@ -13,7 +12,6 @@ true token at j + 1 + s, at rotary position j + s; it attends to the step-0 keys
 to its own keys of steps 1..s (the rows drafting reads from the cache), and is scored against the
 target's distribution of the token at j + 2 + s. The loss is the sum over steps of 0.8^s times the
 cross-entropy, at positions where the target's own choice lies in the draft vocabulary.
-Settings, data order, orbax checkpoints and the loop are `jaxspec.training.loop`'s.
 """
 
 from __future__ import annotations
@@ -115,9 +113,8 @@ class _Eagle(training.Trainer):
 
 
 def sequences(target: Model, data, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token rows [n, seq_len] (zero-padded) and their lengths: each item of `data` (a text, which
-    the target's tokenizer encodes, or a token-id list) cut into consecutive pieces of `seq_len`;
-    pieces shorter than 3 tokens are dropped."""
+    """Token rows [n, seq_len] (zero-padded) and their lengths: each item of `data` (a text or a
+    token-id list) cut into consecutive pieces of `seq_len`; pieces under 3 tokens are dropped."""
     rows = []
     for item in data:
         if isinstance(item, str):
@@ -170,12 +167,10 @@ def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate:
     """Trains `head` to draft for `target` on `data`; returns (trained head, history).
 
     Args:
-      target: the model the head drafts for (frozen).
       head: an `EagleHead` for this target (`EagleHead.init(target)`); not modified.
-      data: texts (the target's tokenizer encodes them) or token-id lists, cut into pieces of
-        `seq_len` tokens (`sequences`).
-      steps, learning_rate, seed, batch_size, warmup_steps (None: 5% of the steps), weight_decay,
-        clip_norm, checkpoint_every, eval_every: the run's `training.loop.HParams`.
+      data: texts or token-id lists, cut into pieces of `seq_len` tokens (`sequences`).
+      steps, learning_rate, seed, batch_size, warmup_steps, weight_decay, clip_norm, checkpoint_every,
+        eval_every: the run's `training.loop.HParams`.
       ttt_steps: training-time-test unroll (module docstring).
       feature_cache_dir: folder for the target's features (`feature_cache`); reused when made
         from the same target, layers and data, resumed when incomplete. None: in memory.
@@ -187,10 +182,9 @@ def train_eagle(target: Model, head: EagleHead, data, steps: int, learning_rate:
         checkpoint_dir resumes (with the same settings and data); progress also shows the feature pass.
 
     Returns:
-      (EagleHead with the trained weights in the head's dtype, history: lists "step", "loss",
-      "agree" (per step, the top-1 agreement with the target of each unrolled step),
-      "grad_norm", "learning_rate", and per evaluation "eval_step", "heldout_loss",
-      "heldout_acceptance_rate", "heldout_accepted_length").
+      (the head with trained weights in its dtype, history: per step lists "step", "loss", "agree"
+      (each unrolled step's top-1 agreement with the target), "grad_norm", "learning_rate"; per
+      evaluation "eval_step", "heldout_loss", "heldout_acceptance_rate", "heldout_accepted_length").
     """
     hparams = training.HParams(steps=steps, learning_rate=learning_rate, warmup_steps=warmup_steps,
                                weight_decay=weight_decay, clip_norm=clip_norm, seed=seed, batch_size=batch_size,
@@ -217,8 +211,6 @@ def _with_params(head: EagleHead, params) -> EagleHead:
 
 def _evaluate(target, head, heldout, step: int, params, *, seq_len, ttt_steps, batch_size, k, max_new_tokens,
               seed) -> dict:
-    """Held-out loss and greedy speculative acceptance of `head` with `params`, each piece's first
-    half as a prompt."""
     head = _with_params(head, params)
     tokens, lengths = sequences(target, heldout, seq_len)
     prompts = [row[:max(1, n // 2)].tolist() for row, n in zip(tokens, lengths)]
@@ -228,6 +220,3 @@ def _evaluate(target, head, heldout, step: int, params, *, seq_len, ttt_steps, b
                                          batch_size=batch_size),
             "heldout_acceptance_rate": accepted["acceptance_rate"],
             "heldout_accepted_length": accepted["mean_accepted_length"]}
-
-
-__all__ = ["STEP_WEIGHT", "eagle_loss", "heldout_loss", "sequences", "train_eagle", "ttt_logits"]

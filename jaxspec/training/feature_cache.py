@@ -1,6 +1,5 @@
 """The target's features over a corpus, computed once and kept on disk for training EAGLE heads.
-
-Shape key: n sequences, b rows per chunk, t positions, f fused features, d the target's width.
+Shape key: n sequences, t positions, f fused features, d the target's width.
 
 The target runs once over `tokens` [n, t]; memory-mapped `.npy` files keep `features` [n, t, f]
 (the residual entering the chosen layers), `hidden` [n, t, d] (before the final norm) and `choice`
@@ -88,6 +87,3 @@ def _fill(target, layers, tokens, arrays, done: int, batch_size: int, folder, pr
             for array in arrays.values():
                 array.flush()
             write_json(folder / "meta.json", {"settings": settings, "rows_done": int(rows[-1]) + 1})
-
-
-__all__ = ["feature_cache", "stored"]

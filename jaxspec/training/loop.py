@@ -1,9 +1,6 @@
 """What the trainers (`distill`, `train_eagle`) share: settings (`HParams`), orbax checkpoints, the
-loop (`train`) and held-out acceptance.
-
-The data order is a per-epoch permutation drawn from (seed, epoch), so batch s is known without
-replaying batches 0..s-1: a checkpoint needs only the params, the optimizer state, the step and the
-history, and a resumed run continues exactly as an uninterrupted one would.
+loop (`train`) and held-out acceptance. The data order is a per-epoch permutation drawn from (seed,
+epoch), so a checkpoint needs no data state and a resumed run continues exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -105,7 +102,6 @@ def batch_indices(seed: int, step: int, batch_size: int, num_sequences: int) -> 
 
 
 def take(data: dict, rows) -> dict:
-    """Rows `rows` of each numpy array in `data`, on the device."""
     return {name: jnp.asarray(array[rows]) for name, array in data.items()}
 
 
@@ -128,7 +124,6 @@ def params_digest(params) -> str:
 
 
 def cast_like(params, reference):
-    """Trained float32 `params` in the dtypes of `reference` (the model's own params)."""
     return jax.tree.map(lambda x, ref: x.astype(ref.dtype), params, reference)
 
 
@@ -190,7 +185,7 @@ def train(trainer: Trainer, frozen, data: dict, params, *, settings: dict, histo
     the same hparams and `settings` (the trainer's data, model, loss ...), else is refused.
     `callback(step, metrics)` runs after each step; raising from it stops the run (resumable).
     """
-    hparams = trainer.hparams
+    hparams, steps = trainer.hparams, trainer.hparams.steps
     optimizer, schedule = hparams.optimizer()
     params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.float32), params)
     opt_state, start, checkpoints = optimizer.init(params), 0, None
@@ -200,23 +195,6 @@ def train(trainer: Trainer, frozen, data: dict, params, *, settings: dict, histo
                        if name not in ("checkpoint_every", "eval_every")}, **settings}
         checkpoints = Checkpoints(checkpoint_dir, settings)
         params, opt_state, start, history = checkpoints.restore(params, opt_state, history)
-
-    def step_fn(params, opt_state, s):
-        rows = batch_indices(hparams.seed, s, hparams.batch_size, len(next(iter(data.values()))))
-        params, opt_state, metrics = trainer.step(params, opt_state, frozen, take(data, rows))
-        metrics = {name: np.asarray(value).tolist() for name, value in jax.device_get(metrics).items()}
-        return params, opt_state, {**metrics, "learning_rate": float(schedule(s))}
-
-    params = _run_steps(step_fn, params, opt_state, hparams, start=start, history=history, checkpoints=checkpoints,
-                        evaluate=evaluate, progress=progress, desc=desc, callback=callback)
-    return params, history
-
-
-def _run_steps(step_fn: Callable, params, opt_state, hparams: HParams, *, start: int, history: dict,
-               checkpoints: Checkpoints | None, evaluate: Callable | None, progress: bool, desc: str,
-               callback: Callable | None):
-    """Steps `start` .. `hparams.steps - 1` of `train`, with its evaluations, checkpoints, bar and callback."""
-    steps, eval_every = hparams.steps, hparams.eval_every
     bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress)
     shown = {}
     if evaluate is not None and start == 0:
@@ -224,10 +202,13 @@ def _run_steps(step_fn: Callable, params, opt_state, hparams: HParams, *, start:
         _append(history, {"eval_step": 0, **shown})
     try:
         for step in range(start, steps):
-            params, opt_state, metrics = step_fn(params, opt_state, step)
+            rows = batch_indices(hparams.seed, step, hparams.batch_size, len(next(iter(data.values()))))
+            params, opt_state, metrics = trainer.step(params, opt_state, frozen, take(data, rows))
+            metrics = {name: np.asarray(value).tolist() for name, value in jax.device_get(metrics).items()}
+            metrics["learning_rate"] = float(schedule(step))
             done = step + 1
             _append(history, {"step": done, **metrics})
-            if evaluate is not None and ((eval_every and done % eval_every == 0) or done == steps):
+            if evaluate is not None and ((hparams.eval_every and done % hparams.eval_every == 0) or done == steps):
                 shown = evaluate(done, params)
                 _append(history, {"eval_step": done, **shown})
             if checkpoints is not None and (done % hparams.checkpoint_every == 0 or done == steps):
@@ -241,7 +222,7 @@ def _run_steps(step_fn: Callable, params, opt_state, hparams: HParams, *, start:
         bar.close()
         if checkpoints is not None:
             checkpoints.close()
-    return params
+    return params, history
 
 
 def _append(history: dict, values: dict) -> None:
@@ -251,7 +232,3 @@ def _append(history: dict, values: dict) -> None:
 
 def _json_roundtrip(value):
     return json.loads(json.dumps(value))
-
-
-__all__ = ["Checkpoints", "HParams", "Trainer", "batch_indices", "cast_like", "digest",
-           "heldout_acceptance", "params_digest", "take", "train", "write_json"]
