@@ -7,10 +7,10 @@ chat template, decoded greedily at --batch slots with continuous refill (`batch_
 batch size: plain decoding, n-gram lookup (`NgramDrafter(max_ngram=3)`) and, where present, the
 pair's draft model (Qwen: the 0.5B; SmolLM2: --draft) and an EAGLE head (--eagle, default
 models/<pair>-eagle3), at k = --k; suffix decoding (`SuffixDrafter`) and the hybrid of it with each
-model drafter (`HybridDrafter`) at k = --suffix-k, once jaxspec has them (until then those rows are
-absent and the report says so). A suffix drafter's corpus starts empty for every timed job (what a
-job sees; warm-up would otherwise leave the very answers in it). With --cost-model, the suffix and
-hybrid rows use the goodput policy. Every configuration is warmed up, then timed once per round,
+model drafter (`HybridDrafter`) at k = --suffix-k. A suffix drafter's corpus starts empty for every
+timed job (what a job sees; warm-up would otherwise leave the very answers in it). With
+--cost-model, the suffix and hybrid rows also run under the goodput policy (its hybrid may then
+run the suffix drafter alone). Every configuration is warmed up, then timed once per round,
 round-robin (`round_robin`); `tok_s` uses the median job time, `vs_plain` is the median over rounds
 of the time ratio to plain within a round (this VM's speed drifts). `tokens_per_pass` is
 `mean_accepted_length` (tokens a row keeps per target forward, 1 for plain); outputs are checked
@@ -46,13 +46,7 @@ COLUMNS = ["workload", "batch", "method", "k", "tok_s", "vs_plain", "tokens_per_
 DEFAULTS = {"smollm2": dict(requests=64, batch=[8], new_tokens=128),
             "qwen": dict(requests=8, batch=[1, 4], new_tokens=96)}
 
-# ---- suffix decoding (issue 60) -------------------------------------------------------------
-# jaxspec.SuffixDrafter and jaxspec.HybridDrafter are being built; looked up here so this script
-# runs before they land and picks them up once they do. Constructor per the design contract.
-SuffixDrafter = getattr(jaxspec, "SuffixDrafter", None)
-HybridDrafter = getattr(jaxspec, "HybridDrafter", None)
 SUFFIX_ARGS = dict(max_depth=24, corpus_tokens=262144, min_token_prob=0.1)
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -86,15 +80,13 @@ def configurations(args, costly: dict[str, object]) -> list[Config]:
     configs = [Config("plain", 0, lambda: plain),
                Config("ngram", args.k, lambda: jaxspec.NgramDrafter(max_ngram=3))]
     configs += [Config(name, args.k, lambda d=d: d) for name, d in costly.items()]
-    # ---- suffix decoding (issue 60): rows that appear once jaxspec has the drafters ------------
-    if SuffixDrafter is not None:
-        configs.append(Config("suffix", args.suffix_k, lambda: SuffixDrafter(**SUFFIX_ARGS), fresh=True,
-                               goodput=bool(args.cost_model)))
-        if HybridDrafter is not None:
-            configs += [Config(f"hybrid suffix+{name}", args.suffix_k,
-                               lambda d=d: HybridDrafter([SuffixDrafter(**SUFFIX_ARGS), d]), fresh=True,
-                               goodput=bool(args.cost_model)) for name, d in costly.items()]
-    # ----------------------------------------------------------------------------------------------
+    for goodput in (False, True) if args.cost_model else (False,):
+        tag = " (goodput)" if goodput else ""
+        configs.append(Config("suffix" + tag, args.suffix_k, lambda: jaxspec.SuffixDrafter(**SUFFIX_ARGS), fresh=True,
+                              goodput=goodput))
+        configs += [Config(f"hybrid suffix+{name}{tag}", args.suffix_k,
+                           lambda d=d: jaxspec.HybridDrafter([jaxspec.SuffixDrafter(**SUFFIX_ARGS), d]), fresh=True,
+                           goodput=goodput) for name, d in costly.items()]
     return configs
 
 
@@ -127,7 +119,7 @@ def run_unit(workload: str, batch: int, prompts: list[str], configs: list[Config
         res, stats = results[c.method], results[c.method].stats
         firsts = bench.first_differences(reference, res.tokens)
         new_tokens = sum(map(len, res.tokens))
-        rows.append({"workload": workload, "batch": batch, "method": c.method + (" (goodput)" if c.goodput else ""),
+        rows.append({"workload": workload, "batch": batch, "method": c.method,
                      "k": c.k, "tok_s": new_tokens / float(np.median(seconds[c.method])),
                      "vs_plain": float(np.median(seconds["plain"] / seconds[c.method])),
                      "tokens_per_pass": 1.0 if c.k == 0 else stats.mean_accepted_length,
@@ -152,11 +144,9 @@ def job_prompts(workload: str, requests: int, tokenizer) -> list[str]:
     return [chat_prompt(tokenizer, job.prompt) for job in jobs]
 
 
-def report(args, title, rows, skipped, absent, started) -> str:
+def report(args, title, rows, skipped, started) -> str:
     m = bench.machine()
     notes = []
-    if absent:
-        notes.append(f"Not in this checkout of jaxspec, so not run: {', '.join(absent)}.")
     if skipped:
         notes.append(f"Not run (they would have ended past the {args.deadline:.0f} s deadline): "
                      + ", ".join(f"{w} at batch {b}" for w, b in skipped) + ".")
@@ -184,8 +174,8 @@ def main() -> None:
     parser.add_argument("--draft", metavar="PATH", help="smollm2: a draft model (e.g. models/smollm2-draft)")
     parser.add_argument("--eagle", metavar="DIR", help="an EAGLE head for the target (default models/<pair>-eagle3 "
                                                        "where it exists)")
-    parser.add_argument("--cost-model", metavar="FILE", help="a CostModel JSON: suffix and hybrid rows use the "
-                                                             "goodput policy")
+    parser.add_argument("--cost-model", metavar="FILE", help="a CostModel JSON: suffix and hybrid rows also under "
+                                                             "the goodput policy")
     parser.add_argument("--deadline", type=float,
                         help="seconds to finish in: a job starts only if, at the pace of the slowest so far, it ends "
                              "by then (results are written after every job)")
@@ -201,8 +191,6 @@ def main() -> None:
     costly = model_drafters(args, target)
     cost = jaxspec.CostModel.load(args.cost_model) if args.cost_model else None
     configs = configurations(args, costly)
-    absent = [name for name, found in (("jaxspec.SuffixDrafter", SuffixDrafter), ("jaxspec.HybridDrafter",
-                                                                                   HybridDrafter)) if found is None]
     if costly:
         title += ", model drafters: " + ", ".join(costly)
     print(f"loaded {title} in {time.perf_counter() - started:.0f} s; methods: "
@@ -220,12 +208,10 @@ def main() -> None:
             rows += run_unit(workload, batch, prompts, configs, target, args, cost)
             unit_seconds.append(time.perf_counter() - unit_start)
             jaxspec.clear_caches()   # the next job compiles other shapes; bounds XLA:CPU's memory
-            bench.write_results(out_dir(args) / args.name, {"args": vars(args), "rows": rows, "skipped": skipped,
-                                                             "absent": absent},
-                                report(args, title, rows, skipped, absent, started))
-    md = report(args, title, rows, skipped, absent, started)
-    bench.write_results(out_dir(args) / args.name, {"args": vars(args), "rows": rows, "skipped": skipped,
-                                                     "absent": absent}, md)
+            bench.write_results(out_dir(args) / args.name, {"args": vars(args), "rows": rows, "skipped": skipped},
+                                report(args, title, rows, skipped, started))
+    md = report(args, title, rows, skipped, started)
+    bench.write_results(out_dir(args) / args.name, {"args": vars(args), "rows": rows, "skipped": skipped}, md)
     print("\n" + md)
 
 
