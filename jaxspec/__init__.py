@@ -8,7 +8,7 @@ from jaxspec.engine import SpeculativeDecoder, clear_caches, generate
 from jaxspec.models import KVCache, Model, ModelConfig
 from jaxspec.models.eagle import EagleHead
 from jaxspec.models.init_draft import draft_from_target
-from jaxspec.models.loading import load
+from jaxspec.models.loading import example_model, load
 from jaxspec.parallel import MeshConfig
 from jaxspec.policy import CostModel
 from jaxspec.results import GenerationResult, GenerationStats
@@ -20,5 +20,5 @@ from jaxspec.training.eagle import train_eagle
 __all__ = ["CostModel", "CrossVocabDrafter", "Drafter", "EagleDrafter", "EagleHead", "GenerationResult",
            "GenerationStats", "HybridDrafter", "KVCache", "MeshConfig", "Model", "ModelConfig", "ModelDrafter",
            "NgramDrafter", "SamplingConfig", "SpecConfig", "SpeculativeDecoder", "SuffixDrafter", "VocabMap",
-           "clear_caches", "distill", "draft_from_target", "generate", "load", "parallel", "policy", "tetris",
-           "train_eagle"]
+           "clear_caches", "distill", "draft_from_target", "example_model", "generate", "load", "parallel", "policy",
+           "tetris", "train_eagle"]

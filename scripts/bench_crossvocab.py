@@ -30,7 +30,7 @@ from checkout import add_out_argument, code_prompts, out_dir, qwen_files, sonnet
 import jaxspec
 from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap, token_bytes
 from jaxspec.models.model import forward, init_cache
-from jaxspec.tools.benchmarking import round_robin, smollm2_gguf_path, table, write_results
+from jaxspec.tools.benchmarking import round_robin, table, write_results
 
 COLUMNS = ["batch", "draft", "k", "tok_s", "vs_target", "acceptance", "mean_accepted", "same_output"]
 
@@ -92,7 +92,7 @@ def view_rows(target, draft, vocab_map: VocabMap, prompts, outputs):
 
 
 def overhead_rows(args):
-    model = jaxspec.load(smollm2_gguf_path())
+    model = jaxspec.load(jaxspec.example_model("smollm2-135m"))
     pieces = token_bytes(model.tokenizer, model.config.vocab_size)
     bridge = CrossVocabDrafter(model, VocabMap(pieces, pieces))
     text = sonnet()
@@ -133,7 +133,7 @@ def main():
         return overhead_rows(args)
     target, same_family = map(jaxspec.load, qwen_files())
     drafts = {"qwen2.5-coder-0.5b (same tokenizer)": same_family,
-              "smollm2-135m (other tokenizer)": jaxspec.load(smollm2_gguf_path())}
+              "smollm2-135m (other tokenizer)": jaxspec.load(jaxspec.example_model("smollm2-135m"))}
     smol = drafts["smollm2-135m (other tokenizer)"]
     start = time.perf_counter()
     vocab_map = VocabMap.from_tokenizers(smol.tokenizer, smol.config.vocab_size, target.tokenizer,

@@ -18,7 +18,7 @@ from checkout import add_out_argument, out_dir
 from transformers import AutoModelForCausalLM
 
 import jaxspec
-from jaxspec.tools.benchmarking import machine, smollm2_gguf_path, table, timed, write_results
+from jaxspec.tools.benchmarking import machine, table, timed, write_results
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--name", default="bench_decode")
     add_out_argument(parser)
     args = parser.parse_args()
-    path = smollm2_gguf_path()
+    path = jaxspec.example_model("smollm2-135m")
     ours = jaxspec.load(path)
     ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                dtype=torch.float32).eval()

@@ -36,7 +36,7 @@ from distill_smollm2 import prompt_split
 import jaxspec
 from jaxspec.cli.eagle import source_texts
 from jaxspec.models import eagle
-from jaxspec.tools.benchmarking import machine, smollm2_gguf_path, table, write_results
+from jaxspec.tools.benchmarking import machine, table, write_results
 from jaxspec.training.distill import answered
 
 
@@ -178,7 +178,7 @@ def main() -> None:
     args.output = Path(args.output or MODELS / f"{args.pair}-eagle3")
     if args.pair == "qwen" and not QWEN.exists():
         raise SystemExit(f"{QWEN} is missing: run `make models-qwen`")
-    target = jaxspec.load(smollm2_gguf_path() if args.pair == "smollm2" else QWEN)
+    target = jaxspec.load(jaxspec.example_model("smollm2-135m") if args.pair == "smollm2" else QWEN)
     data, heldout, prompts = (smollm2_data if args.pair == "smollm2" else qwen_data)(target, args)
     head = jaxspec.load(args.output, target=target) if args.eval_only else train(target, data, heldout, args)
     if args.train_only:

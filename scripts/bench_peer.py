@@ -57,7 +57,7 @@ def load_pair(args, parking):
         target_path, draft_path = qwen_files(args.models)
         target, draft = jaxspec.load(target_path), jaxspec.load(draft_path)
     else:
-        target_path = bench.smollm2_gguf_path()
+        target_path = jaxspec.example_model("smollm2-135m")
         target, draft = jaxspec.load(target_path), jaxspec.NgramDrafter(max_ngram=3)
     parking.add("jaxspec", [m for m in (target, draft) if isinstance(m, jaxspec.Model)])
     parking.hold(None)

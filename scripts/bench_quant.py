@@ -23,7 +23,7 @@ import numpy as np
 from checkout import QWEN, add_out_argument, out_dir
 
 import jaxspec
-from jaxspec.tools.benchmarking import machine, round_robin, smollm2_gguf_path, table, write_results
+from jaxspec.tools.benchmarking import machine, round_robin, table, write_results
 
 PROMPTS = ["Write a short story about a robot who learns to paint.",
            "Explain how a bicycle stays upright while it is moving.",
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--name", default=None)
     add_out_argument(p)
     args = p.parse_args()
-    path = args.model or (smollm2_gguf_path() if args.pair == "smollm2"
+    path = args.model or (jaxspec.example_model("smollm2-135m") if args.pair == "smollm2"
                           else str(QWEN))
     ref = jaxspec.load(path)
     tok = ref.tokenizer

@@ -31,7 +31,7 @@ from checkout import MODELS, QWEN, QWEN_DRAFT, REPO, RESULTS, add_out_argument, 
 
 import jaxspec
 from jaxspec.policy.cost import COEFFICIENTS
-from jaxspec.tools.benchmarking import machine, smollm2_gguf_path, table, write_results
+from jaxspec.tools.benchmarking import machine, table, write_results
 
 MARK = "BENCH_SEGMENTS "   # a worker's result lines start with this
 COST = RESULTS / "bench_speculative_sonnet_sonnet_cost_model.json"   # goodput's coefficients, for both trees
@@ -174,7 +174,7 @@ def main() -> None:
     if args.worker:   # one worker: every mode on the jaxspec of PYTHONPATH (the tree it runs in)
         if Path(jaxspec.__file__).resolve().parents[1] != Path.cwd().resolve():
             sys.exit(f"jaxspec was imported from {jaxspec.__file__}, not from {Path.cwd()}")
-        target, references = jaxspec.load(smollm2_gguf_path()), {}
+        target, references = jaxspec.load(jaxspec.example_model("smollm2-135m")), {}
         for name, build in modes(args, target).items():
             run_mode(name, build, args, references)
         return

@@ -33,7 +33,7 @@ from checkout import QWEN, QWEN_DRAFT, add_out_argument, code_prompts, out_dir, 
 
 import jaxspec
 from jaxspec.prompts import bucket_batch, bucket_length
-from jaxspec.tools.benchmarking import machine, round_robin, smollm2_gguf_path, table, transformers_gguf, write_results
+from jaxspec.tools.benchmarking import machine, round_robin, table, transformers_gguf, write_results
 
 METHODS = ("speculative", "tetris", "goodput", "pipelined")
 COLUMNS = ["task", "batch", "method", "k", "extra", "tok_s", "vs_ar", "latency_p50_s", "latency_p90_s",
@@ -167,7 +167,7 @@ def qwen_part(args):
 
 
 def sonnet_part(args):
-    model = jaxspec.load(smollm2_gguf_path())
+    model = jaxspec.load(jaxspec.example_model("smollm2-135m"))
     poem = sonnet()
     prompts = []
     for first in range(0, 8):

@@ -136,7 +136,7 @@ def run_unit(workload: str, batch: int, prompts: list[str], configs: list[Config
 def load_target(args):
     if args.pair == "qwen":
         return jaxspec.load(qwen_files(args.models)[0]), "Qwen2.5-Coder 1.5B-Instruct (Q4_K_M GGUF, float32)"
-    return jaxspec.load(bench.smollm2_gguf_path()), "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)"
+    return jaxspec.load(jaxspec.example_model("smollm2-135m")), "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)"
 
 
 def job_prompts(workload: str, requests: int, tokenizer) -> list[str]:

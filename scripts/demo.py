@@ -21,7 +21,6 @@ from checkout import DATA
 import jaxspec
 from jaxspec.cli.jobs import read_jobs
 from jaxspec.cli.tools import chat_prompt
-from jaxspec.tools.benchmarking import smollm2_gguf_path
 
 
 def main() -> None:
@@ -33,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    model = jaxspec.load(smollm2_gguf_path())
+    model = jaxspec.load(jaxspec.example_model("smollm2-135m"))
     print(f"loaded {model} in {time.perf_counter() - start:.1f} s")
     jobs = read_jobs(DATA / "jobs" / "records_json.jsonl")[:args.requests]
     prompts = [chat_prompt(model.tokenizer, job.prompt) for job in jobs]

