@@ -1,14 +1,7 @@
-"""Drafters: what proposes draft tokens each step (never how many are verified).
-
-  base.py        the `Drafter` protocol, `Proposal`, and what the model drafters share
-  model.py       `ModelDrafter`: a smaller model on its own KV cache
-  ngram.py       `NgramDrafter`: prompt lookup in the row's own context
-  suffix.py      `SuffixDrafter`: suffix decoding from earlier requests and the row's context
-  hybrid.py      `HybridDrafter`: per row, the proposal of whichever drafter expects more
-  eagle.py       `EagleDrafter`: an EAGLE-3 head fed the target's features
-  crossvocab.py  `CrossVocabDrafter`, `VocabMap`: a draft model with another tokenizer
-  trees.py       `TreeShape`, `Tree`, and growing a tree from a draft model's logits (EAGLE-2)
-"""
+"""Drafters: what proposes draft tokens each step (never how many are verified). The `Drafter` protocol
+(`base`), a smaller model (`model`), prompt lookup (`ngram`), suffix decoding (`suffix`), the per-row best
+of several (`hybrid`), an EAGLE-3 head (`eagle`), a draft model with another tokenizer (`crossvocab`), and
+draft trees (`trees`)."""
 
 from jaxspec.drafting.base import Drafter, Proposal
 from jaxspec.drafting.crossvocab import CrossVocabDrafter, VocabMap

@@ -120,9 +120,11 @@ class Drafter:
         another drafter's proposal: what this one took in past them may be wrong); by default unchanged."""
         return state
 
-    #: draft-model forwards per step for k proposals (statistics only)
+    #: draft-model forwards per draft token (statistics only)
+    forwards_per_draft: int = 0
+
     def forwards_per_step(self, k: int) -> int:
-        return 0
+        return self.forwards_per_draft * k
 
     @property
     def vocab_size(self) -> int | None:
@@ -152,8 +154,7 @@ class Drafter:
 
     def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
         """A draft tree per row (`jaxspec.drafting.trees.Tree`, its root the pending token), and the state."""
-        raise ValueError(f"{type(self).__name__} cannot draft trees yet; SpecConfig(tree=...) needs a draft "
-                         "Model, an EAGLE head or n-gram lookup")
+        raise NotImplementedError
 
 
 def abstract(obj, fields=("params",)):

@@ -43,10 +43,9 @@ _PREFILL_CHUNK = 64  # draft slots past twice the target's (room for the catch-u
 
 
 def token_bytes(tokenizer, size: int) -> list[bytes | str | None]:
-    """What each of the first `size` token ids stands for: its bytes; for a special token its
-    name as a str (special tokens match only special tokens of the same name); None for ids the
-    tokenizer does not have. Reads byte-level BPE (GPT-2 alphabet) and SentencePiece-style pieces
-    ("▁" for a space, "<0x41>" byte fallback)."""
+    """What each of the first `size` token ids stands for: its bytes; for a special token its name as
+    a str (special tokens match only special tokens of the same name); None for ids the tokenizer
+    lacks. Reads byte-level BPE (GPT-2 alphabet) and SentencePiece pieces ("▁" a space, "<0x41>" a byte)."""
     decoder = json.dumps(json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder"))
     byte_level = "ByteLevel" in decoder
     from_char = {c: b for b, c in byte_alphabet().items()}
@@ -81,24 +80,19 @@ class VocabMap:
     def __init__(self, draft_pieces: list[bytes | str | None], target_pieces: list[bytes | str | None],
                  max_expansion: int = MAX_EXPANSION):
         w, v = len(draft_pieces), len(target_pieces)
-        by_bytes: dict[bytes | str, int] = {}
-        for i, piece in enumerate(draft_pieces):
-            if piece:
-                by_bytes.setdefault(piece, i)
+        by_bytes = {piece: i for i, piece in reversed(list(enumerate(draft_pieces))) if piece}   # a piece's first id
         self.to_target_w = np.full((w,), -1, np.int32)
         self.to_draft_v = np.full((v,), w, np.int32)
         longest = max((len(p) for p in by_bytes if isinstance(p, bytes)), default=1)
         spellings = []
         for t, piece in enumerate(target_pieces):
-            spelled: list[int] = []
-            if piece and piece in by_bytes:
-                d = by_bytes[piece]
-                if self.to_target_w[d] < 0:
-                    self.to_target_w[d], self.to_draft_v[t] = t, d
+            d = by_bytes.get(piece, -1)
+            if d >= 0 and self.to_target_w[d] < 0:
+                self.to_target_w[d], self.to_draft_v[t] = t, d
             if isinstance(piece, str):   # a special token: its namesake or nothing
                 spellings.append([by_bytes[piece]] if piece in by_bytes else [])
                 continue
-            start = 0
+            spelled, start = [], 0
             while piece and start < len(piece):
                 for end in range(min(len(piece), start + longest), start, -1):
                     if piece[start:end] in by_bytes:
@@ -149,6 +143,7 @@ class CrossVocabDrafter(Drafter):
     """
 
     weights = {"model": "model.params", "tables": "_tables"}
+    forwards_per_draft = 1
 
     def __init__(self, model: Model, vocab_map: VocabMap, *, greedy: bool = False):
         if len(vocab_map.to_target_w) != model.config.vocab_size:
@@ -163,9 +158,6 @@ class CrossVocabDrafter(Drafter):
 
     def _key(self):
         return (self.model.graphdef, self.map.digest, self.greedy)
-
-    def forwards_per_step(self, k: int) -> int:
-        return k
 
     def placed(self, sharding) -> CrossVocabDrafter:
         """This drafter with its tables on `sharding` (the draft's mesh, replicated)."""
@@ -204,10 +196,9 @@ class CrossVocabDrafter(Drafter):
                                                 upto_b, chunk)[0])
 
     def _fed(self, params, state, seq_bl, pending_b, ahead: int, extra: int):
-        """Syncs the draft sequence to the committed text (room left for `ahead` drafts) and feeds it
-        through its last token (`feed_last_two`, `extra` wider). Returns the state, the rows that may
-        draft (all their text in, two draft tokens or more), the last token's slot, the logits after
-        it and the cache committed below it."""
+        """Syncs the draft sequence to the committed text (room left for `ahead` drafts) and feeds it through
+        its last token (`feed_last_two`, `extra` wider). Returns the state, the rows that may draft (all their
+        text in, two draft tokens or more), the last token's slot, the logits after it, the cache below it."""
         state = _sync(params["tables"], state, seq_bl, pending_b + 1, ahead + 1 + CATCH_UP_CHUNK,
                       state.seq_bd.shape[1] - max(ahead, CATCH_UP_CHUNK) - 2)
         last_b = jnp.maximum(state.length_b - 1, 1)
@@ -216,8 +207,7 @@ class CrossVocabDrafter(Drafter):
         return state, (state.synced_b == pending_b + 1) & (state.length_b >= 2) & fed_b, last_b, logits_bw, cache
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
-        """k draws from the draft's distribution restricted to the shared tokens (q over the target
-        vocabulary)."""
+        """k draws from the draft's distribution over the shared tokens (q over the target vocabulary)."""
         tables, draw = params["tables"], SamplingConfig() if self.greedy else sampling
         shared_w = tables["to_target_w"] >= 0
         state, live_b, last_b, logits_bw, fed = self._fed(params, state, seq_bl, pending_b, k, CATCH_UP_CHUNK)
@@ -237,9 +227,8 @@ class CrossVocabDrafter(Drafter):
         return proposal, state.replace(cache=cache.commit(jnp.where(live_b, cache.lengths, fed.lengths)), seq_bd=seq_bd)
 
     def propose_tree(self, params, state, seq_bl, pending_b, shape, sampling: SamplingConfig):
-        """A tree drafted over the shared tokens (each node one target token) after the same sync
-        as `propose`. Its nodes do not join the draft sequence: the next sync feeds the tokens
-        the target kept."""
+        """A tree over the shared tokens (each node one target token) after `propose`'s sync. Its
+        nodes do not join the draft sequence: the next sync feeds the tokens the target kept."""
         to_target_w = params["tables"]["to_target_w"]
         state, live_b, last_b, logits_bw, fed = self._fed(params, state, seq_bl, pending_b, shape.columns,
                                                           CATCH_UP_CHUNK + shape.depth)

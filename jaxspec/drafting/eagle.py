@@ -36,6 +36,7 @@ class EagleDrafter(Drafter):
     """
 
     weights = {"head": "head.params", "embed_vd": "head.embed_vd"}
+    forwards_per_draft = 1
 
     def __init__(self, head: eagle_lib.EagleHead):
         if head.embed_vd is None:
@@ -47,9 +48,6 @@ class EagleDrafter(Drafter):
     def _key(self):
         return (self.head.graphdef, self.head.config, self.head.draft_ids.tobytes())
 
-    def forwards_per_step(self, k: int) -> int:
-        return k
-
     @property
     def vocab_size(self) -> int:
         return self.head.config.target_vocab_size
@@ -58,7 +56,6 @@ class EagleDrafter(Drafter):
         return eagle_lib.to_target_logits(logits_bw, self.head.draft_ids, self.head.config.target_vocab_size)
 
     def _forward(self, params, hidden_btd, tokens_bt, cache: KVCache, tree=None):
-        """`eagle_lib.head_forward` with this drafter's weights."""
         return eagle_lib.head_forward(self.head.graphdef, params["head"], params["embed_vd"], hidden_btd, tokens_bt,
                                       cache, tree)
 

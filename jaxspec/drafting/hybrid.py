@@ -133,8 +133,7 @@ class HybridDrafter(Drafter):
 
 
 def _score(member: Drafter, proposal: Proposal, sampling: SamplingConfig):
-    """Expected accepted drafts of a member's proposal, from what does not depend on its random
-    draws (see `HybridDrafter`)."""
+    """Expected accepted drafts of a member's proposal, from what its random draws do not sway (`HybridDrafter`)."""
     real_bk = jnp.arange(proposal.tokens_bk.shape[1])[None, :] < proposal.num_drafts_b[:, None]
     if sampling.greedy or isinstance(member, _FREE) or getattr(member, "greedy", False):
         reach_bk = jnp.exp(jnp.cumsum(proposal.logprob_bk, axis=1))

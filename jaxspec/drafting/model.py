@@ -30,15 +30,13 @@ class ModelDrafter(Drafter):
     """
 
     weights = {"model": "model.params"}
+    forwards_per_draft = 1
 
     def __init__(self, model: Model, *, greedy: bool = False, extra: int = 0):
         self.model, self.greedy, self.extra = model, greedy, extra   # extra: see `discard`
 
     def _key(self):
         return (self.model.graphdef, self.greedy, self.extra)
-
-    def forwards_per_step(self, k: int) -> int:
-        return k
 
     @property
     def vocab_size(self) -> int:
@@ -59,8 +57,7 @@ class ModelDrafter(Drafter):
                                              width)[0])
 
     def discard(self, state, keep_b):
-        """Trusts at most each row's first keep_b positions (a hybrid verified another drafter's
-        proposal): up to `extra` more tokens are fed at the next proposal, the rest by `catch_up`."""
+        """As `Drafter.discard`; up to `extra` dropped tokens are fed at the next proposal, the rest by `catch_up`."""
         return _ModelDraftState(state.cache.commit(jnp.minimum(state.cache.lengths, keep_b)))
 
     def propose(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):

@@ -39,9 +39,8 @@ class NgramDrafter(Drafter):
         return NgramDrafter(self.max_ngram, self.min_ngram, vocab_size)
 
     def _scores(self, seq_bl, pending_b):
-        """int [b, l]: n * l + c at each slot c that continues an earlier occurrence of the row's
-        last n tokens (the longest such n), -1 elsewhere. The largest is the lookup's pick: the
-        longest match, then the latest."""
+        """int [b, l]: n * l + c at each slot c that continues an earlier occurrence of the row's last n
+        tokens (the longest such n), -1 elsewhere. The largest is the pick: the longest match, then the latest."""
         b, slots = seq_bl.shape
         slot_l = jnp.arange(slots)
         score_bl = jnp.full((b, slots), -1, jnp.int32)
@@ -74,8 +73,7 @@ class NgramDrafter(Drafter):
         D tokens (the longest n first, then the latest), with distinct first tokens. Branch i's
         node at depth d scores -(d + i) (no model, no probabilities: each token and each rank down
         counts as one unit of doubt); nodes past the present are unusable. Branch i sits in column
-        1 + i at depth 1 and in the first child column of expanded node i below, so the layout is
-        `TreeShape`'s."""
+        1 + i at depth 1, below in the first child column of expanded node i (`TreeShape`'s layout)."""
         (b, slots), w = seq_bl.shape, shape.columns
         starts, cols_w, rows_b = shape.starts(), jnp.arange(w), jnp.arange(b)
         score_bl = self._scores(seq_bl, pending_b)

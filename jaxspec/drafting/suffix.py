@@ -82,10 +82,9 @@ class SuffixDrafter(Drafter):
                              vocab_size, self.corpus)
 
     def remember(self, sequences, final: bool = True) -> None:
-        """Adds requests (token-id lists, each a prompt and its output) to the corpus, evicting the
-        oldest past `corpus_tokens`. The device index is sorted again when `final`, or once the
-        requests not in it hold as many tokens as those in it (a sort costs O(corpus): doubling
-        keeps the cost per token bounded)."""
+        """Adds requests (token-id lists, each a prompt and its output) to the corpus, evicting the oldest
+        past `corpus_tokens`. The device index is sorted again when `final`, or once the requests not in it
+        hold as many tokens as those in it (a sort costs O(corpus): doubling bounds the cost per token)."""
         self.corpus.add(sequences, final)
 
     def forget(self) -> None:
@@ -168,9 +167,8 @@ def _best(est_bck):
 
 
 class _Corpus:
-    """The corpus on the host (requests, oldest first) and its device index: `text` (tokens with
-    -1 after each request, and -1 padding) and `order` (text positions sorted by their next
-    `depth` tokens)."""
+    """The corpus on the host (requests, oldest first) and its device index: `text` (tokens with -1 after
+    each request, and -1 padding) and `order` (text positions sorted by their next `depth` tokens)."""
 
     def __init__(self, slots: int, depth: int):
         self.slots, self.depth = slots, depth

@@ -84,11 +84,10 @@ def grow_tree_from(root_b, root_children, shape: TreeShape, children, carry) -> 
     ancestor_bww)` returns those of each expanded node [b, e, W] and the new carry."""
     b, w, width = root_b.shape[0], shape.columns, shape.width
     starts = shape.starts()
-    tokens = jnp.zeros((b, w), jnp.int32).at[:, 0].set(root_b)
+    token_be, logq_be = root_children
+    tokens = jnp.zeros((b, w), jnp.int32).at[:, 0].set(root_b).at[:, 1:1 + width].set(token_be[:, 0])
     parent = jnp.full((b, w), -1, jnp.int32).at[:, 1:1 + width].set(0)
     ancestor = jnp.broadcast_to(jnp.eye(w, dtype=bool), (b, w, w)).at[:, 1:1 + width, 0].set(True)
-    token_be, logq_be = root_children
-    tokens = tokens.at[:, 1:1 + width].set(token_be[:, 0])
     cum = jnp.full((b, w), -jnp.inf, jnp.float32).at[:, 0].set(0.0).at[:, 1:1 + width].set(logq_be[:, 0])
     rows_b1 = jnp.arange(b)[:, None]
     for d in range(1, shape.depth):
@@ -113,8 +112,7 @@ def draft_tree(graphdef, params, cache: KVCache, root_b, root_logits_bv, shape: 
     and the root's keys and values at that slot; `root_logits_bv` are the draft's logits after the
     root. Each depth below the first feeds the W most probable nodes of the depth above in one
     packed pass (each at its column's slot, seeing its own ancestors). `allowed_v` (bool [v]): the
-    only tokens it may draft. Returns the tree and the cache with the fed nodes written (its lengths
-    unchanged)."""
+    only tokens it may draft. Returns the tree and the cache, fed nodes written, lengths unchanged."""
     b, depth_bw = root_b.shape[0], jnp.broadcast_to(jnp.asarray(shape.depth_w()), (root_b.shape[0], shape.columns))
     allow = (lambda x: x) if allowed_v is None else (lambda logits: jnp.where(allowed_v, logits, -jnp.inf))
 

@@ -11,7 +11,7 @@ its own rows from the one shared queue.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -32,10 +32,10 @@ def check_batch_size(batch_size, num_prompts: int) -> int:
 class RequestQueue:
     """Requests (rows of one PromptBatch) waiting for a slot, first come first served."""
 
-    def __init__(self, batch: prompts_lib.PromptBatch, order: Iterable[int] | None = None,
+    def __init__(self, batch: prompts_lib.PromptBatch,
                  on_finish: Callable[[int, list[int], dict[str, int]], None] | None = None):
         self.batch, self.on_finish = batch, on_finish
-        self._waiting = collections.deque(range(batch.num_prompts) if order is None else order)
+        self._waiting = collections.deque(range(batch.num_prompts))
         # What each finished request produced, by its row in `batch`.
         self.tokens: dict[int, list[int]] = {}
         self.remembered = 0   # how many of them the drafter has been given (`Drafter.remember`)
@@ -67,13 +67,9 @@ def refill_rows(n: int, slots: int) -> int:
 
 
 class SlotTable:
-    """Which request occupies each of `slots` rows, fed from a shared RequestQueue.
-
-    Args:
-      queue: the shared queue (two lanes of the pipelined engine share one).
-      slots: the rows the decode program is compiled for (already a bucketed size).
-      multiple: refill batches are padded to a multiple of this (the data-parallel degree).
-    """
+    """Which request occupies each of `slots` rows (those the decode program is compiled for, a bucketed
+    size), fed from `queue` (two lanes of the pipelined engine share one); refill batches are padded to
+    a multiple of `multiple` (the data-parallel degree)."""
 
     def __init__(self, queue: RequestQueue, slots: int, multiple: int = 1):
         self.queue, self.slots, self.multiple = queue, slots, multiple
@@ -99,16 +95,12 @@ class SlotTable:
             freed.append(int(slot))
         return freed
 
-    def refill(self, limit: int | None = None) -> tuple[np.ndarray, prompts_lib.PromptBatch] | None:
-        """Takes queued requests into free slots (at most `limit`).
-
-        Returns (slot of each refill row, its PromptBatch) or None when nothing moves. The refill
-        batch has `refill_rows` rows; its padding rows target slot `slots`, out of range, so their
-        writes are dropped.
-        """
+    def refill(self) -> tuple[np.ndarray, prompts_lib.PromptBatch] | None:
+        """Takes queued requests into free slots: (slot of each refill row, its PromptBatch), or None
+        when nothing moves. The refill batch has `refill_rows` rows; its padding rows target slot
+        `slots`, out of range, so their writes are dropped."""
         free = np.flatnonzero(self.request_at < 0)
-        take = len(free) if limit is None else min(len(free), limit)
-        requests = self.queue.pop(take)
+        requests = self.queue.pop(len(free))
         if not requests:
             return None
         sub = prompts_lib.subset(self.queue.batch, requests, self.multiple,

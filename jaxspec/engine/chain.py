@@ -40,7 +40,6 @@ def inner_steps(k: int) -> int:
 
 
 def _fit(x_bl, width: int):
-    """The first `width` columns of x, zero-padded."""
     return jnp.pad(x_bl, ((0, 0), (0, max(0, width - x_bl.shape[1]))))[:, :width]
 
 

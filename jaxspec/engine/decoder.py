@@ -39,10 +39,8 @@ def clear_caches() -> None:
 
     Programs are cached per shape (batch bucket, cache length bucket, plan, sampling) until this
     call, which a long notebook or a sweep makes to release shapes it no longer needs; decoders and
-    models built before keep working (they compile again on next use). Calls `jax.clear_caches()`
-    (a persistent compilation cache on disk stays), then empties the keys kept per seed and each
-    live decoder's record of the goodput plans it compiled ahead.
-    """
+    models built before keep working (they compile again on next use). A persistent compilation
+    cache on disk stays."""
     jax.clear_caches()
     clear_keys()
     for decoder in list(_DECODERS):
@@ -74,8 +72,12 @@ class SpeculativeDecoder:
             raise ValueError(f"mesh must be None or a jaxspec.MeshConfig, got {type(mesh).__name__}")
         self.mesh = mesh
         self._sliced = self.spec.pipeline or (mesh is not None and mesh.separate_draft)
+        if self._sliced and isinstance(draft, Drafter) and (draft.feature_layers or isinstance(draft, HybridDrafter)):
+            # The target's features (EAGLE) do not cross to a separate draft slice; a hybrid drafts beside them.
+            raise ValueError(f"a {type(draft).__name__} runs on the target's own devices: use pipeline=False and "
+                             "a MeshConfig without a separate draft slice (draft_tp=0)")
         if isinstance(draft, Drafter) and draft.feature_layers:
-            _check_feature_drafter(draft, target.config, self._sliced)
+            _check_feature_drafter(draft, target.config)
         if mesh is not None:
             if isinstance(draft, SpeculativeDecoder):
                 raise ValueError("a multi-level chain draft cannot be placed on a MeshConfig yet; pass mesh=None")
@@ -89,7 +91,7 @@ class SpeculativeDecoder:
             elif isinstance(draft, crossvocab.CrossVocabDrafter):
                 draft = crossvocab.CrossVocabDrafter(sharding_lib.place_params(draft.model, self._draft_mesh),
                                                      draft.map, greedy=draft.greedy)
-            elif isinstance(draft, EagleDrafter) and not self._sliced:   # the head on the target's devices
+            elif isinstance(draft, EagleDrafter):   # the head on the target's devices
                 draft = EagleDrafter(sharding_lib.place_head(draft.head, self._target_mesh, target))
         elif self._sliced:
             self._target_mesh = self._draft_mesh = MeshConfig(target_tp=1, draft_tp=0).target_mesh()
@@ -97,9 +99,6 @@ class SpeculativeDecoder:
             self._target_mesh = self._draft_mesh = None
         self.target = target
         self.drafter = _as_drafter(draft, target, self.spec)
-        if self._sliced and isinstance(self.drafter, HybridDrafter):
-            raise ValueError("a HybridDrafter runs on the target's devices: pipeline=False, and no MeshConfig "
-                             "with a separate draft slice")
         if self.spec.tree is not None and type(self.drafter).propose_tree is Drafter.propose_tree:
             raise ValueError("tree drafting (SpecConfig(tree=...)) needs a draft Model, an EAGLE head, n-gram "
                              f"or suffix lookup, got {type(self.drafter).__name__}")
@@ -154,9 +153,8 @@ class SpeculativeDecoder:
                        sampling=self.sampling, cache_len=cache_len, out_len=out_len, mesh=self._target_mesh)
 
     def _clock(self, schedule: Schedule, slots: int, cache_len: int) -> dict:
-        """The goodput policy's clock (`Control` fields): each plan's predicted step seconds, and one
-        drafter forward (the catch-up's unit; none for a drafter fed the target's features, which
-        keeps up through plain steps too)."""
+        """The goodput policy's clock (`Control` fields): each plan's predicted step seconds, and one drafter
+        forward (the catch-up's unit; none for a drafter fed the target's features: it keeps up anyway)."""
         if not schedule.goodput:
             return {}
         cost = self.spec.cost_model
@@ -191,7 +189,7 @@ class SpeculativeDecoder:
         if schedule.goodput:
             self._compile_plans(program, params, state, control(), host)
         while host.plan is not None:
-            if host.synced:   # the host may change the state: refill finished rows, catch the drafter up
+            if not host.inflight:   # the host may change the state: refill finished rows, catch the drafter up
                 refill = table.refill()
                 if refill is not None:
                     self._remember(queue, final=False)
@@ -320,12 +318,8 @@ def _as_drafter(draft, target: Model, spec: SpecConfig) -> Drafter:
                      f"SpeculativeDecoder, got {type(draft).__name__}")
 
 
-def _check_feature_drafter(drafter: Drafter, config, sliced: bool) -> None:
-    """A drafter reading the target's features (EAGLE) must fit the target, and runs where the
-    target does (its features do not cross to a separate draft slice)."""
-    if sliced:
-        raise ValueError("an EAGLE drafter runs on the target's own devices (pipeline=False and a MeshConfig "
-                         "with draft_tp=0): the target's features do not cross to a separate draft slice")
+def _check_feature_drafter(drafter: Drafter, config) -> None:
+    """A drafter reading the target's features (EAGLE) must fit the target."""
     if max(drafter.feature_layers) >= config.num_layers:
         raise ValueError(f"the drafter's feature_layers {drafter.feature_layers} must be below the target's "
                          f"num_layers ({config.num_layers})")

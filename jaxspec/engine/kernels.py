@@ -14,6 +14,7 @@ candidate's name, that candidate for every program. Other backends always get XL
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -85,8 +86,7 @@ class Probed:
 
 
 def products(program_text: str) -> collections.Counter:
-    """How often each matrix product (dimension numbers, lhs type, rhs type) occurs in a lowered
-    program's text."""
+    """How often each matrix product (dimension numbers, lhs type, rhs type) occurs in a lowered program's text."""
     return collections.Counter((dims.strip(" ,"), lhs, rhs) for dims, lhs, rhs in _DOT.findall(program_text))
 
 
@@ -140,17 +140,15 @@ _DTYPES = {"f32": np.float32, "bf16": jax.numpy.bfloat16, "f16": np.float16}
 def _seconds(compiled, operands) -> float:
     """Seconds per call, from enough calls to last a few milliseconds."""
     jax.block_until_ready(compiled(*operands))
-    calls, start = 1, time.perf_counter()
-    while (elapsed := _run(compiled, operands, calls) - start) < 0.005:
-        calls, start = calls * 4, time.perf_counter()
-    return elapsed / calls
-
-
-def _run(compiled, operands, calls: int) -> float:
-    for _ in range(calls):
-        out = compiled(*operands)
-    jax.block_until_ready(out)
-    return time.perf_counter()
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = compiled(*operands)
+        jax.block_until_ready(out)
+        if (elapsed := time.perf_counter() - start) >= 0.005:
+            return elapsed / calls
+        calls *= 4
 
 
 def cache_path() -> Path:
@@ -171,19 +169,15 @@ _FILE: dict = {}   # the cache file's contents, every machine's, once read
 def _store() -> dict:
     """This machine's product timings: key -> {candidate: seconds}."""
     if not _FILE:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             _FILE.update(json.loads(cache_path().read_text()))
-        except (OSError, ValueError):
-            pass
     return _FILE.setdefault(machine_key(), {})
 
 
 def _save() -> None:
     path = cache_path()
-    try:
+    with contextlib.suppress(OSError):   # a read-only home: the timings live for this process only
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
         scratch.write_text(json.dumps(_FILE, indent=1, sort_keys=True))
         scratch.replace(path)
-    except OSError:   # a read-only home: the timings live for this process only
-        pass

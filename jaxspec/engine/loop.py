@@ -84,16 +84,16 @@ def choose_plan(program: Program, state: DecodeState, control: Control, current)
 
 def open_policy(program: Program, state: DecodeState, control: Control, prior=policy_lib.PRIOR_ALPHA):
     """The state with the goodput policy's counts for its rows (from `prior`) and its opening choice."""
-    state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], program.schedule.max_k, prior,
+    longest = max(k for k, _ in program.schedule.policy_plans)
+    state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], longest, prior,
                                                              any(program.schedule.free_plans)))
     return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, None)))
 
 
 def _fresh_rows(program: Program, params, requests: Requests, control: Control,
                 prior=policy_lib.PRIOR_ALPHA) -> DecodeState:
-    """Loop state for freshly prefilled rows: target and drafter caches and, under the goodput
-    policy, the acceptance counts (from `prior`) and the opening choice (the drafter's prefill is
-    then deferred: `Drafter.init_deferred`)."""
+    """Loop state for freshly prefilled rows: target and drafter caches and, under the goodput policy, the
+    acceptance counts (from `prior`) and opening choice (the drafter's prefill deferred: `init_deferred`)."""
     schedule, drafter = program.schedule, program.drafter
     tokens_bp, prompt_len_b = requests.tokens_bp, requests.prompt_len_b
     state, features_bpf = initial_state(program, params[0], requests)
@@ -136,11 +136,10 @@ def run_on_device(program: Program, params, state: DecodeState, control: Control
 
 @functools.partial(kernels.Probed, static_argnames=("program", "width"), donate_argnums=(2,))
 def catch_up_on_device(program: Program, params, state: DecodeState, width: int):
-    """The drafter takes in up to `width` tokens per row that it has not seen (`Drafter.catch_up`):
-    after plain steps, or a deferred prefill."""
-    draft_state = program.drafter.catch_up(params[1], state.draft_state, state.seq_bl, state.target_cache.lengths,
-                                           width)
-    state = state.replace(draft_state=draft_state)
+    """The drafter takes in up to `width` unseen tokens per row (`Drafter.catch_up`): after plain steps,
+    or a deferred prefill."""
+    state = state.replace(draft_state=program.drafter.catch_up(params[1], state.draft_state, state.seq_bl,
+                                                               state.target_cache.lengths, width))
     return state, _report(program, state)
 
 
@@ -150,11 +149,8 @@ def refill_on_device(program: Program, params, state: DecodeState, slots_r, requ
     row); the running plan carries on unless no row was running (the new rows' choice decides)."""
     prior = policy_lib.PRIOR_ALPHA if state.policy is None else state.policy.prior
     fresh = _fresh_rows(program, params, requests, control, prior)
-
-    def put(old, new):
-        return old.at[slots_r].set(new, mode="drop")
-
-    per_row = {name: jax.tree.map(put, getattr(state, name), getattr(fresh, name))
+    per_row = {name: jax.tree.map(lambda old, new: old.at[slots_r].set(new, mode="drop"), getattr(state, name),
+                                  getattr(fresh, name))
                for name in ("target_cache", "draft_state", "seq_bl", "out_bo", "n_out_b", "done_b", "counters",
                             "max_new_b", "keys_b")}
     if state.policy is not None:

@@ -57,10 +57,6 @@ class Schedule:
     def free_plans(self) -> tuple[bool, ...]:
         return tuple(plan.free for plan in self.plans)
 
-    @property
-    def max_k(self) -> int:
-        return max(k for k, _ in self.policy_plans)
-
     def for_prefill(self) -> Schedule:
         """The schedule a prefill compiles for: a fixed schedule's prefill depends only on whether
         it drafts, so decoders of every fixed draft length share one prefill program."""
@@ -118,9 +114,8 @@ def schedule_for(spec: SpecConfig, rows: int, num_prompts: int, hybrid: bool = F
 
 
 def plan_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelined: bool = False) -> np.ndarray:
-    """The cost model's seconds for one step of each plan over `rows` rows: drafting plus
-    verification; pipelined (two lanes on two slices), the longer of the two, as the other lane's
-    half runs meanwhile."""
+    """The cost model's seconds for one step of each plan over `rows` rows: drafting plus verification;
+    pipelined (two lanes on two slices), the longer of the two, as the other lane's half runs meanwhile."""
     out = []
     for plan in plans:
         packed = None if plan.capacity is None else rows + plan.capacity

@@ -33,11 +33,6 @@ class Host:
         self.steps = self.slot_steps = 0
         self._read(view, None)
 
-    @property
-    def synced(self) -> bool:
-        """Nothing is in flight: the host may change the state."""
-        return not self.inflight
-
     def refilled(self, view: Report) -> None:
         """After a refill, its report (the opening choice of the new rows if no row was running)."""
         self.view, self.plan = view, int(view.choice) if self.schedule.goodput else 0
@@ -58,8 +53,7 @@ class Host:
         return Segment(plan=plan, steps=self.segment_steps, live=live if live < self.cache_len else None)
 
     def dispatched(self, report: Report, segment: Segment) -> None:
-        """Records a queued segment, then reads what is in flight down to one segment, or to none
-        where the next segment needs the host."""
+        """Records a queued segment, then reads what is in flight down to one (none where the next needs the host)."""
         self.inflight.append((report, segment))
         self.slot_steps += segment.steps * self.table.active
         while self.inflight and not (len(self.inflight) == 1 and self._ahead(segment)):
@@ -67,9 +61,8 @@ class Host:
             self._read(jax.device_get(report), segment)
 
     def _ahead(self, segment: Segment) -> bool:
-        """The next segment of `segment`'s plan may be queued unread: the policy keeps the plan, no
-        free row waits for a queued request, and some row has more tokens left than the segments
-        in flight can emit."""
+        """The next segment of `segment`'s plan may be queued unread: the policy keeps the plan, no free
+        row waits for a queued request, and some row has more tokens left than the segments in flight emit."""
         if self.plan != segment.plan or (len(self.table.queue) and self.table.active < self.table.slots):
             return False
         k = self.schedule.policy_plans[segment.plan][0]

@@ -149,8 +149,7 @@ class SlicedRunner:
                     budgets=tuple(budgets), seed=seed, eos=eos, plan=plan)
 
     def _draft(self, lane: Lane) -> None:
-        """Queues the lane's drafting (for plan `lane.plan`) on the draft slice, from its latest
-        verified state."""
+        """Queues the lane's drafting (for plan `lane.plan`) on the draft slice, from its latest verified state."""
         lane.proposal_plan = lane.plan
         if self.plans[lane.plan].k == 0:
             lane.proposal = step.empty_proposal(lane.batch.tokens_bp.shape[0])
@@ -199,10 +198,10 @@ class SlicedRunner:
         self._timed("verify", start, lane.state)
         lane.state.done_b.copy_to_host_async()
 
-    def harvest(self, lane: Lane) -> list[int]:
-        """Records the lane's finished requests (one host read of its outputs); returns freed slots."""
+    def harvest(self, lane: Lane) -> None:
+        """Records the lane's finished requests (one host read of its outputs)."""
         s = lane.state
-        return lane.table.harvest(*jax.device_get((s.done_b, s.out_bo, s.n_out_b, s.counters)))
+        lane.table.harvest(*jax.device_get((s.done_b, s.out_bo, s.n_out_b, s.counters)))
 
     def _refill(self, lane: Lane) -> None:
         """Moves queued requests into the lane's finished rows on both slices, then re-drafts."""
@@ -225,13 +224,12 @@ class SlicedRunner:
             lane.keys_d = lane.keys_d.at[d_slots].set(d_requests.keys_b, mode="drop")
         self._draft(lane)
 
-    def run(self, lanes: list[Lane]) -> list[Lane]:
+    def run(self, lanes: list[Lane]) -> None:
         """Decodes one lane sequentially, or two pipelined, until every row is done."""
         if len(lanes) == 1:
             self._sequential(lanes[0])
         else:
             self._pipelined(*lanes)
-        return lanes
 
     def _sequential(self, lane: Lane, drafted: bool = False) -> None:
         self._mode = "sequential"
@@ -243,8 +241,7 @@ class SlicedRunner:
                 self._draft(lane)
 
     def _pipelined(self, a: Lane, b: Lane) -> None:
-        # Prologue: A's first drafts. Then every half-step queues verify(one) and draft(other),
-        # which touch disjoint slices and run concurrently; then the roles swap.
+        # Prologue: A's first drafts; then the half-steps of the module docstring.
         self._mode = "pipelined"
         self._draft(a)
         verifying, drafting = a, b

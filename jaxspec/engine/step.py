@@ -147,8 +147,7 @@ class DraftView:
 
 
 def draft_phase(program: Program, plan: StepPlan, draft_params, draft_state, view: DraftView):
-    """Step part 1, the drafter's side: (the Proposal of `plan.k` tokens, or a Tree, per row; the
-    drafter's state)."""
+    """Step part 1, the drafter's side: the Proposal of `plan.k` tokens (or a Tree) per row, and the drafter's state."""
     drafter, sampling = program.drafter, program.sampling
     if plan.k == 0:
         return empty_proposal(view.seq_bl.shape[0]), draft_state
@@ -220,15 +219,13 @@ def _counted(state: DecodeState, live_b, drafted_b, verified_b, accepted_b, coun
 
 
 def plain_step(program: Program, params, state: DecodeState) -> DecodeState:
-    """A step without drafts (k = 0), without the general path's window bookkeeping. It draws
+    """A step without drafts (k = 0), without the general path's acceptance and window. It draws
     the token as the general path's acceptance does with no drafts (the resample key of
     `verify.rejection_accept`, from p itself), so a request's tokens do not depend on the path."""
-    rows, sampling = jnp.arange(state.seq_bl.shape[0]), program.sampling
-    live_b = ~state.done_b
-    pending_b = state.target_cache.lengths
-    out = forward(program.target, params[0], state.seq_bl[rows, pending_b][:, None], state.target_cache,
-                  features=program.features)
-    logits_b1v, cache = out[:2]
+    sampling, live_b, pending_b = program.sampling, ~state.done_b, state.target_cache.lengths
+    out = forward(program.target, params[0], jnp.take_along_axis(state.seq_bl, pending_b[:, None], axis=1),
+                  state.target_cache, features=program.features)
+    logits_b1v = out[0]
     if sampling.greedy:
         token_b = jnp.argmax(logits_b1v[:, 0], axis=-1).astype(jnp.int32)
     else:
@@ -236,18 +233,11 @@ def plain_step(program: Program, params, state: DecodeState) -> DecodeState:
         p_bv = probabilities(logits_b1v[:, 0], sampling)
         p_bv = p_bv / jnp.sum(p_bv, axis=-1, keepdims=True)    # as the general path renormalises
         token_b = jax.vmap(sample)(resample_key_b, p_bv)
-    live = live_b.astype(jnp.int32)
-    # A finished row writes nothing: its index is out of range, and the write is dropped.
-    out_bo = state.out_bo.at[rows, jnp.where(live_b, state.n_out_b, state.out_bo.shape[1])].set(token_b, mode="drop")
-    seq_bl = state.seq_bl.at[rows, jnp.where(live_b, pending_b + 1, state.seq_bl.shape[1])].set(token_b, mode="drop")
-    n_out_b = state.n_out_b + live
-    done_b = state.done_b | (live_b & (token_b == state.eos_id)) | (n_out_b >= state.max_new_b)
-    c = state.counters
-    counters = c.replace(row_steps=c.row_steps + live, emitted=c.emitted + live)
+    state, count_b = emit_and_commit(state.replace(target_cache=out[1]), token_b[:, None], jnp.ones_like(pending_b))
     # An EAGLE drafter keeps up with plain steps too: it cannot recompute features later.
-    state = _absorbed(program, params, state, out, token_b[:, None], live)
-    return state.replace(target_cache=cache.commit(pending_b + live), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
-                         done_b=done_b, counters=counters, steps=state.steps + jnp.any(live_b).astype(jnp.int32))
+    state = _absorbed(program, params, state, out, token_b[:, None], count_b)
+    none_b = jnp.zeros_like(count_b)   # nothing drafted, verified or tried
+    return _counted(state, live_b, none_b, none_b, none_b, count_b, none_b)
 
 
 def speculative_step(program: Program, plan: StepPlan, params, state: DecodeState, budget=None) -> DecodeState:
@@ -271,9 +261,8 @@ def _tetris_verify(program: Program, plan: StepPlan, target_params, state: Decod
 
 def tree_verify_phase(program: Program, plan: StepPlan, params, state: DecodeState, tree: Tree,
                       budget=None) -> DecodeState:
-    """`verify_phase` for a draft tree: verify the selected nodes with the root in one packed pass,
-    accept a path (`verify.accept_tree`) and move its keys and values into the slots after the
-    pending token."""
+    """`verify_phase` for a draft tree: verify the selected nodes with the root in one packed pass, accept
+    a path (`verify.accept_tree`) and move its keys and values into the slots after the pending token."""
     b, shape = state.seq_bl.shape[0], plan.tree
     depth_w = jnp.asarray(shape.depth_w())
     live_b = ~state.done_b
@@ -316,34 +305,27 @@ def _record_for_level_above(logits_bk1v, emitted_bk1, sampling: SamplingConfig):
     return p_bk1v, logprob_bk1
 
 
-def prefill(graphdef, params, requests: Requests, sampling: SamplingConfig, cache_len: int, features=()):
-    """Ragged prefill and the first token: the cache (committed to the prompt lengths), each row's
-    first token, the count of tokens emitted (1, or 0 for padding rows), the done flags, and the
-    prompt's features ([b, p, f] of the `features` layers, for an EAGLE drafter; else None)."""
-    tokens_bp, prompt_len_b, max_new_b = requests.tokens_bp, requests.prompt_len_b, requests.max_new_b
-    cache = init_cache(graphdef, params, tokens_bp.shape[0], cache_len)
-    out = forward(graphdef, params, tokens_bp, cache, (prompt_len_b - 1)[:, None], empty=True, features=features)
-    (logits_b1v, cache), features_bpf = out[:2], (out[2] if features else None)
+def initial_state(program: Program, target_params, requests: Requests) -> tuple[DecodeState, jax.Array | None]:
+    """The target's ragged prefill and first token (none for a padding row), the loop state before
+    the first step (no drafter state yet), and the prompt's features ([b, p, f] of the drafter's
+    `features` layers, for an EAGLE drafter; else None)."""
+    tokens_bp, prompt_len_b, max_new_b, (b, p) = (requests.tokens_bp, requests.prompt_len_b, requests.max_new_b,
+                                                  requests.tokens_bp.shape)
+    cache = init_cache(program.target, target_params, b, program.cache_len)
+    out = forward(program.target, target_params, tokens_bp, cache, (prompt_len_b - 1)[:, None], empty=True,
+                  features=program.features)
+    (logits_b1v, cache), features_bpf = out[:2], (out[2] if program.features else None)
     cache = cache.commit(prompt_len_b)
     live_b = max_new_b > 0
-    first_b = choose(row_keys(requests.keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], sampling)
+    first_b = choose(row_keys(requests.keys_b, jnp.zeros_like(prompt_len_b)), logits_b1v[:, 0], program.sampling)
     n_out_b = live_b.astype(jnp.int32)
     done_b = ~live_b | (first_b == requests.eos_id) | (n_out_b >= max_new_b)
-    return cache, first_b, n_out_b, done_b, features_bpf
-
-
-def initial_state(program: Program, target_params, requests: Requests) -> tuple[DecodeState, jax.Array | None]:
-    """The target's prefill and the loop state before the first step (no drafter state yet), and
-    the prompt's features of the drafter's `features` layers, or None."""
-    tokens_bp, (b, p) = requests.tokens_bp, requests.tokens_bp.shape
-    cache, first_b, n_out_b, done_b, features_bpf = prefill(program.target, target_params, requests, program.sampling,
-                                                            program.cache_len, program.features)
     if program.mesh is not None:
         cache = sharding_lib.constrain_cache(cache, program.mesh)
     seq_bl = jnp.zeros((b, program.cache_len), jnp.int32).at[:, :p].set(tokens_bp)
-    seq_bl = seq_bl.at[jnp.arange(b), requests.prompt_len_b].set(first_b)
+    seq_bl = seq_bl.at[jnp.arange(b), prompt_len_b].set(first_b)
     out_bo = jnp.zeros((b, program.out_len), jnp.int32).at[:, 0].set(first_b)
     state = DecodeState(target_cache=cache, draft_state=(), seq_bl=seq_bl, out_bo=out_bo, n_out_b=n_out_b,
                         done_b=done_b, counters=Counters.zeros(b).replace(emitted=n_out_b), steps=jnp.int32(0),
-                        max_new_b=requests.max_new_b, keys_b=requests.keys_b, eos_id=requests.eos_id)
+                        max_new_b=max_new_b, keys_b=requests.keys_b, eos_id=requests.eos_id)
     return state, features_bpf

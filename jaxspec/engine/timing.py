@@ -28,9 +28,8 @@ from jaxspec.sampling import SamplingConfig, request_keys
 
 def time_steps(target: Model, drafter: Drafter, k: int, batch: int, cache_len: int, *, repeats: int = 3,
                iterations: int = 6, seed: int = 0) -> float:
-    """Median seconds of one step with k drafts per row (k = 0: a plain decoding step). Where a
-    stall makes the difference of the two loops implausibly small, a tenth of the long loop's
-    average step stands in."""
+    """Median seconds of one step with k drafts per row (k = 0: a plain decoding step). Where a stall
+    makes the difference of the two loops implausibly small, a tenth of the long loop's average stands in."""
     run = step_timer(target, drafter, k, batch, cache_len, iterations=iterations, seed=seed)
 
     def step() -> tuple[float, float]:
@@ -60,8 +59,7 @@ def step_timer(target: Model, drafter: Drafter, k: int, batch: int, cache_len: i
                          f"{prompt_len} tokens of context; it leaves room for {room}")
     rng = np.random.default_rng(seed)
     tokens_bp = jnp.asarray(rng.integers(0, target.config.vocab_size, (batch, prompt_len)), jnp.int32)
-    requests = Requests(tokens_bp=tokens_bp,
-                        prompt_len_b=jnp.full((batch,), prompt_len, jnp.int32),
+    requests = Requests(tokens_bp=tokens_bp, prompt_len_b=jnp.full((batch,), prompt_len, jnp.int32),
                         max_new_b=jnp.full((batch,), out_len, jnp.int32),   # no row finishes within the timed steps
                         keys_b=request_keys(seed, np.arange(batch)), eos_id=jnp.int32(-1))   # eos never emitted
     schedule = Schedule(plans=(StepPlan(k=k),))

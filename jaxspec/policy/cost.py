@@ -37,7 +37,7 @@ from jaxspec.prompts import check_int
 REQUIRED = ("draft_fixed", "draft_per_token", "target_fixed", "target_per_token", "target_per_context_token")
 COEFFICIENTS = REQUIRED + ("target_per_attention", "speculation_fixed", "speculation_per_row")
 
-# profile(target, draft, shapes, passes, seed) -> [(batch, k, cache_len, seconds)], set by the engine.
+# profile(target, draft, shapes, passes, seed) -> [(batch, k, cache_len, seconds)], set on `import jaxspec`.
 _step_timer = None
 
 
@@ -87,8 +87,6 @@ class CostModel:
         given = dict(locals())
         return cls(**{name: float(given[name]) for name in COEFFICIENTS}, **provenance)
 
-    # --- predictions ---
-
     def draft_seconds(self, batch, positions=1, tree=None):
         """`positions` sequential draft positions over `batch` rows; for a tree (`TreeShape`), one
         position, then depth - 1 of `width` tokens per row."""
@@ -100,18 +98,16 @@ class CostModel:
         return (self.target_fixed + self.target_per_token * batched_tokens
                 + self.target_per_context_token * context_tokens + self.target_per_attention * attention_pairs)
 
-    def step_seconds(self, batch, k, cache_len=0, packed_tokens=None, window=None, tree=None):
+    def step_seconds(self, batch, k, cache_len=0, packed_tokens=None, tree=None):
         """One speculative step at a compiled shape: k draft positions over `batch` rows (or a
         `tree`, of which k nodes per row are verified), then a verification of batch * (k + 1)
-        tokens (or `packed_tokens`, packed, whose attention still runs over a padded `window` per
+        tokens (or `packed_tokens`, packed, whose attention still runs over a padded window per
         row: k + 1, or the tree's columns). k = 0 is a plain step; `cache_len` the cache size."""
-        window = (k + 1 if tree is None else tree.columns) if window is None else window
+        window = k + 1 if tree is None else tree.columns
         tokens = batch * (k + 1) if packed_tokens is None else packed_tokens
         speculation = self.speculation_fixed + self.speculation_per_row * batch if k > 0 else 0.0
         return (self.draft_seconds(batch, k, tree) + speculation
                 + self.verify_seconds(tokens, batch * cache_len, batch * window * cache_len))
-
-    # --- persistence ---
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "mesh_shape": list(self.mesh_shape)}
@@ -137,8 +133,6 @@ class CostModel:
                           "its step-time predictions may be far off; re-run `jaxspec profile`", stacklevel=2)
         return model
 
-    # --- measurement ---
-
     @classmethod
     def profile(cls, target, draft=None, *, batches=(1, 2, 4, 8, 16), ks=(0, 1, 2, 4), cache_lens=(128, 512),
                 passes: int = 3, seed: int = 0, mesh_shape: tuple = ()) -> CostModel:
@@ -150,8 +144,6 @@ class CostModel:
             raise ValueError(f"ks must include 0 and at least two values >= 1 to separate drafting, speculation "
                              f"and verification costs, got {ks}")
         check_int("passes", passes, 1)
-        if _step_timer is None:
-            raise RuntimeError("no step timer registered: import jaxspec (jaxspec.engine.timing registers it)")
         shapes = [(b, k, s) for b in batches for k in ks for s in cache_lens]
         points = _step_timer(target, draft, shapes, passes=passes, seed=seed)
         dtype = "/".join(filter(None, (str(target.dtype), target.quantization)))

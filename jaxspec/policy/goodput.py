@@ -127,9 +127,8 @@ def age(state: PolicyState, steps, decay: float = OFF_DECAY) -> PolicyState:
 
 def windows(reach_bk, live_b, plan) -> jax.Array:
     """Drafts each live row verifies in one step of `plan` = (k, budget): k for a standard window
-    (budget None); for TETRIS, the row's share of the batch's `budget` slots with the highest
-    expected acceptance reach_bk[b, j] (`PolicyState.reach_bk`; a prefix of each row, as it
-    falls along the row)."""
+    (budget None); for TETRIS, the row's share of the batch's `budget` slots of highest expected
+    acceptance reach_bk[b, j] (`PolicyState.reach_bk`; a prefix of each row, as it falls along it)."""
     k, budget = plan
     if budget is None or k == 0:
         return jnp.where(live_b, k, 0).astype(jnp.int32)
