@@ -244,10 +244,10 @@ def _decode(args, jobs: list[jobs_lib.Job], share: _Share, settings, form: check
         # run, or another process, draws the same tokens an uninterrupted one would have.
         position = {jobs_lib.id_key(job.id): i for i, job in enumerate(jobs)}
         streams = [position[jobs_lib.id_key(job.id)] for job in share.todo]
-        # Until the engine reports compile time (report.compile_seconds), one stage covers both.
-        stages(f"compiling and decoding {len(prompts)} requests")
+        stages(f"decoding {len(prompts)} requests (programs compile as first needed)")
         stats, run_s, finished = _run(decoder, share, prompts, budgets, streams, args)
-        stages(f"done: {stats.new_tokens} tokens in {run_s:.1f} s")
+        stages(f"done: {stats.new_tokens} tokens in {run_s:.1f} s, {report.compile_seconds(stats) or 0:.1f} s of it "
+               "compiling")
         return report.summary(stats, load_s, run_s, finished)
 
 
