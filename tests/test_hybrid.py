@@ -163,6 +163,8 @@ def test_bad_members_are_refused(models):
     target, draft = models
     with pytest.raises(ValueError, match="at least two drafters, got 1"):
         jaxspec.HybridDrafter([jaxspec.SuffixDrafter()])
+    with pytest.raises(ValueError, match="first member must be n-gram or suffix lookup .* got ModelDrafter"):
+        jaxspec.SpeculativeDecoder(target, jaxspec.HybridDrafter([draft, jaxspec.SuffixDrafter()]))
     with pytest.raises(ValueError, match="HybridDrafter members must be .* got ChainDrafter"):
         jaxspec.SpeculativeDecoder(target, jaxspec.HybridDrafter(
             [jaxspec.SuffixDrafter(), jaxspec.SpeculativeDecoder(draft, jaxspec.NgramDrafter())]))

@@ -56,6 +56,9 @@ class HybridDrafter(Drafter):
     def bound(self, members, k: int) -> HybridDrafter:
         """This hybrid over its members as the target binds them (`members`, drafters), a draft
         model's first forward wide enough to take in k accepted tokens of another member."""
+        if not isinstance(members[0], _FREE):
+            raise ValueError(f"HybridDrafter's first member must be n-gram or suffix lookup (the free one), got "
+                             f"{type(members[0]).__name__}")
         for m in members:
             if not isinstance(m, (*_FREE, ModelDrafter, EagleDrafter)):
                 raise ValueError("HybridDrafter members must be n-gram or suffix drafters, a draft Model with the "
