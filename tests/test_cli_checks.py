@@ -115,7 +115,7 @@ def test_stage_lines_and_the_summary(tiny_path, tmp_path, capsys):
                                   "--max-new-tokens", "6", "--batch-size", "2")) == 0
     captured = capsys.readouterr()
     stages = [line for line in captured.err.splitlines() if line.startswith("jaxspec: [")]
-    assert [line.split("] ", 1)[1].split(" ")[0] for line in stages] == ["loading", "loading", "compiling", "done:"]
+    assert [line.split("] ", 1)[1].split(" ")[0] for line in stages] == ["loading", "loading", "decoding", "done:"]
     assert f"loading target {tiny_path}" in stages[0] and f"loading draft {tiny_path}" in stages[1]
     seconds = [float(line.split("[")[1].split(" s]")[0]) for line in stages]
     assert seconds == sorted(seconds)

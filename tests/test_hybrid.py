@@ -140,6 +140,7 @@ def test_hybrid_output_is_the_targets_greedy_output_across_refills_and_calls(mod
     assert repeated > 0.6, second.stats
 
 
+@pytest.mark.slow   # 27 s; the free plans' draft-model bookkeeping stays in the default suite (above)
 def test_goodput_lets_the_suffix_drafter_draft_alone_when_the_draft_model_costs_too_much(models):
     """A draft model priced at ten target passes a position: on repeated requests the policy runs
     the suffix drafter alone (the schedule's plans past k), with the target's own greedy output."""
