@@ -41,6 +41,9 @@ MODES = textwrap.dedent('''
         "suffix": (jaxspec.SuffixDrafter(max_depth=4), SpecConfig(k=3)),
         "suffix-tree": (jaxspec.SuffixDrafter(max_depth=4), SpecConfig(k=3, tree=(2, 2))),
         "goodput": (draft, SpecConfig(k=3, policy="goodput", cost_model=cost, segment=2)),
+        # per-row choice, and goodput's plans of the suffix drafter alone
+        "hybrid": (jaxspec.HybridDrafter([jaxspec.SuffixDrafter(max_depth=4), draft]),
+                   SpecConfig(k=3, policy="goodput", cost_model=cost, segment=2)),
         "chain": (inner, SpecConfig(k=3)),
         "pipeline": (draft, SpecConfig(k=2, pipeline=True)),
     }
