@@ -166,6 +166,9 @@ def test_bad_members_are_refused(models):
         jaxspec.HybridDrafter([jaxspec.SuffixDrafter()])
     with pytest.raises(ValueError, match="first member must be n-gram or suffix lookup .* got ModelDrafter"):
         jaxspec.SpeculativeDecoder(target, jaxspec.HybridDrafter([draft, jaxspec.SuffixDrafter()]))
+    with pytest.raises(ValueError, match="cannot be placed on a MeshConfig yet"):
+        jaxspec.SpeculativeDecoder(target, jaxspec.HybridDrafter([jaxspec.SuffixDrafter(), draft]),
+                                   mesh=jaxspec.MeshConfig(target_tp=2, draft_tp=0))
     with pytest.raises(ValueError, match="HybridDrafter members must be .* got ChainDrafter"):
         jaxspec.SpeculativeDecoder(target, jaxspec.HybridDrafter(
             [jaxspec.SuffixDrafter(), jaxspec.SpeculativeDecoder(draft, jaxspec.NgramDrafter())]))

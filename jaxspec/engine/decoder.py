@@ -76,6 +76,8 @@ class SpeculativeDecoder:
             # The target's features (EAGLE) do not cross to a separate draft slice; a hybrid drafts beside them.
             raise ValueError(f"a {type(draft).__name__} runs on the target's own devices: use pipeline=False and "
                              "a MeshConfig without a separate draft slice (draft_tp=0)")
+        if mesh is not None and isinstance(draft, HybridDrafter):
+            raise ValueError("a HybridDrafter cannot be placed on a MeshConfig yet; pass mesh=None")
         if isinstance(draft, Drafter) and draft.feature_layers:
             _check_feature_drafter(draft, target.config)
         if mesh is not None:
