@@ -78,3 +78,40 @@ def test_goodput_policy_is_lossless_under_sampling(selection):
     assert_matches_distribution([t[:4] for t in result.tokens], exact_joint(target, VOCAB6_PROMPT, 4, sampling), rows)
     trace = result.stats.extra["k_trace"]
     assert 0 in trace and max(trace) > 0, trace   # drafting and plain steps both emitted tokens
+
+
+class BlindNgram(jaxspec.NgramDrafter):
+    """n-gram lookup without its forecast (compiled apart: another class)."""
+
+    free = False
+
+    def bind_vocab(self, vocab_size):
+        return BlindNgram(self.max_ngram, self.min_ngram, vocab_size)
+
+
+def test_goodput_decodes_plainly_where_a_free_drafter_forecasts_nothing(pair):
+    """Rows where no earlier trigram matches the last three tokens (brute force over the greedy output)
+    get no n-gram proposal: reading the drafter's forecast, the policy never drafts for them, though its
+    optimistic prior alone (what it drafts by without a forecast) makes a verification worth three steps."""
+    target, _ = pair
+    rng = np.random.default_rng(7)
+    prompts = [rng.permutation(16)[:12].tolist() for _ in range(24)]
+    outputs = jaxspec.generate(target, prompts, max_new_tokens=8).tokens
+
+    def matched(seq, i):   # a 3-gram proposal exists for pending position i
+        return any(seq[j - 2:j + 1] == seq[i - 2:i + 1] for j in range(2, i))
+
+    bare = [p for p, out in zip(prompts, outputs)
+            if not any(matched(p + out, i) for i in range(len(p) - 1, len(p) + len(out) - 1))]
+    assert len(bare) >= 2, "the test needs rows with nothing to match"
+    dear = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2, target_per_token=1e-6,
+                                       speculation_fixed=2e-2)
+    spec = jaxspec.SpecConfig(k=4, policy="goodput", cost_model=dear)
+    drafter = jaxspec.NgramDrafter(max_ngram=3, min_ngram=3)
+    got = jaxspec.SpeculativeDecoder(target, drafter, spec=spec).generate(bare, max_new_tokens=8, batch_size=1)
+    assert got.tokens == jaxspec.generate(target, bare, max_new_tokens=8).tokens
+    assert set(got.stats.extra["k_trace"]) == {0}
+    blind = jaxspec.SpeculativeDecoder(target, BlindNgram(3, 3), spec=spec).generate(bare, max_new_tokens=8,
+                                                                                      batch_size=1)
+    assert blind.tokens == got.tokens, (blind.tokens, got.tokens)
+    assert max(blind.stats.extra["k_trace"]) > 0

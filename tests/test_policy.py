@@ -96,19 +96,24 @@ def test_tetris_windows_are_the_rows_shares_of_the_best_slots():
         np.testing.assert_array_equal(got, want)
 
 
-def brute_force_goodput(alpha_b, live_b, plans, seconds_j, remaining_b=None, behind=0.0, catch_up=0.0):
+def brute_force_goodput(alpha_b, live_b, plans, seconds_j, remaining_b=None, behind=0.0, catch_up=0.0,
+                        forecast=None):
     """Per plan, from naive per-row sums: the rate of tokens while requests wait (the drafter's
     catch-up spread over HORIZON steps), or for a draining batch the tokens left over the time
-    until its slowest rows (the 90th percentile) are done, catch-up included."""
+    until its slowest rows (the 90th percentile) are done, catch-up included. Draft j of row r is
+    reached with chance alpha_r^j, or the drafter's `forecast[r][j - 1]` where that is less."""
+    def reach(r, j):
+        return min(alpha_b[r] ** j, forecast[r][j - 1]) if forecast is not None else alpha_b[r] ** j
+
     out = []
     for (k, budget), seconds in zip(plans, seconds_j):
         if budget is None:
             windows = [k if live else 0 for live in live_b]
         else:
-            slots = sorted(((a ** (j + 1), r) for r, a in enumerate(alpha_b) if live_b[r] for j in range(k)),
+            slots = sorted(((reach(r, j + 1), r) for r in range(len(alpha_b)) if live_b[r] for j in range(k)),
                            reverse=True)[:budget]
             windows = np.bincount([r for _, r in slots], minlength=len(alpha_b))
-        mean = [sum(a ** t for t in range(w + 1)) for a, w in zip(alpha_b, windows)]
+        mean = [1 + sum(reach(r, t) for t in range(1, w + 1)) for r, w in enumerate(windows)]
         entry = np.ceil(behind / policy.CATCH_UP_CHUNK) * catch_up if k > 0 else 0.0
         if remaining_b is None:
             out.append(sum(m for m, live in zip(mean, live_b) if live) / (seconds + entry / policy.HORIZON))
@@ -120,8 +125,8 @@ def brute_force_goodput(alpha_b, live_b, plans, seconds_j, remaining_b=None, beh
     return np.array(out)
 
 
-@pytest.mark.parametrize("draining", [False, True])
-def test_choice_is_the_brute_force_argmax_and_keeps_the_running_plan_within_the_margin(draining):
+@pytest.mark.parametrize("draining, forecast", [(False, False), (True, False), (False, True), (True, True)])
+def test_choice_is_the_brute_force_argmax_and_keeps_the_running_plan_within_the_margin(draining, forecast):
     rng = np.random.default_rng(2)
     cost = CostModel.from_coefficients(draft_fixed=2e-4, draft_per_token=1e-5, target_fixed=2e-3,
                                        target_per_token=4e-5)
@@ -134,16 +139,23 @@ def test_choice_is_the_brute_force_argmax_and_keeps_the_running_plan_within_the_
         behind, catch_up = float(rng.integers(0, 60)), float(rng.uniform(0, 2e-3))
         seconds = np.array([cost.step_seconds(4, k) if c is None else cost.step_seconds(4, k, packed_tokens=4 + c)
                             for k, c in plans])
-        want = brute_force_goodput(alpha, live, plans, seconds, remaining if draining else None, behind, catch_up)
+        # a free drafter's own running products: some rows propose nothing, others fewer than 4 drafts
+        drafts = rng.integers(0, 5, 4)
+        fc = np.where(np.arange(4)[None] < drafts[:, None], np.cumprod(rng.uniform(0.3, 1.0, (4, 4)), 1), 0.0)
+        fc = fc.astype(np.float32) if forecast else None
+        want = brute_force_goodput(alpha, live, plans, seconds, remaining if draining else None, behind, catch_up, fc)
         state = with_alpha(alpha).replace(behind=jnp.float32(behind))
         args = (state, jnp.asarray(live), plans, jnp.asarray(seconds, jnp.float32))
         rem = jnp.asarray(remaining) if draining else None
-        np.testing.assert_allclose(policy.goodput(*args, rem, True, catch_up), want, rtol=2e-4)
-        choice = policy.choose(*args, None, remaining_b=rem, draining=True, catch_up_seconds=catch_up)
+        fc = None if fc is None else jnp.asarray(fc)
+        got = policy.goodput(*args, rem, True, catch_up_seconds=catch_up, forecast_bk=fc)
+        np.testing.assert_allclose(got, want, rtol=2e-4)
+        choice = policy.choose(*args, None, remaining_b=rem, draining=True, catch_up_seconds=catch_up, forecast_bk=fc)
         assert int(choice) == int(np.argmax(want))
         for current in range(len(plans)):
             stay = want.max() <= want[current] * (1 + policy.MARGIN)
-            got = int(policy.choose(*args, current, remaining_b=rem, draining=True, catch_up_seconds=catch_up))
+            got = int(policy.choose(*args, current, remaining_b=rem, draining=True, catch_up_seconds=catch_up,
+                                    forecast_bk=fc))
             if abs(want.max() / want[current] - 1 - policy.MARGIN) > 1e-4:   # not on the edge
                 assert got == (current if stay else int(np.argmax(want)))
 

@@ -78,6 +78,8 @@ def test_proposals_match_a_brute_force_suffix_counter(depth, min_prob, factor, k
     propose = jax.jit(lambda params, seq, pending: drafter.propose(params, (), seq, pending, k, None, SamplingConfig()))
     proposal, _ = propose(drafter.params, jnp.asarray(seq, jnp.int32), jnp.asarray(pending, jnp.int32))
     tokens, logq, num = (np.asarray(x) for x in (proposal.tokens_bk, proposal.logprob_bk, proposal.num_drafts_b))
+    forecast = np.asarray(jax.jit(drafter.forecast, static_argnums=3)(
+        drafter.params, jnp.asarray(seq, jnp.int32), jnp.asarray(pending, jnp.int32), k))
     drafted = 0
     for i in range(len(seq)):
         paths = reference(seq[i, :pending[i] + 1].tolist(), docs, k, depth, min_prob, factor)
@@ -87,6 +89,8 @@ def test_proposals_match_a_brute_force_suffix_counter(depth, min_prob, factor, k
         assert any([t for t, _, _ in p] == got for p in close), (i, got, paths[scores.index(max(scores))])
         path = next(p for p in close if [t for t, _, _ in p] == got)
         np.testing.assert_allclose(logq[i, :num[i]], [q for _, q, _ in path], rtol=1e-5, atol=1e-6)
+        # what the goodput policy reads before it chooses: the path's running products, 0 past it
+        np.testing.assert_allclose(forecast[i], [e for _, _, e in path] + [0.0] * (k - num[i]), rtol=1e-5, atol=1e-6)
         drafted += num[i]
     assert drafted > len(seq)   # the test sees real drafts
     np.testing.assert_array_equal(np.asarray(proposal.q_bkv).argmax(-1), tokens)

@@ -120,6 +120,19 @@ class Drafter:
         another drafter's proposal: what this one took in past them may be wrong); by default unchanged."""
         return state
 
+    #: drafts cost nothing and are fixed by the prefix (n-gram and suffix lookup)
+    free: bool = False
+
+    def forecast(self, params, seq_bl, pending_b, k: int):
+        """A `free` drafter's own estimate that the next step's drafts 1..j of each row are all accepted
+        (float [b, k]: the running product of exp(logprob_bk) over the drafts it would propose, 0 past
+        them), which the goodput policy reads before it chooses; None for others."""
+        if not self.free:
+            return None
+        proposal, _ = self.propose(params, None, seq_bl, pending_b, k, None, SamplingConfig())
+        real_bk = jnp.arange(k)[None, :] < proposal.num_drafts_b[:, None]
+        return jnp.where(real_bk, jnp.exp(jnp.cumsum(proposal.logprob_bk, axis=1)), 0.0)
+
     #: draft-model forwards per draft token (statistics only)
     forwards_per_draft: int = 0
 

@@ -128,6 +128,10 @@ class HybridDrafter(Drafter):
         keep_b = [jnp.where(pick_b == i, jnp.iinfo(jnp.int32).max, pending_b + 1) for i in range(len(out))]
         return proposal, tuple(m.discard(s, keep) for m, (_, s), keep in zip(self.members, out, keep_b))
 
+    def forecast(self, params, seq_bl, pending_b, k: int):
+        """The free member's (for the plans it runs alone, `StepPlan.free`)."""
+        return self.members[0].forecast(params[0], seq_bl, pending_b, k)
+
     def propose_free(self, params, state, seq_bl, pending_b, k: int, key_b, sampling: SamplingConfig):
         """The first member's proposal alone (a plan of the goodput policy's: `StepPlan.free`); the
         others skip the step and fall behind from the pending token on (`lag`, `catch_up`)."""

@@ -23,6 +23,8 @@ class NgramDrafter(Drafter):
     with no match, or a continuation that runs into the present, proposes fewer real tokens.
     """
 
+    free = True
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, vocab_size: int | None = None):
         if not isinstance(max_ngram, int) or not isinstance(min_ngram, int) or not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"NgramDrafter needs 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram!r}, "

@@ -68,6 +68,7 @@ class SuffixDrafter(Drafter):
         self.corpus = corpus if corpus is not None else _Corpus(corpus_tokens, max_depth)
 
     weights = {"text": "corpus.text", "order": "corpus.order"}
+    free = True
 
     def __repr__(self):
         return (f"SuffixDrafter(max_depth={self.max_depth}, corpus_tokens={self.corpus_tokens}, "

@@ -75,19 +75,26 @@ def _report(program: Program, state: DecodeState) -> Report:
                   left=jnp.max(jnp.where(state.done_b, 0, state.max_new_b - state.n_out_b)))
 
 
-def choose_plan(program: Program, state: DecodeState, control: Control, current):
-    """The policy's choice of plan for this state (`current`: the running plan's index or None)."""
-    return policy_lib.choose(state.policy, ~state.done_b, program.schedule.policy_plans, control.seconds_j, current,
+def choose_plan(program: Program, state: DecodeState, control: Control, current, draft_params=None):
+    """The policy's choice of plan for this state (`current`: the running plan's index or None), with
+    a free drafter's forecast of its next drafts where its `draft_params` are at hand."""
+    plans, forecast = program.schedule.policy_plans, None
+    if draft_params is not None and program.schedule.drafts and not any(p.tree for p in program.schedule.plans):
+        forecast = program.drafter.forecast(draft_params, state.seq_bl, state.target_cache.lengths,
+                                            max(k for k, _ in plans))
+    return policy_lib.choose(state.policy, ~state.done_b, plans, control.seconds_j, current,
                              remaining_b=state.max_new_b - state.n_out_b, draining=control.draining,
-                             catch_up_seconds=control.catch_up, free=program.schedule.free_plans)
+                             catch_up_seconds=control.catch_up, free=program.schedule.free_plans,
+                             forecast_bk=forecast)
 
 
-def open_policy(program: Program, state: DecodeState, control: Control, prior=policy_lib.PRIOR_ALPHA):
+def open_policy(program: Program, state: DecodeState, control: Control, prior=policy_lib.PRIOR_ALPHA,
+                draft_params=None):
     """The state with the goodput policy's counts for its rows (from `prior`) and its opening choice."""
     longest = max(k for k, _ in program.schedule.policy_plans)
     state = state.replace(policy=policy_lib.PolicyState.init(state.done_b.shape[0], longest, prior,
                                                              any(program.schedule.free_plans)))
-    return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, None)))
+    return state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, None, draft_params)))
 
 
 def _fresh_rows(program: Program, params, requests: Requests, control: Control,
@@ -98,7 +105,7 @@ def _fresh_rows(program: Program, params, requests: Requests, control: Control,
     tokens_bp, prompt_len_b = requests.tokens_bp, requests.prompt_len_b
     state, features_bpf = initial_state(program, params[0], requests)
     if schedule.goodput:
-        state = open_policy(program, state, control, prior)
+        state = open_policy(program, state, control, prior, params[1] if schedule.drafts else None)
         behind = jnp.max(prompt_len_b).astype(jnp.float32) if schedule.drafts and not program.features else 0.0
         state = state.replace(policy=state.policy.replace(behind=jnp.asarray(behind, jnp.float32)))
     if schedule.drafts:
@@ -130,7 +137,8 @@ def run_on_device(program: Program, params, state: DecodeState, control: Control
     if program.schedule.goodput:
         if not plan.k:   # plain steps observe nothing: the evidence ages
             state = state.replace(policy=policy_lib.age(state.policy, state.steps - entry_steps))
-        state = state.replace(policy=state.policy.replace(choice=choose_plan(program, state, control, segment.plan)))
+        choice = choose_plan(program, state, control, segment.plan, params[1] if program.schedule.drafts else None)
+        state = state.replace(policy=state.policy.replace(choice=choice))
     return state, _report(program, state)
 
 

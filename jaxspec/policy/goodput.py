@@ -154,8 +154,8 @@ def tokens_and_steps(reach_bk, live_b, plan, remaining_b=None) -> tuple[jax.Arra
     return total, steps_b[jnp.floor((1.0 - DRAIN_QUANTILE) * jnp.sum(live_b)).astype(jnp.int32)]
 
 
-def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, draining=True,
-            catch_up_seconds=0.0, free=()) -> jax.Array:
+def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, draining=True, *,
+            catch_up_seconds=0.0, free=(), forecast_bk=None) -> jax.Array:
     """Expected tokens per predicted second of each plan (float32 [j]).
 
     With requests waiting for slots (`draining` false, or no `remaining_b`), a finished row is
@@ -164,10 +164,15 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
     left over the time until then. A drafting plan also pays once for the drafter's catch-up
     (one forward of `catch_up_seconds` per `CATCH_UP_CHUNK` tokens it is behind), spread over
     the steps to the batch's end, or over `HORIZON` steps while requests wait. `free` marks the plans
-    of a hybrid drafter's free member alone: their own counts, no catch-up."""
+    of a hybrid drafter's free member alone: their own counts, no catch-up. `forecast_bk`, a free
+    drafter's own estimate for its next drafts (`Drafter.forecast`), caps the reach of its plans (the
+    free ones of a hybrid): where it proposes nothing or doubts, drafting is not worth its step."""
     free = tuple(free) or (False,) * len(plans)
     reach = [s.reach_bk(live_b, max(max(k for k, _ in plans), 1)) if s is not None else None
              for s in (state, state.free)]
+    if forecast_bk is not None:
+        capped = 0 if state.free is None else 1
+        reach[capped] = jnp.minimum(reach[capped], forecast_bk[:, :reach[capped].shape[1]])
     seconds_j = jnp.asarray(seconds_j, jnp.float32)
     entry_j = jnp.where(jnp.asarray([k > 0 and not f for (k, _), f in zip(plans, free)]),
                         jnp.ceil(state.behind / CATCH_UP_CHUNK) * catch_up_seconds, 0.0)
@@ -181,11 +186,12 @@ def goodput(state: PolicyState, live_b, plans, seconds_j, remaining_b=None, drai
 
 
 def choose(state: PolicyState, live_b, plans, seconds_j, current=None, *, remaining_b=None, draining=True,
-           catch_up_seconds=0.0, margin: float = MARGIN, free=()) -> jax.Array:
+           catch_up_seconds=0.0, margin: float = MARGIN, free=(), forecast_bk=None) -> jax.Array:
     """The plan the next steps run (int32 index into `plans`, static (k, budget) pairs): the one of
     most `goodput`, but the running plan `current` (None: the opening choice) is kept unless another
     promises more than `margin` more (`jaxspec.tools.policy_sim` varies it to measure its worth)."""
-    goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds, free)
+    goodput_j = goodput(state, live_b, plans, seconds_j, remaining_b, draining, catch_up_seconds=catch_up_seconds,
+                        free=free, forecast_bk=forecast_bk)
     best = jnp.argmax(goodput_j).astype(jnp.int32)
     if current is None:
         return best
