@@ -46,6 +46,14 @@ class Proposal:
     num_drafts_b: jax.Array
     logprob_bk: jax.Array
 
+    def reach_bk(self, deterministic: bool = True) -> jax.Array:
+        """The drafter's own chance that drafts 1..j are all accepted, 0 past num_drafts_b: the running
+        product of exp(logprob_bk) for draws fixed by the prefix; for random ones the first draft's
+        E[q]^j, which no draw sways (a hybrid's choice and the goodput forecast read it)."""
+        j_k = jnp.arange(self.tokens_bk.shape[1])
+        log_bk = jnp.cumsum(self.logprob_bk, axis=1) if deterministic else self.logprob_bk[:, :1] * (j_k + 1)
+        return jnp.where(j_k[None, :] < self.num_drafts_b[:, None], jnp.exp(log_bk), 0.0)
+
 
 def draft_logprob(logits_bv, token_b, q_bv, sampling: SamplingConfig, deterministic: bool):
     """The default acceptance surrogate of one draft position (the paper's draft probability).
@@ -129,9 +137,7 @@ class Drafter:
         them), which the goodput policy reads before it chooses; None for others."""
         if not self.free:
             return None
-        proposal, _ = self.propose(params, None, seq_bl, pending_b, k, None, SamplingConfig())
-        real_bk = jnp.arange(k)[None, :] < proposal.num_drafts_b[:, None]
-        return jnp.where(real_bk, jnp.exp(jnp.cumsum(proposal.logprob_bk, axis=1)), 0.0)
+        return self.propose(params, None, seq_bl, pending_b, k, None, SamplingConfig())[0].reach_bk()
 
     #: draft-model forwards per draft token (statistics only)
     forwards_per_draft: int = 0

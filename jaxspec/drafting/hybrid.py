@@ -141,9 +141,5 @@ class HybridDrafter(Drafter):
 
 def _score(member: Drafter, proposal: Proposal, sampling: SamplingConfig):
     """Expected accepted drafts of a member's proposal, from what its random draws do not sway (`HybridDrafter`)."""
-    real_bk = jnp.arange(proposal.tokens_bk.shape[1])[None, :] < proposal.num_drafts_b[:, None]
-    if sampling.greedy or isinstance(member, _FREE) or getattr(member, "greedy", False):
-        reach_bk = jnp.exp(jnp.cumsum(proposal.logprob_bk, axis=1))
-    else:
-        reach_bk = jnp.exp(proposal.logprob_bk[:, :1] * jnp.arange(1, proposal.tokens_bk.shape[1] + 1))
-    return jnp.sum(jnp.where(real_bk, reach_bk, 0.0), axis=1)
+    deterministic = sampling.greedy or member.free or getattr(member, "greedy", False)
+    return jnp.sum(proposal.reach_bk(deterministic), axis=1)
