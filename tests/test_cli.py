@@ -329,9 +329,9 @@ def test_profile_writes_a_loadable_cost_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     out = tmp_path / "cost.json"
     assert cli.main(["profile", "--target", "preset:tiny", "--draft", "preset:tiny", "--batches", "1,4",
-                     "--ks", "0,1,2", "--cache-lens", "64,128", "--passes", "2", "--output", str(out)]) == 0
+                     "--ks", "0,1,2", "--cache-lens", "64,128", "--passes", "2", "--free", "--output", str(out)]) == 0
     cost = CostModel.load(out)
-    assert cost.target_name == "tiny" and cost.draft_name == "tiny"
+    assert cost.target_name == "tiny" and cost.draft_name == "tiny" and cost.free.draft_name == "ngram"
     # A fit of noisy timings may put every coefficient but one at zero (nonnegative least squares),
     # but it predicts a positive time at every profiled shape.
     assert all(cost.step_seconds(b, k, c) > 0 for b in (1, 4) for k in (0, 1, 2) for c in (64, 128))

@@ -1,5 +1,6 @@
 """Cost models: the fit recovers known coefficients, persistence round-trips, provenance is checked."""
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -172,6 +173,9 @@ def test_save_load_round_trip_and_device_warning(tmp_path):
     with pytest.warns(UserWarning, match="measured on 'NVIDIA H100 80GB HBM3'"):
         loaded = CostModel.load(path)
     assert loaded == cost and loaded.mesh_shape == (1, 4)
+    free = CostModel.from_coefficients(draft_fixed=0, draft_per_token=2e-6, target_fixed=3e-3, target_per_token=1e-5)
+    dataclasses.replace(cost, free=free).save(path)   # a hybrid's free plans priced apart (`profile --free`)
+    assert CostModel.load(path, expect_device_kind="NVIDIA H100 80GB HBM3").free == free
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CostModel.load(path, expect_device_kind="NVIDIA H100 80GB HBM3")

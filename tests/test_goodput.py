@@ -2,6 +2,8 @@
 target's own output (greedy) and distribution (chi-square), and the plans it runs where the
 cost model makes drafting free or dear."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -115,3 +117,24 @@ def test_goodput_decodes_plainly_where_a_free_drafter_forecasts_nothing(pair):
                                                                                       batch_size=1)
     assert blind.tokens == got.tokens, (blind.tokens, got.tokens)
     assert max(blind.stats.extra["k_trace"]) > 0
+
+
+def test_a_free_drafter_is_priced_by_the_cost_models_free_part(pair):
+    """A cost model profiled with a draft model charges every drafting step that model's forwards;
+    an n-gram drafter pays none of them. With the profile of the target alone as `free` (`jaxspec
+    profile --free`), the policy prices the n-gram plans by it and drafts on prompts that repeat;
+    without it, the same drafter never drafts."""
+    target, _ = pair
+    prompts = [[3, 1, 4, 1, 5] * 4, [2, 7, 1, 8] * 5]
+    costly = CostModel.from_coefficients(draft_fixed=1.0, draft_per_token=0.0, target_fixed=1e-2,
+                                         target_per_token=1e-6)
+    free = CostModel.from_coefficients(draft_fixed=0.0, draft_per_token=0.0, target_fixed=1e-2, target_per_token=1e-6)
+    want = jaxspec.generate(target, prompts, max_new_tokens=8).tokens
+    traces = []
+    for cost in (costly, dataclasses.replace(costly, free=free)):
+        spec = jaxspec.SpecConfig(k=3, policy="goodput", cost_model=cost)
+        got = jaxspec.SpeculativeDecoder(target, jaxspec.NgramDrafter(max_ngram=3), spec=spec).generate(
+            prompts, max_new_tokens=8)
+        assert got.tokens == want
+        traces.append(set(got.stats.extra["k_trace"]))
+    assert traces[0] == {0} and max(traces[1]) > 0, traces

@@ -5,6 +5,7 @@ the subcommands share (model arguments, output folders, chat prompts, integer li
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -107,8 +108,10 @@ def profile(args) -> int:
                                                                     quantize=args.quantize)
     print(f"profiling {target.config.name} (target) and {draft.config.name if draft else 'no draft model'} "
           f"on {jax.devices()[0].device_kind} ...", flush=True)
-    cost = CostModel.profile(target, draft, batches=args.batches, ks=args.ks,
-                             cache_lens=args.cache_lens, passes=args.passes)
+    grid = dict(batches=args.batches, ks=args.ks, cache_lens=args.cache_lens, passes=args.passes)
+    cost = CostModel.profile(target, draft, **grid)
+    if args.free:   # a hybrid drafter's free plans verify without the draft model's catch-up
+        cost = dataclasses.replace(cost, free=CostModel.profile(target, None, **grid))
     cost.fit["kernels"] = _kernels()   # the XLA:CPU kernels each timed program compiled with
     cost.save(args.output)
     rows = [{"part": part, **{k: v for k, v in fit.items() if k != "points_seconds"}}
@@ -307,5 +310,8 @@ def add_profile(sub) -> None:
     p.add_argument("--passes", type=int, default=3,
                    help="passes over all the shapes, each in a shuffled order; a shape's time is the median over "
                         "passes (a drift of the machine's speed then does not bend the fit)")
+    p.add_argument("--free", action="store_true",
+                   help="also time the target with no draft model: prices the free plans of a hybrid drafter "
+                        "(--draft suffix+PATH under --policy goodput)")
     p.add_argument("--output", default="cost_model.json")
     p.set_defaults(run=profile)

@@ -156,10 +156,12 @@ class SpeculativeDecoder:
 
     def _clock(self, schedule: Schedule, slots: int, cache_len: int) -> dict:
         """The goodput policy's clock (`Control` fields): each plan's predicted step seconds, and one drafter
-        forward (the catch-up's unit; none for a drafter fed the target's features: it keeps up anyway)."""
+        forward (the catch-up's unit; none for a drafter fed the target's features: it keeps up anyway).
+        A free drafter (n-gram, suffix) is priced by the cost model's `free` part where it has one."""
         if not schedule.goodput:
             return {}
         cost = self.spec.cost_model
+        cost = cost.free if self.drafter.free and cost.free is not None else cost
         return dict(seconds_j=plans_lib.plan_seconds(cost, slots, schedule.plans, cache_len),
                     catch_up=0.0 if self.drafter.feature_layers else cost.draft_seconds(slots))
 

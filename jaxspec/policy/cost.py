@@ -54,6 +54,9 @@ class CostModel:
     Attributes:
       draft_fixed ... speculation_per_row: the coefficients of the module docstring's model.
       target_name, draft_name, dtype, mesh_shape, device_kind: provenance (checked on load).
+      free: the target profiled with no draft model (`jaxspec profile --free`), which prices a free
+        drafter's plans (n-gram, suffix, a hybrid's free member alone); without it a hybrid's free plans
+        cost this model's step less its draft positions.
       fit: quality of the fit (R^2, worst held-out relative error, number of points).
     """
 
@@ -70,6 +73,7 @@ class CostModel:
     dtype: str = ""
     mesh_shape: tuple = ()
     device_kind: str = ""
+    free: CostModel | None = None
     fit: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -118,7 +122,10 @@ class CostModel:
     @classmethod
     def load(cls, path, *, expect_device_kind: str | None = None) -> CostModel:
         """Reads a saved cost model; warns when it was measured on another kind of device."""
-        data = json.loads(Path(path).read_text())
+        return cls._from_dict(json.loads(Path(path).read_text()), path, expect_device_kind)
+
+    @classmethod
+    def _from_dict(cls, data: dict, path, expect_device_kind: str | None) -> CostModel:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"{path}: unknown cost-model fields {unknown}")
@@ -126,6 +133,8 @@ class CostModel:
         if missing:
             raise ValueError(f"{path}: missing cost-model coefficients {missing}")
         data["mesh_shape"] = tuple(data.get("mesh_shape", ()))
+        if data.get("free") is not None:
+            data["free"] = cls._from_dict(data["free"], path, expect_device_kind)
         model = cls(**data)
         here = expect_device_kind if expect_device_kind is not None else jax.devices()[0].device_kind
         if model.device_kind and model.device_kind != here:
