@@ -116,13 +116,16 @@ def schedule_for(spec: SpecConfig, rows: int, num_prompts: int, hybrid: bool = F
 def plan_seconds(cost: CostModel, rows: int, plans, cache_len: int, pipelined: bool = False) -> np.ndarray:
     """The cost model's seconds for one step of each plan over `rows` rows: drafting plus verification;
     pipelined (two lanes on two slices), the longer of the two, as the other lane's half runs meanwhile.
-    A hybrid's free plan: `cost.free`'s step, or without it `cost`'s less the draft positions."""
+    A hybrid's free plan: `cost.free`'s step in units of its plain step (the two profiles ran at
+    different times, and this machine's speed drifts), or without it `cost`'s less the draft positions."""
     out = []
     for plan in plans:
         packed = None if plan.capacity is None else rows + plan.capacity
         model = cost.free if plan.free and cost.free is not None else cost
         seconds = model.step_seconds(rows, plan.k, cache_len, packed_tokens=packed, tree=plan.tree)
-        seconds -= cost.draft_seconds(rows, plan.k) if plan.free and model is cost else 0.0
+        if plan.free:
+            seconds = (seconds - cost.draft_seconds(rows, plan.k) if model is cost else
+                       seconds * cost.step_seconds(rows, 0, cache_len) / model.step_seconds(rows, 0, cache_len))
         if pipelined:
             draft = cost.draft_seconds(rows, plan.k, plan.tree)
             seconds = max(draft, seconds - draft)
