@@ -110,11 +110,10 @@ def test_goodput_decodes_plainly_where_a_free_drafter_forecasts_nothing(pair):
                                        speculation_fixed=2e-2)
     spec = jaxspec.SpecConfig(k=4, policy="goodput", cost_model=dear)
     drafter = jaxspec.NgramDrafter(max_ngram=3, min_ngram=3)
-    got = jaxspec.SpeculativeDecoder(target, drafter, spec=spec).generate(bare, max_new_tokens=8, batch_size=1)
+    got = jaxspec.SpeculativeDecoder(target, drafter, spec=spec).generate(bare, max_new_tokens=8)
     assert got.tokens == jaxspec.generate(target, bare, max_new_tokens=8).tokens
     assert set(got.stats.extra["k_trace"]) == {0}
-    blind = jaxspec.SpeculativeDecoder(target, BlindNgram(3, 3), spec=spec).generate(bare, max_new_tokens=8,
-                                                                                      batch_size=1)
+    blind = jaxspec.SpeculativeDecoder(target, BlindNgram(3, 3), spec=spec).generate(bare, max_new_tokens=8)
     assert blind.tokens == got.tokens, (blind.tokens, got.tokens)
     assert max(blind.stats.extra["k_trace"]) > 0
 

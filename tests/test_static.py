@@ -38,10 +38,8 @@ MODES = textwrap.dedent('''
         "tree": (draft, SpecConfig(k=3, tree=(2, 2))),
         "eagle": (head, SpecConfig(k=2)),
         "ngram": (ngram, SpecConfig(k=3)),
-        "suffix": (jaxspec.SuffixDrafter(max_depth=4), SpecConfig(k=3)),
         "suffix-tree": (jaxspec.SuffixDrafter(max_depth=4), SpecConfig(k=3, tree=(2, 2))),
-        "goodput": (draft, SpecConfig(k=3, policy="goodput", cost_model=cost, segment=2)),
-        # per-row choice, and goodput's plans of the suffix drafter alone
+        # goodput's plans: the draft model, the per-row choice, and the suffix drafter alone
         "hybrid": (jaxspec.HybridDrafter([jaxspec.SuffixDrafter(max_depth=4), draft]),
                    SpecConfig(k=3, policy="goodput", cost_model=cost, segment=2)),
         "chain": (inner, SpecConfig(k=3)),
