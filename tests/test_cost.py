@@ -184,6 +184,8 @@ def test_save_load_round_trip_and_device_warning(tmp_path):
 def test_bad_coefficients_and_files_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="target_per_token must be a finite number of seconds >= 0"):
         CostModel.from_coefficients(draft_fixed=0, draft_per_token=0, target_fixed=1, target_per_token=-1)
+    with pytest.raises(ValueError, match="free must be a CostModel"):
+        CostModel.from_coefficients(draft_fixed=0, draft_per_token=0, target_fixed=1, target_per_token=0, free=0.1)
     (tmp_path / "bad.json").write_text('{"draft_fixed": 1}')
     with pytest.raises(ValueError, match="missing cost-model coefficients"):
         CostModel.load(tmp_path / "bad.json")

@@ -81,6 +81,8 @@ class CostModel:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if self.free is not None and not isinstance(self.free, CostModel):
+            raise ValueError(f"free must be a CostModel (the target profiled alone) or None, got {self.free!r}")
 
     @classmethod
     def from_coefficients(cls, *, draft_fixed: float, draft_per_token: float, target_fixed: float,
