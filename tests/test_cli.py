@@ -336,7 +336,7 @@ def test_profile_writes_a_loadable_cost_model(tmp_path, capsys, monkeypatch):
     # but it predicts a positive time at every profiled shape.
     assert all(cost.step_seconds(b, k, c) > 0 for b in (1, 4) for k in (0, 1, 2) for c in (64, 128))
     printed = capsys.readouterr().out
-    assert "target_per_token" in printed and "r2" in printed
+    assert "target_per_token" in printed and "r2" in printed and "free (no draft model)" in printed
     fit = json.loads(out.read_text())["fit"]
     assert fit["step"]["points"] == 12
     timed = [p for p in fit["kernels"]["programs"] if p["program"] == "run_on_device"]

@@ -114,9 +114,12 @@ def profile(args) -> int:
         cost = dataclasses.replace(cost, free=CostModel.profile(target, None, **grid))
     cost.fit["kernels"] = _kernels()   # the XLA:CPU kernels each timed program compiled with
     cost.save(args.output)
+    fits = {**cost.fit, **({"free " + part: fit for part, fit in cost.free.fit.items()} if cost.free else {})}
     rows = [{"part": part, **{k: v for k, v in fit.items() if k != "points_seconds"}}
-            for part, fit in cost.fit.items() if fit and part != "kernels"]
-    coefficients = [{"coefficient": name, "seconds": getattr(cost, name)} for name in COEFFICIENTS]
+            for part, fit in fits.items() if fit and part != "kernels"]
+    coefficients = [{"coefficient": name, "seconds": getattr(cost, name),
+                     **({"free (no draft model)": getattr(cost.free, name)} if cost.free else {})}
+                    for name in COEFFICIENTS]
     print(table(coefficients))
     print(table(rows))
     if cost.fit["kernels"]["programs"]:
